@@ -1,0 +1,138 @@
+"""Shared fixtures: a real server on a loopback port, and a client that records everything."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+import pytest
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
+
+from tests.instrumented import InstrumentedEngine
+from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.session import SessionConfig, SessionSummary
+
+CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+@attrs.define
+class Transcript:
+    """Everything a client received, in order: dicts for JSON, bytes for binary."""
+
+    messages: list[Any] = attrs.field(factory=list)
+    close_code: int | None = None
+
+    @property
+    def json(self) -> list[dict[str, Any]]:
+        return [m for m in self.messages if isinstance(m, dict)]
+
+    @property
+    def types(self) -> list[str]:
+        return [m["type"] if isinstance(m, dict) else "<binary>" for m in self.messages]
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.json if m["type"] == kind]
+
+    @property
+    def video_bytes(self) -> bytes:
+        return b"".join(m for m in self.messages if isinstance(m, bytes))
+
+    @property
+    def terminal(self) -> list[dict[str, Any]]:
+        return [m for m in self.json if m["type"] in ("session.done", "error")]
+
+
+async def receive_into(ws: WebSocketConnection, transcript: Transcript) -> None:
+    """Read until the server closes; record the close code."""
+    try:
+        while True:
+            raw = await ws.get_message()
+            transcript.messages.append(json.loads(raw) if isinstance(raw, str) else raw)
+    except ConnectionClosed as exc:
+        transcript.close_code = exc.reason.code
+
+
+async def receive_until(
+    ws: WebSocketConnection, transcript: Transcript, predicate: Callable[[Any], bool]
+) -> Any:
+    """Read (and record) until a message matches."""
+    while True:
+        raw = await ws.get_message()
+        message = json.loads(raw) if isinstance(raw, str) else raw
+        transcript.messages.append(message)
+        if predicate(message):
+            return message
+
+
+def is_type(kind: str) -> Callable[[Any], bool]:
+    return lambda m: isinstance(m, dict) and m.get("type") == kind
+
+
+@attrs.define
+class RunningServer:
+    server: VideoServer
+    engine: InstrumentedEngine
+    summaries: list[SessionSummary]
+    checks_at_end: list[dict[str, Any]]
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def connect(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("max_message_size", CLIENT_MAX_MESSAGE)
+        return open_websocket_url(self.url, **kwargs)
+
+    async def wait_sessions_ended(self, count: int, timeout: float = 10.0) -> None:
+        with trio.fail_after(timeout):
+            while len(self.summaries) < count:
+                await trio.sleep(0.005)
+
+    async def run_session(self, start: dict[str, Any], **connect: Any) -> Transcript:
+        transcript = Transcript()
+        async with self.connect(**connect) as ws:
+            await ws.send_message(json.dumps(start))
+            await receive_into(ws, transcript)
+        return transcript
+
+
+StartServer = Callable[..., "trio.lowlevel.Task"]
+
+
+@pytest.fixture
+async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
+    """``await start_server(engine_settings..., config=...)`` -> RunningServer on a free port."""
+
+    async def start(
+        settings: SyntheticSettings | None = None,
+        *,
+        max_sessions: int = 8,
+        shutdown_grace: float = 5.0,
+        **session: Any,
+    ) -> RunningServer:
+        session.setdefault("served_model", "synthetic")
+        engine = InstrumentedEngine(settings or SyntheticSettings())
+        summaries: list[SessionSummary] = []
+        checks: list[dict[str, Any]] = []
+
+        def on_end(summary: SessionSummary) -> None:
+            # Checked at the very moment the handler finishes: G1.
+            checks.append(engine.snapshot(summary.request_id))
+            summaries.append(summary)
+
+        config = ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            max_sessions=max_sessions,
+            shutdown_grace=shutdown_grace,
+            session=SessionConfig(**session),
+        )
+        server = VideoServer(engine, config, on_session_end=on_end)
+        await nursery.start(server.run)
+        return RunningServer(server, engine, summaries, checks)
+
+    yield start

@@ -1,0 +1,207 @@
+"""Command line: ``python -m trio_vstream [serve] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from trio_vstream import protocol
+from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
+from trio_vstream.engines.base import Engine
+from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.session import SessionConfig
+
+DEFAULT_ENGINE = "synthetic"
+_COMMANDS = ("serve",)
+
+logger = logging.getLogger("trio_vstream")
+
+
+def _engine_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _positive(kind: type[int] | type[float]):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trio_vstream",
+        description="Stream generated video over WebSockets (/v1/realtime/video).",
+    )
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="run the server (the default command)")
+    add_serve_arguments(serve)
+    return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    session = SessionConfig()
+    limits = protocol.Limits()
+    parser.add_argument(
+        "--host", default=defaults.host, help="address to bind (default %(default)s)"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=defaults.port,
+        help="port (default %(default)s; 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--engine",
+        default=DEFAULT_ENGINE,
+        help=f"engine: {', '.join(sorted(BUILTIN_ENGINES))}, or package.module:factory "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-arg",
+        dest="engine_args",
+        type=_engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the engine (repeatable)",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto, cpu or cuda[:N], for engines that use one"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="served model name checked against session.start.model (default: the engine's name)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=_positive(int),
+        default=defaults.max_sessions,
+        help="concurrent sessions before new ones get server_busy (default %(default)s)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=_positive(float),
+        default=session.start_timeout,
+        help="seconds to wait for session.start (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=_positive(float),
+        default=session.stall_timeout,
+        help="seconds without progress before a session is aborted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=_positive(float),
+        default=defaults.shutdown_grace,
+        help="seconds running sessions get to finish on shutdown (default %(default)s)",
+    )
+    for name, help_text in (
+        ("max_width", "largest width accepted"),
+        ("max_height", "largest height accepted"),
+        ("max_num_frames", "largest frame count accepted"),
+        ("max_total_pixels", "largest width*height*frames accepted"),
+        ("max_start_bytes", "largest session.start message"),
+        ("max_control_bytes", "largest control message"),
+    ):
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_positive(int),
+            default=getattr(limits, name),
+            help=f"{help_text} (default %(default)s)",
+        )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="(default %(default)s)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help"):
+        args_list.insert(0, "serve")
+    args = build_parser().parse_args(args_list)
+    if args.command is None:
+        build_parser().print_help()
+        return 0
+    return run_serve(args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine = load_engine(args.engine, dict(args.engine_args), device=args.device)
+    except EngineConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    limits = protocol.Limits(
+        max_width=args.max_width,
+        max_height=args.max_height,
+        max_num_frames=args.max_num_frames,
+        max_total_pixels=args.max_total_pixels,
+        max_start_bytes=args.max_start_bytes,
+        max_control_bytes=args.max_control_bytes,
+    )
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        shutdown_grace=args.shutdown_grace,
+        session=SessionConfig(
+            start_timeout=args.start_timeout,
+            stall_timeout=args.stall_timeout,
+            limits=limits,
+            served_model=args.model or engine.name,
+        ),
+    )
+    try:
+        trio.run(_serve_until_signalled, engine, config)
+    except OSError as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
+    return 0
+
+
+async def _serve_until_signalled(engine: Engine, config: ServerConfig) -> None:
+    """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once."""
+    server = VideoServer(engine, config)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: trio.TaskStatus[None]) -> None:
+                await server.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # graceful shutdown done: stop watching signals
+
+            await nursery.start(serve)
+            print(f"trio_vstream serving {server.url} (engine: {engine.name})", flush=True)
+            async for signum in signals:
+                if server.shutting_down:
+                    logger.warning("%s again: stopping now", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                else:
+                    logger.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    server.shutdown()

@@ -1,0 +1,456 @@
+"""H.264 in fragmented MP4, emitted chunk by chunk while the model is still generating.
+
+Why we write the MP4 boxes ourselves instead of using FFmpeg's mov muxer
+------------------------------------------------------------------------
+FFmpeg's mov muxer cuts a fragment only when the *next* packet arrives (``frag_every_frame``,
+``frag_duration`` and ``frag_size`` are all checked on packet arrival), or when the caller calls
+``av_write_frame(ctx, NULL)`` (the only way ``frag_custom`` flushes). PyAV exposes neither a
+NULL write nor any other muxer flush: ``OutputContainer.mux`` always goes through
+``av_interleaved_write_frame`` with a real packet, and a zero-size packet is discarded by
+movenc *before* the fragment check, so it flushes nothing (tested with PyAV 18 / FFmpeg 8).
+Hence the upstream server's one-frame hold-back per chunk. The ``flush_packets`` flag does not
+help either: it empties the AVIO buffer, while the held-back frame sits in the muxer itself.
+
+So this module uses PyAV only as an encoder (a bare ``CodecContext``) and writes the ISO BMFF
+boxes itself: one ``ftyp``+``moov`` init segment (``avcC`` built from the SPS/PPS that
+libx264 puts in extradata under ``GLOBAL_HEADER``), then exactly one ``moof``+``mdat`` per
+``encode()`` call holding all of that call's frames, and an ``mfra`` trailer on ``close()``.
+Nothing is buffered between calls, no AVIO buffer exists that could hold bytes back, and the
+state kept per session is a handful of counters (no ever-growing BytesIO, no per-fragment index).
+
+Layout choices, for MSE, mirror FFmpeg's ``empty_moov+default_base_moof`` output box for box
+(checked against it): the ``moov`` has empty sample tables plus ``mvex``/``trex``; ``tfhd`` has
+default-base-is-moof, ``tfdt`` carries the decode time, ``trun`` has per-sample size and sync
+flags. Timestamps are derived from the frame count, never from the codec, so the stream
+always plays at ``fps``. The track timescale is ``fps`` times a power of two (>= 10000), like
+FFmpeg's, so every frame duration is an exact integer.
+
+Why some x264 parameters are forced: every frame handed to ``encode()`` must come out of that
+same call, so the encoder must have zero delay. ``tune=zerolatency`` gives that, but a client
+overriding ``tune``/``preset`` would silently bring back B-frames, lookahead, frame threads or
+VFR-timestamp buffering, so the low-latency x264 parameters are always prepended to
+``x264-params``. Only an explicit ``x264-params`` override can defeat them; that is detected
+(fewer packets than frames) and reported as :class:`EncodingError` rather than a stalled stream.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Mapping
+from fractions import Fraction
+
+import av
+import av.error
+import numpy as np
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
+
+__all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image"]
+
+
+class EncodingError(Exception):
+    """Bad input, bad codec options, or a codec failure; the message says which."""
+
+
+DEFAULT_CODEC_OPTIONS: dict[str, str] = {
+    "preset": "ultrafast",
+    "tune": "zerolatency",
+    "threads": "0",
+}
+
+# Applied on top of any preset/tune so that one frame in gives one packet out immediately:
+# no B-frames (no reordering), no rate-control or threading lookahead, sliced rather than
+# frame threads, and constant-frame-rate input (x264 otherwise waits for the next timestamp).
+_LOW_LATENCY_X264_PARAMS = (
+    "bframes=0:rc-lookahead=0:sync-lookahead=0:sliced-threads=1:force-cfr=1:mbtree=0"
+)
+
+# 8K UHD is the largest conditioning image worth accepting.
+DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
+
+_TRACK_ID = 1
+_MOVIE_TIMESCALE = 1000
+_SAMPLE_FLAGS_SYNC = 0x02000000  # sample_depends_on=2 (an IDR depends on nothing)
+_SAMPLE_FLAGS_NON_SYNC = 0x01010000  # sample_depends_on=1, sample_is_non_sync_sample=1
+_UNITY_MATRIX = struct.pack(">9I", 0x00010000, 0, 0, 0, 0x00010000, 0, 0, 0, 0x40000000)
+_NAL_SPS = 7
+_NAL_PPS = 8
+
+
+def _box(kind: bytes, *payload: bytes) -> bytes:
+    body = b"".join(payload)
+    return struct.pack(">I4s", 8 + len(body), kind) + body
+
+
+def _full_box(kind: bytes, version: int, flags: int, *payload: bytes) -> bytes:
+    return _box(kind, struct.pack(">I", (version << 24) | flags), *payload)
+
+
+def _split_nal_units(data: bytes) -> list[bytes]:
+    """Return the NAL units of an access unit, accepting Annex B or 4-byte length prefixes.
+
+    libx264 emits Annex B, but ``x264-params=annexb=0`` would switch to length prefixes, and
+    MP4 samples need the latter, so both are normalised here.
+    """
+    if data.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01")):
+        nals: list[bytes] = []
+        start = data.find(b"\x00\x00\x01")
+        while start >= 0:
+            begin = start + 3
+            nxt = data.find(b"\x00\x00\x01", begin)
+            # A NAL unit never ends in 0x00 (H.264 7.4.1), so trailing zeros are the next
+            # start code's leading zero_byte or trailing_zero_8bits padding.
+            nal = data[begin : len(data) if nxt < 0 else nxt].rstrip(b"\x00")
+            if nal:
+                nals.append(nal)
+            start = nxt
+        return nals
+    nals = []
+    pos = 0
+    while pos < len(data):
+        if pos + 4 > len(data):
+            raise EncodingError("encoder produced a truncated length-prefixed NAL unit")
+        (size,) = struct.unpack_from(">I", data, pos)
+        pos += 4
+        if size == 0 or pos + size > len(data):
+            raise EncodingError("encoder produced a malformed length-prefixed NAL unit")
+        nals.append(data[pos : pos + size])
+        pos += size
+    return nals
+
+
+def _to_sample(packet_bytes: bytes) -> bytes:
+    return b"".join(struct.pack(">I", len(nal)) + nal for nal in _split_nal_units(packet_bytes))
+
+
+def _build_avcc(sps_list: list[bytes], pps_list: list[bytes]) -> bytes:
+    sps = sps_list[0]
+    if len(sps) < 4:
+        raise EncodingError("encoder produced an SPS too short to describe the stream")
+    profile_idc = sps[1]
+    parts = [
+        bytes([1, profile_idc, sps[2], sps[3], 0xFF, 0xE0 | len(sps_list)]),
+        *(struct.pack(">H", len(s)) + s for s in sps_list),
+        bytes([len(pps_list)]),
+        *(struct.pack(">H", len(p)) + p for p in pps_list),
+    ]
+    if profile_idc not in (66, 77, 88):
+        # High-profile extension (ISO/IEC 14496-15 5.3.3.1.2). The values are fixed because
+        # the encoder is always fed 8-bit yuv420p: chroma_format_idc=1, both bit depths 8.
+        parts.append(bytes([0xFC | 1, 0xF8 | 0, 0xF8 | 0, 0]))
+    return _box(b"avcC", *parts)
+
+
+def _track_timescale(fps: int) -> int:
+    timescale = fps
+    while timescale < 10000:
+        timescale *= 2
+    return timescale
+
+
+def _coerce_option(name: object, value: object) -> tuple[str, str]:
+    if not isinstance(name, str):
+        raise EncodingError(f"codec option names must be strings, got {name!r}")
+    if isinstance(value, bool):
+        return name, "1" if value else "0"
+    if isinstance(value, str | int | float):
+        return name, str(value)
+    raise EncodingError(
+        f"codec option {name!r} must be a string or number, got {type(value).__name__}"
+    )
+
+
+class FragmentedMP4Encoder:
+    """One per session. Not thread-safe; one call at a time (the server guarantees that).
+
+    The codec is opened in the constructor so that bad ``codec_options`` fail at session
+    start, before any generation work is spent, rather than on the first chunk.
+    """
+
+    def __init__(
+        self,
+        *,
+        width: int,
+        height: int,
+        fps: int,
+        codec_options: Mapping[str, str] | None = None,
+    ) -> None:
+        for name, value in (("width", width), ("height", height), ("fps", fps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EncodingError(f"{name} must be a positive integer, got {value!r}")
+        if width % 2 or height % 2:
+            # yuv420p subsamples chroma 2x2; libx264 rejects odd sizes with a cryptic error.
+            raise EncodingError(
+                f"width and height must be even for H.264 4:2:0, got {width}x{height}"
+            )
+        self._width = width
+        self._height = height
+        self._fps = fps
+        self._timescale = _track_timescale(fps)
+        self._frame_duration = self._timescale // fps
+
+        options = dict(DEFAULT_CODEC_OPTIONS)
+        if codec_options is not None:
+            if not isinstance(codec_options, Mapping):
+                raise EncodingError(
+                    f"codec_options must be a mapping, got {type(codec_options).__name__}"
+                )
+            options.update(_coerce_option(k, v) for k, v in codec_options.items())
+        user_x264_params = options.get("x264-params", "")
+        options["x264-params"] = (
+            f"{_LOW_LATENCY_X264_PARAMS}:{user_x264_params}"
+            if user_x264_params
+            else _LOW_LATENCY_X264_PARAMS
+        )
+
+        try:
+            ctx = av.CodecContext.create("libx264", "w")
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise EncodingError(f"libx264 encoder is not available: {exc}") from exc
+        assert isinstance(ctx, av.VideoCodecContext)
+        ctx.width = width
+        ctx.height = height
+        ctx.pix_fmt = "yuv420p"
+        ctx.time_base = Fraction(1, fps)
+        ctx.framerate = Fraction(fps, 1)
+        # SPS/PPS go to extradata (for avcC) instead of being repeated in-band.
+        ctx.flags |= av.codec.context.Flags.global_header
+        # Tag BT.709 limited range in the SPS VUI (the RGB->YUV conversion below uses it):
+        # untagged streams are guessed as BT.601 by some decoders and BT.709 by others.
+        ctx.colorspace = 1  # AVCOL_SPC_BT709
+        ctx.color_primaries = 1  # AVCOL_PRI_BT709
+        ctx.color_trc = 1  # AVCOL_TRC_BT709
+        ctx.color_range = int(ColorRange.MPEG)
+        ctx.options = options
+        try:
+            ctx.open()
+        except (av.error.FFmpegError, ValueError) as exc:
+            shown = {k: v for k, v in options.items() if k != "x264-params"}
+            if user_x264_params:
+                shown["x264-params"] = user_x264_params
+            raise EncodingError(f"libx264 rejected the codec options {shown}: {exc}") from exc
+        unused = sorted(ctx.options)
+        if unused:
+            # avcodec_open2 hands back the entries no option consumed: almost always typos.
+            raise EncodingError(f"unknown libx264 codec option(s): {', '.join(unused)}")
+
+        self._ctx: av.VideoCodecContext | None = ctx
+        self._reformatter = VideoReformatter()
+        self._avcc: bytes | None = None
+        if ctx.extradata:
+            self._avcc = self._avcc_from_parameter_sets(bytes(ctx.extradata))
+        self._frames_encoded = 0
+        self._sequence_number = 0
+        self._init_written = False
+        self._closed = False
+        self._failed: str | None = None
+
+    @property
+    def frames_encoded(self) -> int:
+        return self._frames_encoded
+
+    @property
+    def codec_string(self) -> str | None:
+        """RFC 6381 codecs value (e.g. ``avc1.42c01e``), for MSE ``addSourceBuffer``."""
+        if self._avcc is None:
+            return None
+        return "avc1." + self._avcc[9:12].hex()
+
+    def encode(self, frames: np.ndarray) -> bytes:
+        self._check_usable()
+        self._validate(frames)
+        ctx = self._ctx
+        assert ctx is not None
+        count = frames.shape[0]
+        packets: list[av.Packet] = []
+        try:
+            for index in range(count):
+                rgb = av.VideoFrame.from_ndarray(
+                    np.ascontiguousarray(frames[index]), format="rgb24"
+                )
+                yuv = self._reformatter.reformat(
+                    rgb,
+                    format="yuv420p",
+                    dst_colorspace=Colorspace.ITU709,
+                    dst_color_range=ColorRange.MPEG,
+                )
+                yuv.pts = self._frames_encoded + index
+                packets.extend(ctx.encode(yuv))
+        except (av.error.FFmpegError, ValueError, MemoryError) as exc:
+            self._failed = f"libx264 failed to encode a frame: {exc}"
+            raise EncodingError(self._failed) from exc
+        if len(packets) != count:
+            self._failed = (
+                f"the encoder returned {len(packets)} packets for {count} frames: the codec "
+                "options re-enabled encoder delay (B-frames, lookahead or frame threads), "
+                "which cannot stream each chunk's frames immediately"
+            )
+            raise EncodingError(self._failed)
+
+        out = []
+        if not self._init_written:
+            if self._avcc is None:
+                # Only if extradata was empty: fall back to the in-band parameter sets.
+                self._avcc = self._avcc_from_parameter_sets(bytes(packets[0]))
+            out.append(self._init_segment())
+            self._init_written = True
+        out.append(self._fragment(packets))
+        self._frames_encoded += count
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        if self._closed:
+            return b""
+        self._closed = True
+        ctx, self._ctx = self._ctx, None
+        if ctx is None or not self._init_written or self._failed is not None:
+            return b""
+        try:
+            leftover = ctx.encode(None)
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise EncodingError(f"libx264 failed while flushing: {exc}") from exc
+        out = []
+        if leftover:
+            # Unreachable with a zero-delay encoder (encode() checks one packet per frame), but
+            # if the codec ever emits a final packet it belongs in the stream, not on the floor.
+            out.append(self._fragment(leftover))
+        # An mfra holding only its mfro: it marks the end of the stream the way FFmpeg's
+        # trailer does, without an index that would grow with every fragment.
+        out.append(_box(b"mfra", _full_box(b"mfro", 0, 0, struct.pack(">I", 8 + 16))))
+        return b"".join(out)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EncodingError("encoder is closed")
+        if self._failed is not None:
+            raise EncodingError(f"encoder failed earlier and cannot continue: {self._failed}")
+
+    def _validate(self, frames: object) -> None:
+        expected = f"(T, {self._height}, {self._width}, 3) uint8"
+        if not isinstance(frames, np.ndarray):
+            raise EncodingError(
+                f"expected frames as a numpy array of shape {expected}, got {type(frames).__name__}"
+            )
+        ok_shape = frames.ndim == 4 and frames.shape[1:] == (self._height, self._width, 3)
+        if not ok_shape or frames.dtype != np.uint8 or frames.shape[0] < 1:
+            got = f"{tuple(frames.shape)} {frames.dtype}"
+            hint = " (T must be >= 1)" if ok_shape and frames.shape[0] < 1 else ""
+            raise EncodingError(f"expected frames of shape {expected}, got {got}{hint}")
+
+    @staticmethod
+    def _avcc_from_parameter_sets(data: bytes) -> bytes:
+        if data[:1] == b"\x01":
+            return _box(b"avcC", data)  # already an AVCDecoderConfigurationRecord
+        nals = _split_nal_units(data)
+        sps = [n for n in nals if n[0] & 0x1F == _NAL_SPS]
+        pps = [n for n in nals if n[0] & 0x1F == _NAL_PPS]
+        if not sps or not pps:
+            raise EncodingError("encoder did not produce SPS/PPS parameter sets")
+        return _build_avcc(sps, pps)
+
+    def _init_segment(self) -> bytes:
+        assert self._avcc is not None
+        w, h = self._width, self._height
+        ftyp = _box(b"ftyp", b"isom", struct.pack(">I", 0x200), b"isomiso5iso6avc1mp41")
+        mvhd = _full_box(
+            b"mvhd", 0, 0,
+            struct.pack(">IIII", 0, 0, _MOVIE_TIMESCALE, 0),
+            struct.pack(">IH10x", 0x00010000, 0x0100),
+            _UNITY_MATRIX,
+            bytes(24),
+            struct.pack(">I", _TRACK_ID + 1),
+        )  # fmt: skip
+        tkhd = _full_box(
+            b"tkhd", 0, 0x3,  # track enabled, in movie
+            struct.pack(">IIIII8xhhhH", 0, 0, _TRACK_ID, 0, 0, 0, 0, 0, 0),
+            _UNITY_MATRIX,
+            struct.pack(">II", w << 16, h << 16),
+        )  # fmt: skip
+        mdhd = _full_box(
+            b"mdhd", 0, 0, struct.pack(">IIIIHH", 0, 0, self._timescale, 0, 0x55C4, 0)
+        )  # language "und"
+        hdlr = _full_box(b"hdlr", 0, 0, struct.pack(">I4s12x", 0, b"vide"), b"VideoHandler\x00")
+        vmhd = _full_box(b"vmhd", 0, 1, bytes(8))
+        dinf = _box(
+            b"dinf", _full_box(b"dref", 0, 0, struct.pack(">I", 1), _full_box(b"url ", 0, 1))
+        )
+        avc1 = _box(
+            b"avc1",
+            struct.pack(">6xH16xHHIIIH", 1, w, h, 0x00480000, 0x00480000, 0, 1),
+            bytes(32),  # compressorname
+            struct.pack(">Hh", 0x0018, -1),
+            self._avcc,
+        )
+        stbl = _box(
+            b"stbl",
+            _full_box(b"stsd", 0, 0, struct.pack(">I", 1), avc1),
+            _full_box(b"stts", 0, 0, struct.pack(">I", 0)),
+            _full_box(b"stsc", 0, 0, struct.pack(">I", 0)),
+            _full_box(b"stsz", 0, 0, struct.pack(">II", 0, 0)),
+            _full_box(b"stco", 0, 0, struct.pack(">I", 0)),
+        )
+        trak = _box(b"trak", tkhd, _box(b"mdia", mdhd, hdlr, _box(b"minf", vmhd, dinf, stbl)))
+        trex = _full_box(
+            b"trex", 0, 0,
+            struct.pack(">IIIII", _TRACK_ID, 1, self._frame_duration, 0, _SAMPLE_FLAGS_NON_SYNC),
+        )  # fmt: skip
+        return ftyp + _box(b"moov", mvhd, trak, _box(b"mvex", trex))
+
+    def _fragment(self, packets: list[av.Packet]) -> bytes:
+        samples = [_to_sample(bytes(p)) for p in packets]
+        entries: list[int] = []
+        for packet, sample in zip(packets, samples, strict=True):
+            entries.append(len(sample))
+            entries.append(_SAMPLE_FLAGS_SYNC if packet.is_keyframe else _SAMPLE_FLAGS_NON_SYNC)
+        self._sequence_number += 1
+        base_decode_time = self._frames_encoded * self._frame_duration
+
+        def moof(data_offset: int) -> bytes:
+            tfhd = _full_box(
+                b"tfhd", 0, 0x020000 | 0x000008,  # default-base-is-moof, default duration
+                struct.pack(">II", _TRACK_ID, self._frame_duration),
+            )  # fmt: skip
+            tfdt = _full_box(b"tfdt", 1, 0, struct.pack(">Q", base_decode_time))
+            trun = _full_box(
+                b"trun", 0, 0x000001 | 0x000200 | 0x000400,  # data offset, sizes, flags
+                struct.pack(f">Ii{len(entries)}I", len(samples), data_offset, *entries),
+            )  # fmt: skip
+            mfhd = _full_box(b"mfhd", 0, 0, struct.pack(">I", self._sequence_number))
+            return _box(b"moof", mfhd, _box(b"traf", tfhd, tfdt, trun))
+
+        moof_size = len(moof(0))
+        mdat_payload = b"".join(samples)
+        mdat_header = struct.pack(">I4s", 8 + len(mdat_payload), b"mdat")
+        return moof(moof_size + len(mdat_header)) + mdat_header + mdat_payload
+
+
+def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Decode an image file (PNG, JPEG, WebP, ...) to (H, W, 3) uint8 RGB via FFmpeg.
+
+    Uses PyAV so the project needs no PIL; alpha is dropped, as conditioning images are RGB.
+    ``max_pixels`` exists because the bytes come from clients: a few hundred KB of PNG can
+    claim a 30000x30000 canvas. FFmpeg's probe already decodes once, so the check bounds the
+    RGB copy and everything downstream rather than that first allocation; the server's cap on
+    the upload size is what bounds the probe.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview) or len(data) == 0:
+        raise EncodingError("image data is empty or not bytes")
+    try:
+        with av.open(io.BytesIO(bytes(data)), mode="r") as container:
+            if not container.streams.video:
+                raise EncodingError("image data holds no picture")
+            stream = container.streams.video[0]
+            _check_image_size(stream.codec_context.width, stream.codec_context.height, max_pixels)
+            for frame in container.decode(stream):
+                _check_image_size(frame.width, frame.height, max_pixels)
+                return frame.to_ndarray(format="rgb24")
+    except EncodingError:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError, IndexError) as exc:
+        raise EncodingError(f"could not decode image data: {exc}") from exc
+    raise EncodingError("image data decoded to no picture")
+
+
+def _check_image_size(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise EncodingError(f"image is {width}x{height}, more than the {max_pixels} pixels allowed")

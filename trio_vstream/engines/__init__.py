@@ -1,0 +1,84 @@
+"""Engines: the model side of the server, one module each.
+
+``load_engine("synthetic", {...})`` builds a built-in engine by name;
+``load_engine("package.module:factory", {...})`` builds a lab's own. See
+``trio_vstream.engines.base`` for the interface an engine implements.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+
+from trio_vstream.engines.base import (
+    Checkpoint,
+    Chunk,
+    Engine,
+    EngineConfigError,
+    EngineError,
+    EngineFactory,
+    EngineStream,
+    GenerationRequest,
+    InvalidRequestError,
+    PromptChange,
+)
+from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
+
+__all__ = [
+    "BUILTIN_ENGINES",
+    "Checkpoint",
+    "Chunk",
+    "ChunkConditioning",
+    "Engine",
+    "EngineConfigError",
+    "EngineError",
+    "EngineFactory",
+    "EngineStream",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "PromptChange",
+    "PromptSchedule",
+    "load_engine",
+]
+
+BUILTIN_ENGINES: Mapping[str, str] = {
+    "synthetic": "trio_vstream.engines.synthetic:create_engine",
+}
+"""Short names for ``--engine``; each maps to a ``module:factory`` path."""
+
+
+def resolve_factory(spec: str) -> EngineFactory:
+    """Find the factory for a built-in name or a ``package.module:factory`` path."""
+    path = BUILTIN_ENGINES.get(spec, spec)
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise EngineConfigError(
+            f"unknown engine {spec!r}: use one of {', '.join(sorted(BUILTIN_ENGINES))} "
+            "or 'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineConfigError(f"cannot import engine module {module_name!r}: {exc}") from exc
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise EngineConfigError(f"engine module {module_name!r} has no {attr!r}") from None
+    if not callable(factory):
+        raise EngineConfigError(f"engine factory {path!r} is not callable")
+    return factory
+
+
+def load_engine(spec: str, args: Mapping[str, str], *, device: str = "auto") -> Engine:
+    """Build the engine named by ``--engine`` with its ``--engine-arg`` options."""
+    engine = resolve_factory(spec)(device=device, **dict(args))
+    missing = [
+        name
+        for name in ("name", "max_concurrent_steps", "video_defaults", "open_stream", "close")
+        if not hasattr(engine, name)
+    ]
+    if missing:
+        raise EngineConfigError(
+            f"engine {spec!r} does not implement the engine interface: missing {', '.join(missing)}"
+        )
+    return engine

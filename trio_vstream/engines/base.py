@@ -1,0 +1,168 @@
+"""The engine interface: what a model must provide to be served.
+
+An engine is everything model-specific; the server is everything else. The
+server calls the blocking methods below from worker threads (never from the
+event loop), so an engine is plain synchronous Python: no Trio, no sockets,
+no video encoding. Three rules keep the server's guarantees intact:
+
+* ``EngineStream.next_chunk`` calls ``checkpoint()`` before every unit of
+  heavy work (each denoising step, the decode). ``checkpoint`` raises when the
+  session is over (stop, disconnect, stall, error, shutdown), and that is how
+  a session stops within one step. Let that exception propagate: never catch
+  ``BaseException`` around a checkpoint. ``checkpoint`` is also where
+  concurrent sessions take turns on the engine's step slots
+  (``Engine.max_concurrent_steps``), so it may block for a while.
+* The server never calls two methods of the same stream at once, except
+  ``interact``, which arrives from another thread and must only queue the
+  change (``PromptSchedule`` does that, with the reference's transition rules).
+* ``close`` is always called exactly once per opened stream, even after an
+  error or a cancellation, and must release everything the stream holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from trio_vstream.protocol import VideoDefaults
+
+Checkpoint = Callable[[], None]
+"""Called by the engine between steps; raises to abort the generation."""
+
+
+class EngineError(Exception):
+    """The engine cannot do what was asked; the message is shown to the client."""
+
+
+class InvalidRequestError(EngineError):
+    """The request asks for something this engine cannot do (an unknown extra
+    parameter, an unsupported size): the client gets ``invalid_request``."""
+
+
+class EngineConfigError(EngineError):
+    """The engine was configured wrongly (bad --engine-arg, missing weights): a start-up error."""
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One validated session.start, resolved to what an engine needs.
+
+    ``num_frames``, ``width``, ``height`` and ``fps`` are always set (the
+    request's values or the engine's defaults); optional sampling fields are
+    ``None`` when the client left them to the engine.
+    """
+
+    request_id: str
+    prompt: str
+    width: int
+    height: int
+    fps: int
+    num_frames: int
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
+    seed: int | None = None
+    quality: str | None = None
+    image: np.ndarray | None = attrs.field(default=None, eq=False)
+    """The ``image_reference`` decoded to (H, W, 3) uint8 RGB, for image-to-video."""
+    lora: Mapping[str, Any] | None = None
+    extra_params: Mapping[str, Any] = attrs.field(factory=dict)
+    """Model-specific options from the request (``video_codec_options`` removed)."""
+
+
+@attrs.frozen
+class PromptChange:
+    """A ``session.interaction``: a new prompt, blended in over some chunks."""
+
+    event_id: str
+    prompt: str
+    transition_chunks: int | None = None
+    """Chunk boundaries over which to blend; ``None`` means the engine's default."""
+
+
+@attrs.frozen(kw_only=True)
+class Chunk:
+    """Frames an engine produced, and which interactions they reflect."""
+
+    frames: Any
+    """(T, H, W, 3) uint8 RGB: a numpy array, or a torch tensor on any device
+    (the server converts it off the event loop)."""
+    index: int
+    """The generation chunk index, 0-based."""
+    started_event_ids: tuple[str, ...] = ()
+    active_event_ids: tuple[str, ...] = ()
+    completed_event_ids: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class EngineStream(Protocol):
+    """One session's generation, driven chunk by chunk from a worker thread."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        """Generate the next chunk; ``None`` when the video is complete."""
+        ...
+
+    def interact(self, change: PromptChange) -> None:
+        """Queue a prompt change for the next chunk boundary. Called from
+        another thread while ``next_chunk`` may be running: only queue."""
+        ...
+
+    def close(self) -> None:
+        """Release the stream's resources. Called exactly once."""
+        ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model, shared by every session of the server process."""
+
+    name: str
+    """The served model name by default (what ``session.start.model`` is checked against)."""
+    max_concurrent_steps: int | None
+    """How many steps of different sessions may run at once (1 for one GPU);
+    ``None`` for no limit. Sessions take turns fairly, step by step."""
+    video_defaults: VideoDefaults
+    """Size, fps and frame count used where a request leaves them out."""
+
+    def open_stream(self, request: GenerationRequest) -> EngineStream:
+        """Start generating for one request. Blocking; runs in a worker thread.
+        Raise ``EngineError`` for requests this engine cannot serve."""
+        ...
+
+    def close(self) -> None:
+        """Release the model at server shutdown."""
+        ...
+
+
+EngineFactory = Callable[..., Engine]
+"""``factory(device=..., **engine_args)``: engine args arrive as strings."""
+
+
+def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray:
+    """Bring an engine's frames to a contiguous (T, H, W, 3) uint8 numpy array.
+
+    Runs in a worker thread: a GPU tensor is copied to the host here, once per
+    chunk, never on the event loop.
+    """
+    if not isinstance(frames, np.ndarray):
+        to_cpu = getattr(frames, "cpu", None)  # a torch tensor, on whatever device
+        frames = to_cpu().numpy() if to_cpu is not None else np.asarray(frames)
+    expected = f"(T, {height}, {width}, 3) uint8"
+    if (
+        frames.ndim != 4
+        or frames.shape[0] < 1
+        or frames.shape[1:] != (height, width, 3)
+        or frames.dtype != np.uint8
+    ):
+        raise EngineError(
+            f"engine produced frames of shape {tuple(frames.shape)} {frames.dtype}, "
+            f"expected {expected}"
+        )
+    return np.ascontiguousarray(frames)

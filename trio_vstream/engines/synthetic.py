@@ -1,0 +1,196 @@
+"""A procedural engine: the server's test double and transport benchmark.
+
+It behaves like a diffusion model from the server's point of view (a number
+of blocking "denoising steps" per chunk, each preceded by a checkpoint; an
+optional delay per step to stand in for GPU time; interactions blended over
+chunks) but renders a cheap moving pattern whose colours follow the prompt,
+so an interaction visibly changes the picture. Faults can be injected to test
+the server: ``fail_at_chunk`` raises while generating that chunk,
+``hang_at_chunk`` stops making progress there (while still honouring
+cancellation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+
+from trio_vstream.engines.base import (
+    Checkpoint,
+    Chunk,
+    EngineConfigError,
+    EngineError,
+    GenerationRequest,
+    PromptChange,
+)
+from trio_vstream.engines.transitions import PromptSchedule
+from trio_vstream.protocol import VideoDefaults
+
+logger = logging.getLogger(__name__)
+
+_HANG_POLL_SECONDS = 0.005
+
+
+@attrs.frozen(kw_only=True)
+class SyntheticSettings:
+    steps: int = 4
+    step_delay: float = 0.0
+    chunk_frames: int = 8
+    fail_at_chunk: int | None = None
+    hang_at_chunk: int | None = None
+    concurrency: int | None = None
+
+
+def _parse_int(name: str, raw: str, *, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise EngineConfigError(
+            f"synthetic engine: {name} must be an integer, got {raw!r}"
+        ) from None
+    if value < minimum:
+        raise EngineConfigError(f"synthetic engine: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
+    """Turn ``--engine-arg`` strings into settings, naming any bad one."""
+    known = {field.name for field in attrs.fields(SyntheticSettings)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise EngineConfigError(
+            f"synthetic engine: unknown engine arg(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    values: dict[str, object] = {}
+    for name, raw in args.items():
+        if name == "step_delay":
+            try:
+                delay = float(raw)
+            except ValueError:
+                raise EngineConfigError(
+                    f"synthetic engine: step_delay must be a number of seconds, got {raw!r}"
+                ) from None
+            if not math.isfinite(delay) or delay < 0:
+                raise EngineConfigError(f"synthetic engine: step_delay must be >= 0, got {raw!r}")
+            values[name] = delay
+        elif name == "concurrency":
+            # 0 means no limit, as in "any number of steps at once".
+            values[name] = _parse_int(name, raw, minimum=0) or None
+        else:
+            values[name] = _parse_int(name, raw, minimum=0 if name.endswith("_at_chunk") else 1)
+    return SyntheticSettings(**values)  # type: ignore[arg-type]
+
+
+def prompt_colour(prompt: str) -> np.ndarray:
+    """A stable, saturated RGB colour for a prompt (float32, 0..255)."""
+    digest = hashlib.sha256(prompt.strip().lower().encode()).digest()
+    hue = digest[0] / 256.0
+    # HSV with full saturation and value, so different prompts look different.
+    sector = hue * 6.0
+    x = 1.0 - abs(sector % 2.0 - 1.0)
+    rgb = [(1, x, 0), (x, 1, 0), (0, 1, x), (0, x, 1), (x, 0, 1), (1, 0, x)][int(sector) % 6]
+    return np.array(rgb, dtype=np.float32) * 255.0
+
+
+class SyntheticStream:
+    def __init__(self, request: GenerationRequest, settings: SyntheticSettings) -> None:
+        self._request = request
+        self._settings = settings
+        self._schedule = PromptSchedule(request.prompt)
+        self._next_index = 0
+        self._frames_done = 0
+        self._closed = threading.Event()
+        seed = request.seed if request.seed is not None else 0
+        self._phase = (seed % 997) / 997.0
+        height, width = request.height, request.width
+        # A diagonal ramp, computed once per stream and shifted per frame.
+        ys = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None]
+        xs = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :]
+        self._ramp = (xs + ys) * 0.5
+
+    def interact(self, change: PromptChange) -> None:
+        self._schedule.push(change)
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        remaining = self._request.num_frames - self._frames_done
+        if remaining <= 0:
+            return None
+        index = self._next_index
+        settings = self._settings
+        conditioning = self._schedule.next_conditioning()
+        for step in range(settings.steps):
+            checkpoint()
+            if settings.hang_at_chunk == index:
+                while True:  # no progress, but still cancellable
+                    checkpoint()
+                    time.sleep(_HANG_POLL_SECONDS)
+            if settings.fail_at_chunk == index and step == settings.steps - 1:
+                raise EngineError(f"synthetic engine failure at chunk {index} (fail_at_chunk)")
+            if settings.step_delay:
+                time.sleep(settings.step_delay)
+        checkpoint()
+        count = min(settings.chunk_frames, remaining)
+        colour = sum(
+            (weight * prompt_colour(prompt) for prompt, weight in conditioning.mix),
+            start=np.zeros(3, dtype=np.float32),
+        )
+        frames = self._render(self._frames_done, count, colour)
+        self._frames_done += count
+        self._next_index += 1
+        return Chunk(
+            frames=frames,
+            index=index,
+            started_event_ids=conditioning.started_event_ids,
+            active_event_ids=conditioning.active_event_ids,
+            completed_event_ids=conditioning.completed_event_ids,
+        )
+
+    def _render(self, first: int, count: int, colour: np.ndarray) -> np.ndarray:
+        fps = self._request.fps
+        frames = np.empty((count, self._request.height, self._request.width, 3), np.uint8)
+        for i in range(count):
+            t = (first + i) / fps
+            # A band pattern drifting at 0.5 cycles per second.
+            wave = 0.5 + 0.5 * np.sin(2.0 * np.pi * (3.0 * self._ramp - 0.5 * t + self._phase))
+            frames[i] = (wave[..., None] * colour).astype(np.uint8)
+        return frames
+
+    def close(self) -> None:
+        self._closed.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+
+class SyntheticEngine:
+    """Engine object; see the module docstring for the knobs."""
+
+    name = "synthetic"
+    video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
+
+    def __init__(self, settings: SyntheticSettings | None = None) -> None:
+        self.settings = settings or SyntheticSettings()
+        self.max_concurrent_steps = self.settings.concurrency
+
+    def open_stream(self, request: GenerationRequest) -> SyntheticStream:
+        if request.image is not None:
+            logger.info("synthetic engine ignores image_reference (request %s)", request.request_id)
+        return SyntheticStream(request, self.settings)
+
+    def close(self) -> None:
+        pass
+
+
+def create_engine(*, device: str = "auto", **engine_args: str) -> SyntheticEngine:
+    """Factory for ``--engine synthetic``; the device is irrelevant here."""
+    del device
+    return SyntheticEngine(parse_settings(engine_args))
