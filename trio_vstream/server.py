@@ -2,7 +2,7 @@
 
 trio-websocket runs each connection's handler in a shared nursery, so an
 exception escaping one handler would cancel every other connection and the
-listener with it. ``_handle_connection`` is therefore a firewall: whatever
+listener with it. ``_handle_tcp`` is therefore a firewall: whatever
 happens inside a session is logged with its request id and stays there; only
 cancellation passes through.
 
@@ -13,15 +13,22 @@ message), and after a grace period abort what is left.
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import protocol
+from trio_vstream import http, protocol
 from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -36,6 +43,8 @@ from trio_vstream.session import (
 logger = logging.getLogger(__name__)
 
 VIDEO_PATH = "/v1/realtime/video"
+RECENT_SESSIONS = 256
+"""Finished sessions kept for /metrics."""
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +79,7 @@ class VideoServer:
         self.port: int | None = None
         self._on_session_end = on_session_end
         self._sessions: set[Session] = set()
+        self._recent: deque[SessionSummary] = deque(maxlen=RECENT_SESSIONS)
         self._shutdown_requested = trio.Event()
         self._closing = False
         steps = engine.max_concurrent_steps
@@ -100,24 +110,18 @@ class VideoServer:
     async def run(
         self, *, task_status: trio.TaskStatus[VideoServer] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        limits = self.config.session.limits
-        # Room to receive an oversized message and answer it with message_too_large;
-        # beyond this, trio-websocket closes the connection with code 1009.
-        max_message = 2 * max(limits.max_start_bytes, limits.max_control_bytes)
         async with trio.open_nursery() as handlers:
             async with trio.open_nursery() as listener:
-                ws_server = await listener.start(
-                    lambda task_status: serve_websocket(
-                        self._handle_connection,
-                        self.config.host,
+                listeners = await listener.start(
+                    partial(
+                        trio.serve_tcp,
+                        self._handle_tcp,
                         self.config.port,
-                        ssl_context=None,
+                        host=self.config.host,
                         handler_nursery=handlers,
-                        max_message_size=max_message,
-                        task_status=task_status,
                     )
                 )
-                self.port = ws_server.port
+                self.port = listeners[0].socket.getsockname()[1]
                 logger.info("serving %s with engine %s", self.url, self.engine.name)
                 task_status.started(self)
                 await self._shutdown_requested.wait()
@@ -141,16 +145,74 @@ class VideoServer:
         # Connections still in their handshake, and anything left, go now.
         handlers.cancel_scope.cancel()
 
-    async def _handle_connection(self, request: WebSocketRequest) -> None:
+    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
+        """One TCP connection: a plain HTTP GET, or a WebSocket upgrade."""
         try:
-            await self._serve_request(request)
+            async with trio.open_nursery() as connection:
+                await self._route(stream, connection)
+                connection.cancel_scope.cancel()  # the WebSocket reader task, if any
         except BaseException as exc:
             # Let cancellation through; keep everything else inside this connection.
             cancelled, rest = _split_cancelled(exc)
-            if rest is not None:
+            if rest is not None and not _is_disconnect(rest):
                 logger.error("connection handler failed", exc_info=rest)
             if cancelled is not None:
                 raise cancelled from None
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _route(self, stream: trio.SocketStream, connection: trio.Nursery) -> None:
+        with trio.move_on_after(self.config.session.start_timeout) as too_slow:
+            try:
+                head = await http.read_head(stream)
+            except http.HeadTooLarge:
+                await http.respond(stream, 431, "request head too large\n")
+                return
+        if too_slow.cancelled_caught or not head:
+            return
+        request = http.parse_head(head)
+        if request is None:
+            await http.respond(stream, 400, "malformed HTTP request\n")
+            return
+        path = urlsplit(request.target.decode("latin-1")).path
+        if http.is_websocket_upgrade(request):
+            limits = self.config.session.limits
+            # Room to receive an oversized message and answer it with message_too_large;
+            # beyond this, trio-websocket closes the connection with code 1009.
+            ws_request = await wrap_server_stream(
+                connection,
+                http.ReplayStream(stream, head),
+                max_message_size=2 * max(limits.max_start_bytes, limits.max_control_bytes),
+            )
+            await self._serve_request(ws_request)
+        elif request.method != b"GET":
+            await http.respond(stream, 405, "only GET and WebSocket upgrades here\n")
+        elif path == "/health":
+            await http.respond(stream, 200, "ok\n")
+        elif path == "/metrics":
+            await http.respond(stream, 200, self.metrics())
+        elif path == VIDEO_PATH:
+            await http.respond(stream, 426, f"{VIDEO_PATH} is a WebSocket endpoint\n")
+        else:
+            await http.respond(stream, 404, f"nothing at {path}\n")
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters for dashboards and benchmarks. Times are ``time.monotonic()``
+        seconds, which other processes on the same host can compare with their own."""
+        stats = self.stats
+        return {
+            "engine": self.engine.name,
+            "monotonic": time.monotonic(),
+            "sessions_active": stats.sessions_active,
+            "sessions_total": stats.sessions_total,
+            "streams_open": stats.streams_open,
+            "worker_threads": stats.worker_threads,
+            "chunks_sent": stats.chunks_sent,
+            "threads_alive": threading.active_count(),
+            "rss_bytes": _rss_bytes(),
+            "recent_sessions": [attrs.asdict(s, value_serializer=_jsonable) for s in self._recent],
+        }
 
     async def _serve_request(self, request: WebSocketRequest) -> None:
         path = urlsplit(request.path).path
@@ -180,6 +242,7 @@ class VideoServer:
             summary = await session.run()
         finally:
             self._sessions.discard(session)
+        self._recent.append(summary)
         if self._on_session_end is not None:
             self._on_session_end(summary)
 
@@ -193,6 +256,25 @@ def _split_cancelled(
     if isinstance(exc, trio.Cancelled | KeyboardInterrupt | SystemExit):
         return exc, None
     return None, exc
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    """A peer going away mid-handshake is routine, not a server error."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_disconnect(e) for e in exc.exceptions)
+    return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | ConnectionClosed)
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _jsonable(_inst: Any, _field: Any, value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 async def serve(

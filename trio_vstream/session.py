@@ -106,8 +106,12 @@ class SessionSummary:
     outcome: Outcome
     chunks_sent: int
     frames_generated: int
-    duration: float
-    error_code: str | None = None
+    error_code: str | None
+    started_at: float
+    """``time.monotonic()`` when the connection's session began."""
+    stream_closed_at: float | None
+    """When the engine stream was closed (None: the session never opened one)."""
+    ended_at: float
 
 
 class _StepGate:
@@ -199,6 +203,7 @@ class Session:
         self._frames_generated = 0
         self._started_at = time.monotonic()
         self._size = (0, 0)
+        self._stream_closed_at: float | None = None
 
     # ----------------------------------------------------------------- entry
 
@@ -234,8 +239,10 @@ class Session:
             outcome=outcome,
             chunks_sent=self._chunks_sent,
             frames_generated=self._frames_generated,
-            duration=time.monotonic() - self._started_at,
             error_code=self._error[0].value if self._error else None,
+            started_at=self._started_at,
+            stream_closed_at=self._stream_closed_at,
+            ended_at=time.monotonic(),
         )
 
     def stop(
@@ -587,6 +594,7 @@ class Session:
                 logger.exception("session %s: engine stream close failed", self.request_id)
             finally:
                 self._res.stats.streams_open -= 1
+                self._stream_closed_at = time.monotonic()
         logger.info("session %s: engine stream closed", self.request_id)
 
     # ---------------------------------------------------------------- sends

@@ -1,0 +1,111 @@
+"""The plain-HTTP side of the port: health and metrics beside the WebSocket endpoint.
+
+trio-websocket's own listener answers every non-WebSocket request with a bare
+400, so a load balancer's health check or a benchmark's metrics probe could
+not share the port. Instead the server reads each connection's request head
+itself, answers plain GETs with h11, and hands WebSocket upgrades to
+trio-websocket together with the bytes it already read (``ReplayStream``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import h11
+import trio
+
+MAX_HEAD_BYTES = 64 * 1024
+"""A request head larger than this is refused (431) rather than buffered."""
+
+
+class ReplayStream(trio.abc.Stream):
+    """A stream that first gives back bytes already read from it."""
+
+    def __init__(self, stream: trio.abc.Stream, prefix: bytes) -> None:
+        self._stream = stream
+        self._prefix = prefix
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._prefix:
+            size = len(self._prefix) if max_bytes is None else max_bytes
+            data, self._prefix = self._prefix[:size], self._prefix[size:]
+            await trio.lowlevel.checkpoint()
+            return data
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class HeadTooLarge(Exception):
+    pass
+
+
+async def read_head(stream: trio.abc.Stream) -> bytes:
+    """Read until the end of the request head; returns everything read (maybe more).
+
+    Returns ``b""`` if the peer closed before sending a full head.
+    """
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_HEAD_BYTES:
+            raise HeadTooLarge
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def parse_head(data: bytes) -> h11.Request | None:
+    """The request in a head, or None if it is not valid HTTP/1.1."""
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(data)
+    try:
+        event = connection.next_event()
+    except h11.RemoteProtocolError:
+        return None
+    return event if isinstance(event, h11.Request) else None
+
+
+def is_websocket_upgrade(request: h11.Request) -> bool:
+    headers = {name.lower(): value.lower() for name, value in request.headers}
+    return request.method == b"GET" and b"websocket" in headers.get(b"upgrade", b"")
+
+
+async def respond(
+    stream: trio.abc.Stream,
+    status: int,
+    body: bytes | str | Mapping[str, Any],
+) -> None:
+    """Send one complete HTTP/1.1 response and close the connection."""
+    if isinstance(body, Mapping):
+        payload = (json.dumps(body, indent=2) + "\n").encode()
+        content_type = b"application/json"
+    else:
+        payload = body.encode() if isinstance(body, str) else body
+        content_type = b"text/plain; charset=utf-8"
+    connection = h11.Connection(h11.SERVER)
+    # h11 needs to have seen a request before it will serialise a response.
+    connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    connection.next_event()
+    headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(payload)).encode()),
+        (b"connection", b"close"),
+    ]
+    data = connection.send(h11.Response(status_code=status, headers=headers))
+    data += connection.send(h11.Data(data=payload))
+    data += connection.send(h11.EndOfMessage())
+    try:
+        await stream.send_all(data)
+    finally:
+        await stream.aclose()
