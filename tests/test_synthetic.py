@@ -1,0 +1,108 @@
+"""The synthetic engine on its own: settings, frames, faults, cancellation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trio_vstream.engines.base import (
+    EngineConfigError,
+    EngineError,
+    GenerationRequest,
+    PromptChange,
+)
+from trio_vstream.engines.synthetic import SyntheticEngine, create_engine, parse_settings
+
+
+def request(**overrides: object) -> GenerationRequest:
+    fields: dict[str, object] = {
+        "request_id": "r",
+        "prompt": "red",
+        "width": 32,
+        "height": 16,
+        "fps": 8,
+        "num_frames": 10,
+    }
+    fields.update(overrides)
+    return GenerationRequest(**fields)  # type: ignore[arg-type]
+
+
+def drain(stream: object) -> list[object]:
+    chunks = []
+    while (chunk := stream.next_chunk(lambda: None)) is not None:  # type: ignore[attr-defined]
+        chunks.append(chunk)
+    return chunks
+
+
+def test_settings_parse_and_reject_clearly() -> None:
+    settings = parse_settings({"steps": "2", "step_delay": "0.5", "concurrency": "0"})
+    assert (settings.steps, settings.step_delay, settings.concurrency) == (2, 0.5, None)
+    with pytest.raises(EngineConfigError, match="step_delay must be >= 0"):
+        parse_settings({"step_delay": "-1"})
+    with pytest.raises(EngineConfigError, match="chunk_frames must be >= 1, got 0"):
+        parse_settings({"chunk_frames": "0"})
+    with pytest.raises(EngineConfigError, match="unknown engine arg"):
+        create_engine(colour="red")
+
+
+def test_chunks_cover_exactly_the_requested_frames() -> None:
+    engine = SyntheticEngine(parse_settings({"chunk_frames": "4"}))
+    chunks = drain(engine.open_stream(request()))
+    assert [c.index for c in chunks] == [0, 1, 2]  # type: ignore[attr-defined]
+    shapes = [c.frames.shape for c in chunks]  # type: ignore[attr-defined]
+    assert shapes == [(4, 16, 32, 3), (4, 16, 32, 3), (2, 16, 32, 3)]
+    assert all(c.frames.dtype == np.uint8 for c in chunks)  # type: ignore[attr-defined]
+
+
+def test_colour_follows_the_prompt_and_interactions() -> None:
+    engine = SyntheticEngine(parse_settings({"chunk_frames": "2"}))
+    stream = engine.open_stream(request(num_frames=8))
+    first = stream.next_chunk(lambda: None)
+    stream.interact(PromptChange("e", "something else entirely", 0))
+    second = stream.next_chunk(lambda: None)
+    assert first is not None and second is not None
+    mean_first = first.frames.reshape(-1, 3).mean(axis=0)
+    mean_second = second.frames.reshape(-1, 3).mean(axis=0)
+    assert np.abs(mean_first - mean_second).max() > 10
+    assert second.started_event_ids == ("e",) and second.completed_event_ids == ("e",)
+
+
+def test_every_step_is_preceded_by_a_checkpoint() -> None:
+    engine = SyntheticEngine(parse_settings({"steps": "3", "chunk_frames": "5"}))
+    stream = engine.open_stream(request(num_frames=5))
+    calls: list[int] = []
+    stream.next_chunk(lambda: calls.append(1))
+    assert len(calls) == 4  # three steps and the final render
+
+
+def test_a_raising_checkpoint_stops_generation_at_once() -> None:
+    engine = SyntheticEngine(parse_settings({"steps": "4", "hang_at_chunk": "0"}))
+    stream = engine.open_stream(request())
+    calls = 0
+
+    def checkpoint() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt  # stands in for trio.Cancelled, a BaseException
+
+    with pytest.raises(KeyboardInterrupt):
+        stream.next_chunk(checkpoint)
+    assert calls == 3
+
+
+def test_fail_at_chunk_raises_an_engine_error() -> None:
+    engine = SyntheticEngine(parse_settings({"fail_at_chunk": "1", "chunk_frames": "5"}))
+    stream = engine.open_stream(request())
+    assert stream.next_chunk(lambda: None) is not None
+    with pytest.raises(EngineError, match="failure at chunk 1"):
+        stream.next_chunk(lambda: None)
+
+
+def test_same_seed_same_frames() -> None:
+    engine = SyntheticEngine()
+    a = drain(engine.open_stream(request(seed=5)))
+    b = drain(engine.open_stream(request(seed=5)))
+    c = drain(engine.open_stream(request(seed=6)))
+    assert all(np.array_equal(x.frames, y.frames) for x, y in zip(a, b, strict=True))  # type: ignore[attr-defined]
+    assert not np.array_equal(a[0].frames, c[0].frames)  # type: ignore[attr-defined]
