@@ -19,7 +19,7 @@ structure is the whole design:
 How a session ends decides what is cancelled. A stop, an engine failure or a
 graceful shutdown cancels only the producer (the engine sees it at its next
 checkpoint, within one step); the deliverer finishes the chunk it is sending,
-so the socket stays usable for the trailer and the terminal message. A
+so the socket stays usable for the terminal message. A
 disconnect or a stall aborts everything, including a send stuck on a client
 that does not read. Sends are otherwise shielded: a cancelled half-written
 WebSocket frame would corrupt the stream, so a send is only ever interrupted
@@ -555,7 +555,9 @@ class Session:
         )
 
     async def _send_terminal(self, outcome: Outcome) -> None:
-        if outcome in (Outcome.COMPLETED, Outcome.STOPPED, Outcome.SHUTDOWN):
+        # Like the reference, only a completed stream gets the encoder's trailer: after
+        # a stop it would be an extra message, and it carries no frames (an index box).
+        if outcome is Outcome.COMPLETED:
             trailer = await self._close_encoder()
             if trailer is None:
                 outcome = Outcome.FAILED
