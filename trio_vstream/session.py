@@ -130,12 +130,10 @@ class _StepGate:
 
     def __call__(self) -> None:
         trio.from_thread.check_cancelled()
-        limiter = self._limiter
-        if limiter is None:
-            return
-        if self._holding and limiter.statistics().tasks_waiting == 0:
-            return  # nobody is waiting: keep the slot, skip the round trip
-        trio.from_thread.run(self._take_turn)
+        if self._limiter is not None:
+            # The limiter is only touched from the Trio thread: one round trip per step,
+            # small beside a denoising step.
+            trio.from_thread.run(self._take_turn)
 
     async def _take_turn(self) -> None:
         assert self._limiter is not None
