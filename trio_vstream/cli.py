@@ -1,4 +1,4 @@
-"""Command line: ``python -m trio_vstream [serve] ...``."""
+"""Command line: ``python -m trio_vstream [serve] ...`` and ``... client ...``."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from collections.abc import Sequence
 import trio
 
 from trio_vstream import protocol
+from trio_vstream.client import add_client_arguments, run_client
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
 
 DEFAULT_ENGINE = "synthetic"
-_COMMANDS = ("serve",)
+_COMMANDS = ("serve", "client")
 
 logger = logging.getLogger("trio_vstream")
 
@@ -50,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the server (the default command)")
     add_serve_arguments(serve)
+    client = commands.add_parser(
+        "client",
+        help="stream a video from a server into an MP4 file",
+        description="Connect to a /v1/realtime/video server, stream one video and write it "
+        "as a progressive MP4 (exit status: 0 done, 1 server error, 2 usage, 3 connection, "
+        "4 output not written, 130 interrupted).",
+    )
+    add_client_arguments(client)
     return parser
 
 
@@ -144,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 0
+    if args.command == "client":
+        return run_client(args)
     return run_serve(args)
 
 

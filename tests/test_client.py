@@ -1,0 +1,794 @@
+"""The client, against live servers on loopback: ours in-process, ours as a process, and a
+scripted peer that behaves like other servers of the protocol (the reference, a broken one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pty
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import av
+import numpy as np
+import pytest
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from trio_vstream import cli
+from trio_vstream.client import (
+    MAX_MESSAGE_SIZE,
+    Outcome,
+    RemuxError,
+    ScheduledInteraction,
+    StreamConnectError,
+    StreamResult,
+    remux_to_mp4,
+    stream_video,
+)
+from trio_vstream.encoding import FragmentedMP4Encoder
+from trio_vstream.engines.synthetic import SyntheticSettings
+
+START = {"prompt": "a red circle moving left", "size": "64x48", "fps": 8}
+REPO = Path(__file__).resolve().parent.parent
+PROGRESS = r"streaming: [1-9]\d* chunks, [1-9]\d* frames, \d+\.\d fps, \d+\.\d s\x1b\[K"
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def mp4_boxes(data: bytes) -> list[tuple[bytes, bytes]]:
+    """Top-level ISO BMFF boxes as (type, payload)."""
+    boxes = []
+    pos = 0
+    while pos < len(data):
+        size, kind = struct.unpack_from(">I4s", data, pos)
+        header = 8
+        if size == 1:
+            (size,) = struct.unpack_from(">Q", data, pos + 8)
+            header = 16
+        elif size == 0:
+            size = len(data) - pos
+        boxes.append((kind, data[pos + header : pos + size]))
+        pos += size
+    return boxes
+
+
+def child_box(payload: bytes, *path: bytes) -> bytes:
+    for kind in path:
+        matches = [body for k, body in mp4_boxes(payload) if k == kind]
+        assert matches, f"no {kind!r} box"
+        payload = matches[0]
+    return payload
+
+
+def assert_progressive_mp4(path: Path, frames: int) -> None:
+    """A plain MP4: moov first (faststart) with real sample tables, no fragments."""
+    boxes = mp4_boxes(path.read_bytes())
+    kinds = [kind for kind, _ in boxes]
+    assert b"moof" not in kinds and b"mfra" not in kinds
+    assert kinds.index(b"moov") < kinds.index(b"mdat")
+    moov = dict(boxes)[b"moov"]
+    assert b"mvex" not in [kind for kind, _ in mp4_boxes(moov)]
+    stbl = child_box(moov, b"trak", b"mdia", b"minf", b"stbl")
+    stsz = child_box(stbl, b"stsz")
+    _version_flags, _uniform_size, sample_count = struct.unpack_from(">III", stsz)
+    assert sample_count == frames
+    assert child_box(stbl, b"stco") or child_box(stbl, b"co64")
+
+
+def decode(source: Path | bytes) -> tuple[list[np.ndarray], Any]:
+    """Frames (RGB) and the stream's average frame rate."""
+    target = io.BytesIO(source) if isinstance(source, bytes) else str(source)
+    with av.open(target) as container:
+        rate = container.streams.video[0].average_rate
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)], rate
+
+
+def assert_plays(path: Path, frames: int, size: tuple[int, int] = (64, 48), fps: int = 8) -> None:
+    decoded, rate = decode(path)
+    assert len(decoded) == frames
+    assert decoded[0].shape == (size[1], size[0], 3)
+    assert rate == fps
+
+
+def encode_clip(
+    chunks: list[np.ndarray], *, fps: int = 8, codec_options: dict[str, str] | None = None
+) -> list[bytes]:
+    """What a server would put in its binary messages: one per chunk, then the trailer."""
+    _, height, width, _ = chunks[0].shape
+    encoder = FragmentedMP4Encoder(
+        width=width, height=height, fps=fps, codec_options=codec_options or {}
+    )
+    return [encoder.encode(chunk) for chunk in chunks] + [encoder.close()]
+
+
+def gradient_chunks(count: int, frames: int, width: int = 64, height: int = 48) -> list[np.ndarray]:
+    base = np.linspace(0, 255, width * height * 3).reshape(height, width, 3)
+    clip = [((base + 10 * i) % 256).astype(np.uint8) for i in range(count * frames)]
+    return [np.stack(clip[i * frames : (i + 1) * frames]) for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@attrs.define
+class Peer:
+    """A scripted server: the script talks to one connection; client messages are kept."""
+
+    url: str
+    received: list[Any]
+
+
+Script = Callable[[WebSocketConnection, Peer], Awaitable[None]]
+
+
+async def start_peer(nursery: trio.Nursery, script: Script) -> Peer:
+    peer = Peer(url="", received=[])
+
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        with contextlib.suppress(ConnectionClosed):
+            await script(ws, peer)
+
+    server = await nursery.start(
+        partial(serve_websocket, handler, "127.0.0.1", 0, ssl_context=None)
+    )
+    peer.url = f"ws://127.0.0.1:{server.port}/v1/realtime/video"
+    return peer
+
+
+async def receive_json(ws: WebSocketConnection, peer: Peer) -> dict[str, Any]:
+    message = json.loads(await ws.get_message())
+    peer.received.append(message)
+    return message
+
+
+async def send_reference_chunk(
+    ws: WebSocketConnection, blob: bytes, index: int, frames: int
+) -> None:
+    """Metadata as older reference servers send it: no transport_chunk_index."""
+    await ws.send_message(
+        json.dumps(
+            {
+                "type": "video.chunk_metadata",
+                "request_id": "ref-1",
+                "kind": "media" if frames else "trailer",
+                "num_frames": frames,
+                "byte_length": len(blob),
+                "generation_chunk_index": index if frames else None,
+                "started_event_ids": [],
+                "active_event_ids": [],
+                "completed_event_ids": [],
+            }
+        )
+    )
+    await ws.send_message(blob)
+
+
+VIDEO_START_REF = json.dumps(
+    {"type": "video.start", "request_id": "ref-1", "format": "m4s", "config": {"prompt": "x"}}
+)
+
+
+@attrs.frozen
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads(self.stdout)
+
+
+async def run_cli(
+    tmp_path: Path,
+    *args: str,
+    while_running: Callable[[trio.Process], Awaitable[None]] | None = None,
+    timeout: float = 20,
+) -> CliRun:
+    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files)."""
+    out_path, err_path = tmp_path / "cli.stdout", tmp_path / "cli.stderr"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_vstream", "client", *args],
+            stdout=out,
+            stderr=err,
+            cwd=REPO,
+        )
+    try:
+        with trio.fail_after(timeout):
+            if while_running is not None:
+                await while_running(process)
+            await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    return CliRun(process.returncode, out_path.read_text(), err_path.read_text())
+
+
+# ------------------------------------------------------- stream_video in process
+
+
+async def test_stream_video_gets_the_whole_session_and_remuxes_to_progressive_mp4(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4))
+    result = await stream_video(running.url, {**START, "num_frames": 10})
+
+    assert result.outcome is Outcome.COMPLETED
+    assert result.done is not None and result.done.stopped is False
+    assert result.error is None and result.errors == [] and result.problems == []
+    assert result.request_id is not None and result.request_id.startswith("video_stream-")
+    kinds = [c.metadata.kind for c in result.chunks if c.metadata is not None]
+    assert kinds == ["media", "media", "media", "trailer"]
+    assert [c.metadata.transport_chunk_index for c in result.chunks if c.metadata] == [0, 1, 2, 3]
+    assert result.frames == 10
+    assert (
+        result.byte_count
+        == len(result.video)
+        == sum(c.metadata.byte_length for c in result.chunks if c.metadata)
+    )
+    assert result.video[4:8] == b"ftyp"
+    assert result.close_code == 1000
+    assert 0 < result.time_to_video_start <= result.time_to_first_chunk  # type: ignore[operator]
+    assert result.delivered_fps is not None and result.delivered_fps > 0
+    summary = result.summary()
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["frames"] == 10 and summary["chunks"] == 4 and summary["outcome"] == "completed"
+
+    clip = tmp_path / "clip.mp4"
+    assert remux_to_mp4(result.video, clip) == 10
+    assert_plays(clip, 10)
+    assert_progressive_mp4(clip, 10)
+    # Lossless copy: the same pictures as the stream itself.
+    wire_frames, _ = decode(result.video)
+    file_frames, _ = decode(clip)
+    assert all(np.array_equal(a, b) for a, b in zip(wire_frames, file_frames, strict=True))
+
+
+def test_remux_keeps_what_arrived_and_refuses_nothing(tmp_path: Path) -> None:
+    blobs = encode_clip(gradient_chunks(3, 4))
+    cut = tmp_path / "cut.mp4"
+    # No last chunk and no trailer, as after a dropped connection.
+    assert remux_to_mp4(b"".join(blobs[:2]), cut) == 8
+    assert_plays(cut, 8)
+    assert_progressive_mp4(cut, 8)
+
+    for bad in (b"", b"not an mp4 at all" * 10, blobs[-1]):
+        with pytest.raises(RemuxError):
+            remux_to_mp4(bad, tmp_path / "bad.mp4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.mp4"]  # no leftovers
+
+
+async def test_interactions_are_sent_on_time_acknowledged_and_reach_the_chunks(
+    start_server: Any,
+) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    result = await stream_video(
+        running.url,
+        {**START, "num_frames": 30},
+        interactions=[
+            ScheduledInteraction(at=0.3, prompt="a blue square", transition_chunks=0),
+            ScheduledInteraction(at=0.15, prompt="a green circle", transition_chunks=1),
+        ],
+    )
+    assert result.outcome is Outcome.COMPLETED and result.errors == []
+    records = result.interactions
+    assert [r.interaction.prompt for r in records] == ["a green circle", "a blue square"]
+    assert [r.event_id for r in records] == ["interaction-1", "interaction-2"]
+    assert result.video_start_at is not None
+    for record in records:
+        assert record.sent_at is not None and record.queued_at is not None
+        delay = record.sent_at - result.video_start_at
+        assert record.interaction.at <= delay < record.interaction.at + 0.25
+        assert record.queued_at >= record.sent_at
+    first, second = (r.started_in_chunk for r in records)
+    assert first is not None and second is not None and first < second
+    changes = running.engine.streams[0].changes
+    assert [(c.event_id, c.prompt, c.transition_chunks) for c in changes] == [
+        ("interaction-1", "a green circle", 1),
+        ("interaction-2", "a blue square", 0),
+    ]
+
+
+async def test_an_error_answering_a_control_message_does_not_end_the_session(
+    start_server: Any,
+) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    result = await stream_video(
+        running.url,
+        {**START, "num_frames": 16},
+        interactions=[
+            ScheduledInteraction(at=0.05, prompt="blue", event_id="same"),
+            ScheduledInteraction(at=0.1, prompt="green", event_id="same"),
+        ],
+    )
+    assert [(e.code, e.event_id) for e in result.errors] == [("event_id_conflict", "same")]
+    assert result.error is None
+    assert result.outcome is Outcome.COMPLETED and result.frames == 16
+
+
+async def test_stop_event_ends_with_session_done_and_a_playable_partial_video(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    stop = trio.Event()
+
+    def on_chunk(chunk: Any, result: StreamResult) -> None:
+        if result.frames >= 4:
+            stop.set()
+
+    result = await stream_video(
+        running.url, {**START, "num_frames": 400}, on_chunk=on_chunk, stop_event=stop
+    )
+    assert result.outcome is Outcome.STOPPED
+    assert result.done is not None and result.done.stopped is True
+    assert result.stop_requested_at is not None and not result.stop_timed_out
+    assert 4 <= result.frames < 400
+    clip = tmp_path / "stopped.mp4"
+    assert remux_to_mp4(result.video, clip) == result.frames
+    assert_plays(clip, result.frames)
+    await running.wait_sessions_ended(1)
+    assert running.summaries[0].outcome.value == "stopped"
+
+
+async def test_abort_event_drops_the_connection_at_once(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.05, chunk_frames=2))
+    abort = trio.Event()
+    aborted_at: list[float] = []
+
+    def on_chunk(chunk: Any, result: StreamResult) -> None:
+        aborted_at.append(trio.current_time())
+        abort.set()
+
+    result = await stream_video(
+        running.url, {**START, "num_frames": 400}, on_chunk=on_chunk, abort_event=abort
+    )
+    assert trio.current_time() - aborted_at[0] < 1.0
+    assert result.outcome is Outcome.ABORTED and result.done is None
+    assert result.frames == 2 and len(result.binary_messages) >= 1
+    await running.wait_sessions_ended(1)
+    assert running.summaries[0].outcome.value == "disconnected"
+
+
+async def test_stop_before_the_session_exists_abandons_the_attempt(start_server: Any) -> None:
+    running = await start_server()
+    stop = trio.Event()
+    stop.set()
+    result = await stream_video(running.url, {**START, "num_frames": 4}, stop_event=stop)
+    assert result.outcome is Outcome.ABORTED
+    assert result.messages == [] and result.start_sent_at is None
+    assert running.engine.streams == []
+
+
+async def test_server_error_is_the_outcome(start_server: Any) -> None:
+    running = await start_server()
+    result = await stream_video(running.url, {**START, "model": "someone-else"})
+    assert result.outcome is Outcome.ERROR
+    assert result.error is not None and result.error.code == "model_mismatch"
+    assert "someone-else" in result.error.message
+    assert result.chunks == [] and result.video == b""
+    assert result.close_code == 1000
+
+
+async def test_a_full_server_is_a_server_error(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(hang_at_chunk=0), max_sessions=1)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(stream_video, running.url, START, stop_event=stop))
+        while not running.engine.streams:
+            await trio.sleep(0.01)
+        refused = await stream_video(running.url, START)
+        stop.set()
+    assert refused.outcome is Outcome.ERROR
+    assert refused.error is not None and refused.error.code == "server_busy"
+
+
+async def test_connection_refused_raises_a_connect_error() -> None:
+    url = f"ws://127.0.0.1:{free_port()}/v1/realtime/video"
+    with pytest.raises(StreamConnectError) as info:
+        await stream_video(url, START, connect_timeout=5)
+    assert url in str(info.value) and "refused" in str(info.value).lower()
+
+
+# ------------------------------------------------------------ other servers
+
+
+async def test_reference_style_server_and_a_chunk_bigger_than_a_mebibyte(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Lossless noise: a single chunk well over trio-websocket's 1 MiB default.
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, 256, (8, 240, 320, 3), dtype=np.uint8)]
+    blobs = encode_clip(noise, codec_options={"qp": "0"})
+    assert len(blobs[0]) > 1024 * 1024
+
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 8)
+        await send_reference_chunk(ws, blobs[1], 0, 0)
+        await ws.send_message(
+            json.dumps(
+                {"type": "session.done", "request_id": "ref-1", "chunks": 2, "stopped": False}
+            )
+        )
+
+    peer = await start_peer(nursery, reference)
+    result = await stream_video(peer.url, {"prompt": "noise", "seed": 3, "size": "320x240"})
+    assert peer.received == [
+        {"type": "session.start", "prompt": "noise", "seed": 3, "size": "320x240"}
+    ]
+    assert result.outcome is Outcome.COMPLETED and result.problems == []
+    assert result.binary_messages == blobs
+    assert [c.metadata.transport_chunk_index for c in result.chunks if c.metadata] == [-1, -1]
+    clip = tmp_path / "noise.mp4"
+    assert remux_to_mp4(result.video, clip) == 8
+    assert_plays(clip, 8, size=(320, 240))
+    assert MAX_MESSAGE_SIZE >= 256 * 1024 * 1024
+
+
+async def test_reference_error_without_code_is_understood(nursery: trio.Nursery) -> None:
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(json.dumps({"type": "error", "message": "Invalid session.start: x"}))
+
+    peer = await start_peer(nursery, reference)
+    result = await stream_video(peer.url, START)
+    assert result.outcome is Outcome.ERROR
+    assert result.error is not None and result.error.code == "invalid_request"
+
+
+async def test_a_server_that_ignores_stop_is_given_up_on(nursery: trio.Nursery) -> None:
+    blobs = encode_clip(gradient_chunks(1, 4))
+
+    async def deaf(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 4)
+        while True:
+            await receive_json(ws, peer)
+
+    peer = await start_peer(nursery, deaf)
+    stop = trio.Event()
+    result = await stream_video(
+        peer.url,
+        START,
+        on_chunk=lambda chunk, result: stop.set(),
+        stop_event=stop,
+        stop_timeout=0.3,
+    )
+    assert result.outcome is Outcome.ABORTED and result.stop_timed_out
+    assert result.stop_requested_at is not None and result.ended_at is not None
+    assert 0.3 <= result.ended_at - result.stop_requested_at < 2.5
+    assert peer.received[1:] == [{"type": "session.stop"}]
+    assert result.frames == 4 and result.binary_messages == blobs[:1]
+
+
+async def test_connection_lost_midstream_is_disconnected(nursery: trio.Nursery) -> None:
+    blobs = encode_clip(gradient_chunks(1, 4))
+
+    async def crashing(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 4)
+        await ws.aclose(code=1011, reason="boom")
+
+    peer = await start_peer(nursery, crashing)
+    result = await stream_video(peer.url, START)
+    assert result.outcome is Outcome.DISCONNECTED
+    assert result.close_code == 1011 and result.frames == 4
+
+
+# ------------------------------------------------------------ the command line
+
+
+async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
+    with open(tmp_path / "server.log", "wb") as log:
+        server = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_vstream", "--port", "0", "--engine-arg", "chunk_frames=4"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            cwd=REPO,
+        )
+    try:
+        assert server.stdout is not None
+        line = b""
+        with trio.fail_after(15):
+            while b"\n" not in line:
+                data = await server.stdout.receive_some()
+                assert data, "server exited before printing its address"
+                line += data
+        url = next(word for word in line.decode().split() if word.startswith("ws://"))
+
+        clip, raw = tmp_path / "clip.mp4", tmp_path / "clip.m4s"
+        ok = await run_cli(
+            tmp_path,
+            "a red circle moving left",
+            "--url", url, "-o", str(clip), "--raw", str(raw), "--json",
+            "--size", "64x48", "--fps", "8", "--num-frames", "10",
+        )  # fmt: skip
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stderr == ""  # no progress line when stderr is not a terminal
+        summary = ok.summary
+        assert summary["outcome"] == "completed" and summary["stopped"] is False
+        assert summary["frames"] == 10 and summary["output_frames"] == 10
+        assert summary["chunks"] == 4  # three media chunks and the trailer
+        assert summary["time_to_video_start_s"] <= summary["time_to_first_chunk_s"]
+        assert summary["delivered_fps"] > 0
+        assert summary["output"] == str(clip) and summary["raw"] == str(raw)
+        assert_plays(clip, 10)
+        assert_progressive_mp4(clip, 10)
+        assert len(raw.read_bytes()) == summary["bytes"]
+        assert len(decode(raw.read_bytes())[0]) == 10
+        assert mp4_boxes(raw.read_bytes())[-1][0] == b"mfra"
+
+        bad = await run_cli(
+            tmp_path, "x", "--url", url, "-o", str(tmp_path / "bad.mp4"),
+            "--param", 'num_frames="30"',
+        )  # fmt: skip
+        assert bad.returncode == 1
+        assert "invalid_request" in bad.stderr and "num_frames" in bad.stderr
+        assert "outcome" in bad.stdout and "error (invalid_request)" in bad.stdout
+        assert not (tmp_path / "bad.mp4").exists()
+
+        mismatch = await run_cli(tmp_path, "x", "--url", url, "--raw", str(raw), "--model", "m")
+        assert mismatch.returncode == 1 and "model_mismatch" in mismatch.stderr
+        assert raw.read_bytes() == b""  # exactly what arrived: nothing
+
+        server.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            assert await server.wait() == 0
+    finally:
+        if server.returncode is None:
+            server.kill()
+            await server.wait()
+
+
+async def test_cli_raw_is_exactly_the_wire_bytes(nursery: trio.Nursery, tmp_path: Path) -> None:
+    blobs = encode_clip(gradient_chunks(2, 3))
+
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 3)
+        await send_reference_chunk(ws, blobs[1], 1, 3)
+        await send_reference_chunk(ws, blobs[2], 0, 0)
+        await ws.send_message(
+            json.dumps(
+                {"type": "session.done", "request_id": "ref-1", "chunks": 3, "stopped": False}
+            )
+        )
+
+    peer = await start_peer(nursery, reference)
+    raw = tmp_path / "wire.m4s"
+    run = await run_cli(tmp_path, "x", "--url", peer.url, "--raw", str(raw), "--json")
+    assert run.returncode == 0, run.stderr
+    assert raw.read_bytes() == b"".join(blobs)
+    assert run.summary["output"] is None and run.summary["frames"] == 6
+
+
+async def test_cli_sends_every_flag_as_a_start_field(start_server: Any, tmp_path: Path) -> None:
+    picture = np.zeros((20, 30, 3), np.uint8)
+    picture[..., 2] = 180
+    png = tmp_path / "picture.bin"  # the type comes from the content, not the name
+    with av.open(str(png), "w", format="image2pipe") as container:
+        stream = container.add_stream("png", rate=1)
+        stream.width, stream.height, stream.pix_fmt = 30, 20, "rgb24"
+        for packet in stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")):
+            container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+    running = await start_server()
+    run = await run_cli(
+        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "o.mp4"), "--json",
+        "--size", "32x16", "--fps", "6", "--seconds", "1", "--seed", "7", "--steps", "3",
+        "--guidance-scale", "2.5", "--negative-prompt", "blurry", "--model", "synthetic",
+        "--image", str(png), "--param", "user=alice", "--param", 'extra_params={"knob": 1}',
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    request = running.engine.streams[0].request
+    assert (request.width, request.height, request.fps, request.num_frames) == (32, 16, 6, 6)
+    assert (request.seed, request.num_inference_steps, request.guidance_scale) == (7, 3, 2.5)
+    assert request.negative_prompt == "blurry" and request.extra_params == {"knob": 1}
+    assert request.image is not None and np.array_equal(request.image, picture)
+    assert_plays(tmp_path / "o.mp4", 6, size=(32, 16), fps=6)
+
+
+async def test_cli_interactions(start_server: Any, tmp_path: Path) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    run = await run_cli(
+        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "i.mp4"), "--json",
+        "--num-frames", "30", "--interact", "0.1:a green circle", "--interact", "0.2:a blue one",
+        "--transition-chunks", "1",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    interactions = run.summary["interactions"]
+    assert [(i["prompt"], i["queued"]) for i in interactions] == [
+        ("a green circle", True),
+        ("a blue one", True),
+    ]
+    assert all(i["started_in_chunk"] is not None and i["sent_s"] >= i["at_s"] for i in interactions)
+    changes = running.engine.streams[0].changes
+    assert [(c.prompt, c.transition_chunks) for c in changes] == [
+        ("a green circle", 1),
+        ("a blue one", 1),
+    ]
+
+
+async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_path: Path) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.05, steps=2, chunk_frames=2))
+    clip = tmp_path / "partial.mp4"
+
+    async def interrupt_mid_stream(process: trio.Process) -> None:
+        while running.server.stats.chunks_sent < 2:
+            await trio.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+
+    run = await run_cli(
+        tmp_path, "x", "--url", running.url, "-o", str(clip), "--json", "--num-frames", "400",
+        "--size", "64x48", "--fps", "8", while_running=interrupt_mid_stream,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = run.summary
+    assert summary["outcome"] == "stopped" and summary["stopped"] is True
+    assert 4 <= summary["frames"] < 400
+    assert summary["output_frames"] == summary["frames"]
+    assert_plays(clip, summary["frames"])
+    await running.wait_sessions_ended(1)
+    assert running.summaries[0].outcome.value == "stopped"
+
+
+async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_path: Path) -> None:
+    blobs = encode_clip(gradient_chunks(1, 4))
+    chunk_sent, stop_seen = trio.Event(), trio.Event()
+
+    async def deaf(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 4)
+        chunk_sent.set()
+        while True:
+            if (await receive_json(ws, peer))["type"] == "session.stop":
+                stop_seen.set()
+
+    peer = await start_peer(nursery, deaf)
+    clip = tmp_path / "gave-up.mp4"
+
+    async def interrupt_twice(process: trio.Process) -> None:
+        await chunk_sent.wait()
+        await trio.sleep(0.2)  # let the client read it
+        process.send_signal(signal.SIGINT)
+        await stop_seen.wait()
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(3):  # not the 30 s stop timeout
+            await process.wait()
+
+    run = await run_cli(
+        tmp_path, "x", "--url", peer.url, "-o", str(clip), "--json", "--stop-timeout", "30",
+        while_running=interrupt_twice,
+    )  # fmt: skip
+    assert run.returncode == 130
+    assert run.summary["outcome"] == "aborted" and "gave up" in run.stderr
+    assert_plays(clip, 4)
+
+
+async def test_cli_connection_refused_exits_3(tmp_path: Path) -> None:
+    url = f"ws://127.0.0.1:{free_port()}/v1/realtime/video"
+    run = await run_cli(tmp_path, "x", "--url", url, "-o", str(tmp_path / "x.mp4"))
+    assert run.returncode == 3
+    assert url in run.stderr and "refused" in run.stderr.lower()
+    assert not (tmp_path / "x.mp4").exists()
+
+
+async def test_cli_progress_line_on_a_terminal(start_server: Any, tmp_path: Path) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    leader, follower = pty.openpty()
+    try:
+        process = await trio.lowlevel.open_process(
+            [
+                sys.executable, "-m", "trio_vstream", "client", "x", "--url", running.url,
+                "-o", str(tmp_path / "p.mp4"), "--num-frames", "16", "--size", "64x48",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=follower,
+            cwd=REPO,
+        )  # fmt: skip
+    finally:
+        os.close(follower)
+
+    def read_all() -> bytes:
+        data = b""
+        while True:
+            try:
+                piece = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                return data
+            if not piece:
+                return data
+            data += piece
+
+    try:
+        with trio.fail_after(15):
+            terminal = await trio.to_thread.run_sync(read_all)
+            assert await process.wait() == 0
+    finally:
+        os.close(leader)
+        if process.returncode is None:
+            process.kill()
+    text = terminal.decode()
+    lines = [line for line in text.split("\r") if line]
+    assert len(lines) >= 3  # redrawn in place, not scrolled
+    assert any(re.fullmatch(PROGRESS, line) for line in lines), lines
+    assert text.endswith("\r\x1b[K")  # the line is cleared at the end
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["x"], "nothing to write"),
+        (["x", "-o", "o.mp4", "--interact", "soon:blue"], "SECONDS:PROMPT"),
+        (["x", "-o", "o.mp4", "--interact", "-1:blue"], "SECONDS:PROMPT"),
+        (["x", "-o", "o.mp4", "--size", "64by48"], "WIDTHxHEIGHT"),
+        (["x", "-o", "o.mp4", "--param", "novalue"], "KEY=VALUE"),
+        (["x", "-o", "o.mp4", "--size", "64x48", "--param", "size=32x32"], "conflicts"),
+        (["x", "-o", "o.mp4", "--param", "type=session.stop"], "type"),
+        (["x", "-o", "o.mp4", "--image", "missing.png"], "missing.png"),
+        (["x", "-o", "o.mp4", "--url", "http://127.0.0.1:8000/"], "ws://"),
+        (["x", "-o", "no/such/dir/o.mp4"], "does not exist"),
+        (["x", "-o", "o.mp4", "--transition-chunks", "-1"], ">= 0"),
+    ],
+)
+def test_cli_usage_errors_exit_2(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        sys.exit(cli.main(["client", *args]))
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_image_flag_rejects_non_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello")
+    assert cli.main(["client", "x", "-o", "o.mp4", "--image", "notes.txt"]) == 2
+    assert "not a recognised image" in capsys.readouterr().err
+
+
+def test_param_values_are_json_when_they_parse() -> None:
+    from trio_vstream.client import _param
+
+    assert _param("seed=7") == ("seed", 7)
+    assert _param("user=alice") == ("user", "alice")
+    assert _param('num_frames="30"') == ("num_frames", "30")
+    assert _param("lora=null") == ("lora", None)
+    assert _param('extra_params={"a": [1]}') == ("extra_params", {"a": [1]})
+    assert _param("guidance_scale=NaN") == ("guidance_scale", "NaN")  # not JSON
+    assert _param("note=a=b") == ("note", "a=b")

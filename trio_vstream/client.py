@@ -1,0 +1,1143 @@
+"""Client of the ``/v1/realtime/video`` endpoint: ``python -m trio_vstream client``.
+
+Two layers. `stream_video` is the importable part that tools and tests use: it speaks
+only the wire protocol (through `trio_vstream.protocol`), so it works against any server
+of the protocol, the vllm-omni reference included, and it always hands back what arrived
+as a `StreamResult`, whatever way the session ended, because a partial video is still
+worth keeping. `run_client` is the command line around it: signals, a progress line,
+the output files and the summary.
+
+The received stream is fragmented MP4 (made for Media Source Extensions). Desktop
+players and editors cope badly with it (no duration, slow seeking), so `remux_to_mp4`
+copies its packets, without re-encoding, into a plain progressive MP4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import enum
+import io
+import json
+import math
+import mimetypes
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+from urllib.parse import urlsplit
+
+import attrs
+import av
+import av.error
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    ConnectionTimeout,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+)
+
+from trio_vstream import protocol
+from trio_vstream.protocol import ErrorCode
+
+__all__ = [
+    "DEFAULT_URL",
+    "MAX_MESSAGE_SIZE",
+    "InteractionRecord",
+    "Outcome",
+    "ReceivedChunk",
+    "RemuxError",
+    "ScheduledInteraction",
+    "StreamConnectError",
+    "StreamResult",
+    "add_client_arguments",
+    "remux_to_mp4",
+    "run_client",
+    "stream_video",
+]
+
+DEFAULT_URL: Final = "ws://127.0.0.1:8000/v1/realtime/video"
+
+#: trio-websocket's default (1 MiB) closes the connection with 1009 on the first big
+#: chunk; lossless or high-resolution chunks easily exceed that.
+MAX_MESSAGE_SIZE: Final = 256 * 1024 * 1024
+
+# Bigger reads than trio-websocket's 4 KiB default: chunks are megabytes.
+_RECEIVE_BUFFER: Final = 256 * 1024
+
+#: How long to wait for the server's close after its terminal message, before closing
+#: ourselves. The server closes right away; this only bounds a misbehaving one.
+_CLOSE_WAIT: Final = 2.0
+
+#: Errors that answer a control message: after ``video.start`` the session goes on.
+_CONTROL_ERRORS: Final = frozenset(
+    {
+        ErrorCode.INVALID_JSON,
+        ErrorCode.INVALID_MESSAGE,
+        ErrorCode.UNKNOWN_TYPE,
+        ErrorCode.MESSAGE_TOO_LARGE,
+        ErrorCode.EVENT_ID_CONFLICT,
+        ErrorCode.INTERACTION_FAILED,
+    }
+)
+
+# Exit statuses of `run_client`; documented in the README.
+EXIT_OK: Final = 0
+EXIT_SERVER_ERROR: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_CONNECTION: Final = 3
+EXIT_OUTPUT: Final = 4
+EXIT_INTERRUPTED: Final = 130
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
+
+
+class Outcome(enum.StrEnum):
+    """How a streamed session ended, from the client's side."""
+
+    COMPLETED = "completed"
+    """``session.done`` with ``stopped: false``: the whole video arrived."""
+    STOPPED = "stopped"
+    """``session.done`` with ``stopped: true``: we asked for a stop and it was honoured."""
+    ERROR = "error"
+    """The server ended the session with an ``error``."""
+    DISCONNECTED = "disconnected"
+    """The connection ended without a terminal message."""
+    ABORTED = "aborted"
+    """We gave up: ``abort_event``, or the server did not finish a stop in time."""
+
+
+class StreamConnectError(Exception):
+    """No session could be opened (refused, unreachable, handshake rejected, timeout).
+
+    Raised rather than returned because nothing arrived that a caller could keep.
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot connect to {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledInteraction:
+    """A prompt change to send ``at`` seconds after ``video.start``.
+
+    Timed from ``video.start`` rather than from connecting so that a script means the
+    same thing whatever the server's start-up latency is.
+    """
+
+    at: float
+    prompt: str
+    transition_chunks: int | None = None
+    event_id: str | None = None
+    """None: the client picks ``interaction-N``, so acknowledgements can be matched."""
+
+
+@attrs.define(kw_only=True)
+class InteractionRecord:
+    """What happened to one scheduled interaction."""
+
+    interaction: ScheduledInteraction
+    event_id: str
+    sent_at: float | None = None
+    queued_at: float | None = None
+    error: protocol.Error | None = None
+    started_in_chunk: int | None = None
+    """``generation_chunk_index`` of the first chunk that lists it in started_event_ids."""
+
+
+@attrs.frozen(kw_only=True)
+class ReceivedChunk:
+    """One binary message and the metadata that announced it."""
+
+    metadata: protocol.ChunkMetadata | None
+    """None when the server sent binary data without announcing it (a protocol slip)."""
+    size: int
+    received_at: float
+
+    @property
+    def num_frames(self) -> int:
+        if self.metadata is None or self.metadata.kind != "media":
+            return 0
+        return self.metadata.num_frames
+
+
+@attrs.define(kw_only=True)
+class StreamResult:
+    """Everything one session delivered, filled in live while it runs.
+
+    Times are ``trio.current_time()`` values; the ``time_to_*`` properties turn them into
+    durations. ``video`` is the exact concatenation of the binary messages.
+    """
+
+    url: str
+    request: dict[str, Any]
+    started_at: float
+    start_sent_at: float | None = None
+    video_start_at: float | None = None
+    first_chunk_at: float | None = None
+    last_media_at: float | None = None
+    stop_requested_at: float | None = None
+    ended_at: float | None = None
+    video_start: protocol.VideoStart | None = None
+    messages: list[protocol.ServerMessage] = attrs.field(factory=list)
+    chunks: list[ReceivedChunk] = attrs.field(factory=list)
+    binary_messages: list[bytes] = attrs.field(factory=list, repr=False)
+    interactions: list[InteractionRecord] = attrs.field(factory=list)
+    errors: list[protocol.Error] = attrs.field(factory=list)
+    """Every ``error`` received, including ones that did not end the session."""
+    error: protocol.Error | None = None
+    """The ``error`` that ended the session, if one did."""
+    done: protocol.SessionDone | None = None
+    outcome: Outcome | None = None
+    stop_timed_out: bool = False
+    close_code: int | None = None
+    problems: list[str] = attrs.field(factory=list)
+    """Protocol violations noticed; kept rather than raised, the data may still be good."""
+
+    @property
+    def request_id(self) -> str | None:
+        return self.video_start.request_id if self.video_start is not None else None
+
+    @property
+    def video(self) -> bytes:
+        return b"".join(self.binary_messages)
+
+    @property
+    def byte_count(self) -> int:
+        return sum(chunk.size for chunk in self.chunks)
+
+    @property
+    def frames(self) -> int:
+        return sum(chunk.num_frames for chunk in self.chunks)
+
+    @property
+    def time_to_video_start(self) -> float | None:
+        """From sending session.start: the server's latency, not the network handshake."""
+        return _since(self.start_sent_at, self.video_start_at)
+
+    @property
+    def time_to_first_chunk(self) -> float | None:
+        return _since(self.start_sent_at, self.first_chunk_at)
+
+    @property
+    def connect_time(self) -> float | None:
+        return _since(self.started_at, self.start_sent_at)
+
+    @property
+    def elapsed(self) -> float | None:
+        return _since(self.started_at, self.ended_at)
+
+    @property
+    def delivered_fps(self) -> float | None:
+        """Frames per second of wall time between ``video.start`` and the last media chunk.
+
+        Starts at ``video.start`` so that the first chunk's generation time counts: this is
+        the rate a viewer would have seen, not the network's burst rate.
+        """
+        span = _since(self.video_start_at, self.last_media_at)
+        if not span or span <= 0:
+            return None
+        return self.frames / span
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-ready summary that ``--json`` prints."""
+        error = self.error
+        return {
+            "url": self.url,
+            "outcome": self.outcome.value if self.outcome is not None else None,
+            "request_id": self.request_id,
+            "stopped": self.done.stopped if self.done is not None else None,
+            "error": None if error is None else {"code": str(error.code), "message": error.message},
+            "connect_s": _round(self.connect_time),
+            "time_to_video_start_s": _round(self.time_to_video_start),
+            "time_to_first_chunk_s": _round(self.time_to_first_chunk),
+            "elapsed_s": _round(self.elapsed),
+            "frames": self.frames,
+            "delivered_fps": _round(self.delivered_fps, 2),
+            "bytes": self.byte_count,
+            "chunks": len(self.chunks),
+            "close_code": self.close_code,
+            "interactions": [
+                {
+                    "event_id": record.event_id,
+                    "prompt": record.interaction.prompt,
+                    "at_s": record.interaction.at,
+                    "sent_s": _round(_since(self.video_start_at, record.sent_at)),
+                    "queued": record.queued_at is not None,
+                    "started_in_chunk": record.started_in_chunk,
+                    "error": None
+                    if record.error is None
+                    else {"code": str(record.error.code), "message": record.error.message},
+                }
+                for record in self.interactions
+            ],
+            "problems": list(self.problems),
+        }
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return end - start
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+# --------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------
+
+ChunkCallback = Callable[[ReceivedChunk, StreamResult], None]
+MessageCallback = Callable[[protocol.ServerMessage, StreamResult], None]
+
+
+async def stream_video(
+    url: str,
+    start_fields: dict[str, Any],
+    *,
+    interactions: Iterable[ScheduledInteraction] = (),
+    on_chunk: ChunkCallback | None = None,
+    on_message: MessageCallback | None = None,
+    stop_event: trio.Event | None = None,
+    abort_event: trio.Event | None = None,
+    stop_timeout: float = 10.0,
+    connect_timeout: float = 10.0,
+    max_message_size: int = MAX_MESSAGE_SIZE,
+) -> StreamResult:
+    """Run one session and return what arrived, however it ended.
+
+    ``start_fields`` are the ``session.start`` fields (``prompt`` required), sent as given:
+    the server is the one that validates. Setting ``stop_event`` sends ``session.stop``
+    and waits up to ``stop_timeout`` for the server's ``session.done`` (before the
+    connection is up, it abandons the attempt instead). Setting ``abort_event`` drops the
+    connection at once. Callbacks run synchronously in the receive loop, so they must be
+    quick. Raises `StreamConnectError` when no connection could be made.
+    """
+    fields = dict(start_fields)
+    if "type" in fields:
+        raise ValueError("start_fields must not contain 'type'; it is always session.start")
+    if not isinstance(fields.get("prompt"), str):
+        raise ValueError("start_fields needs a 'prompt' string")
+    start_text = protocol.start_message(**fields)
+
+    result = StreamResult(url=url, request=fields, started_at=trio.current_time())
+    result.interactions = [
+        InteractionRecord(interaction=item, event_id=item.event_id or f"interaction-{number}")
+        for number, item in enumerate(sorted(interactions, key=lambda i: i.at), start=1)
+    ]
+    session = _Session(
+        result,
+        stop_event=stop_event if stop_event is not None else trio.Event(),
+        stop_timeout=stop_timeout,
+        on_chunk=on_chunk,
+        on_message=on_message,
+    )
+    async with trio.open_nursery() as nursery:
+        abort = abort_event if abort_event is not None else trio.Event()
+        nursery.start_soon(session.watch_abort, abort, nursery.cancel_scope)
+        try:
+            async with open_websocket_url(
+                url,
+                max_message_size=max_message_size,
+                receive_buffer_size=_RECEIVE_BUFFER,
+                connect_timeout=connect_timeout,
+                disconnect_timeout=_CLOSE_WAIT,
+            ) as ws:
+                await session.run(ws, start_text)
+        except HandshakeError as exc:
+            # Also raised by a slow close (DisconnectionTimeout); only a failure to
+            # connect is fatal, since afterwards the data is in hand.
+            if result.start_sent_at is None:
+                session.connect_failure = _describe_handshake(exc)
+            else:
+                result.problems.append(f"closing the connection failed: {exc!r}")
+        nursery.cancel_scope.cancel()
+
+    result.ended_at = trio.current_time()
+    if session.connect_failure is not None and not session.aborted:
+        raise StreamConnectError(url, session.connect_failure)
+    result.outcome = session.outcome()
+    return result
+
+
+class _Session:
+    """The per-connection state machine behind `stream_video`."""
+
+    def __init__(
+        self,
+        result: StreamResult,
+        *,
+        stop_event: trio.Event,
+        stop_timeout: float,
+        on_chunk: ChunkCallback | None,
+        on_message: MessageCallback | None,
+    ) -> None:
+        self.result = result
+        self.stop_event = stop_event
+        self.stop_timeout = stop_timeout
+        self.on_chunk = on_chunk
+        self.on_message = on_message
+        self.aborted = False
+        self.connect_failure: str | None = None
+        self.video_started = trio.Event()
+        self.finished = trio.Event()  # a terminal message arrived
+        self.pending: protocol.ChunkMetadata | None = None
+        self.records = {record.event_id: record for record in result.interactions}
+
+    def outcome(self) -> Outcome:
+        result = self.result
+        if result.done is not None:
+            return Outcome.STOPPED if result.done.stopped else Outcome.COMPLETED
+        if result.error is not None:
+            return Outcome.ERROR
+        if self.aborted:
+            return Outcome.ABORTED
+        # A normal close right after an error means the server meant it as terminal,
+        # even if it was one of the codes that usually are not.
+        if result.close_code == 1000 and result.errors:
+            result.error = result.errors[-1]
+            return Outcome.ERROR
+        return Outcome.DISCONNECTED
+
+    async def watch_abort(self, abort_event: trio.Event, scope: trio.CancelScope) -> None:
+        """Cancel everything on abort, or on a stop before the session exists."""
+        async with trio.open_nursery() as nursery:
+
+            async def abort_on(event: trio.Event, only_before_start: bool) -> None:
+                await event.wait()
+                if only_before_start and self.result.start_sent_at is not None:
+                    return  # the in-session stop task handles it
+                self.aborted = True
+                scope.cancel()
+
+            nursery.start_soon(abort_on, abort_event, False)
+            nursery.start_soon(abort_on, self.stop_event, True)
+
+    async def run(self, ws: WebSocketConnection, start_text: str) -> None:
+        # If the server spoke first and closed (server_busy, server_shutdown), what it
+        # said is still queued for the receive loop.
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send_message(start_text)
+        self.result.start_sent_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stop_when_asked, ws, nursery.cancel_scope)
+            nursery.start_soon(self._send_interactions, ws)
+            await self._receive(ws)
+            nursery.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ receiving
+
+    async def _receive(self, ws: WebSocketConnection) -> None:
+        try:
+            while not self.finished.is_set():
+                self._handle(await ws.get_message())
+            # The server closes after its terminal message; give it the chance, so the
+            # close is its normal one and we learn the close code.
+            with trio.move_on_after(_CLOSE_WAIT):
+                while True:
+                    self._handle(await ws.get_message())
+        except ConnectionClosed as exc:
+            self.result.close_code = exc.reason.code
+
+    def _handle(self, raw: str | bytes) -> None:
+        now = trio.current_time()
+        result = self.result
+        if self.finished.is_set():
+            result.problems.append("message after the terminal message ignored")
+            return
+        if isinstance(raw, bytes):
+            self._handle_binary(raw, now)
+            return
+        try:
+            message = protocol.parse_server_message(raw)
+        except protocol.ProtocolError as exc:
+            result.problems.append(f"unreadable server message ignored: {exc.message}")
+            return
+        if self.pending is not None:
+            result.problems.append("chunk metadata not followed by its binary message")
+            self.pending = None
+        result.messages.append(message)
+        if isinstance(message, protocol.VideoStart):
+            result.video_start = message
+            result.video_start_at = now
+            self.video_started.set()
+        elif isinstance(message, protocol.ChunkMetadata):
+            self.pending = message
+        elif isinstance(message, protocol.InteractionQueued):
+            record = self.records.get(message.event_id)
+            if record is not None and record.queued_at is None:
+                record.queued_at = now
+        elif isinstance(message, protocol.SessionDone):
+            result.done = message
+            self.finished.set()
+        elif isinstance(message, protocol.Error):
+            result.errors.append(message)
+            record = self.records.get(message.event_id) if message.event_id else None
+            if record is not None:
+                record.error = message
+            # After video.start, an answer to a control message leaves the session going.
+            if result.video_start_at is None or message.code not in _CONTROL_ERRORS:
+                result.error = message
+                self.finished.set()
+        if self.on_message is not None:
+            self.on_message(message, result)
+
+    def _handle_binary(self, data: bytes, now: float) -> None:
+        result = self.result
+        metadata, self.pending = self.pending, None
+        if metadata is None:
+            result.problems.append(f"binary message of {len(data)} bytes without metadata")
+        elif metadata.byte_length != len(data):
+            result.problems.append(
+                f"chunk announced {metadata.byte_length} bytes but carried {len(data)}"
+            )
+        chunk = ReceivedChunk(metadata=metadata, size=len(data), received_at=now)
+        result.binary_messages.append(data)
+        result.chunks.append(chunk)
+        if result.first_chunk_at is None:
+            result.first_chunk_at = now
+        if chunk.num_frames:
+            result.last_media_at = now
+        if metadata is not None:
+            for event_id in metadata.started_event_ids:
+                record = self.records.get(event_id)
+                if record is not None and record.started_in_chunk is None:
+                    record.started_in_chunk = metadata.generation_chunk_index
+        if self.on_chunk is not None:
+            self.on_chunk(chunk, result)
+
+    # -------------------------------------------------------------------- sending
+
+    async def _stop_when_asked(self, ws: WebSocketConnection, scope: trio.CancelScope) -> None:
+        await self.stop_event.wait()
+        if self.finished.is_set():
+            return
+        self.result.stop_requested_at = trio.current_time()
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send_message(protocol.STOP_MESSAGE)
+        with trio.move_on_after(self.stop_timeout):
+            await self.finished.wait()
+            return
+        self.result.stop_timed_out = True
+        self.aborted = True
+        scope.cancel()
+
+    async def _send_interactions(self, ws: WebSocketConnection) -> None:
+        await self.video_started.wait()
+        assert self.result.video_start_at is not None
+        origin = self.result.video_start_at
+        for record in self.result.interactions:
+            item = record.interaction
+            await trio.sleep_until(origin + max(item.at, 0.0))
+            if self.stop_event.is_set() or self.finished.is_set():
+                return
+            message = protocol.interaction_message(
+                item.prompt, event_id=record.event_id, transition_chunks=item.transition_chunks
+            )
+            try:
+                await ws.send_message(message)
+            except ConnectionClosed:
+                return
+            record.sent_at = trio.current_time()
+
+
+def _describe_handshake(exc: HandshakeError) -> str:
+    if isinstance(exc, ConnectionRejected):
+        return f"the server rejected the WebSocket handshake with HTTP {exc.status_code}"
+    if isinstance(exc, ConnectionTimeout):
+        return "timed out"
+    cause = exc.__cause__
+    if isinstance(cause, OSError):
+        return _os_reason(cause)
+    return str(exc) or type(exc).__name__
+
+
+def _os_reason(exc: OSError) -> str:
+    """ "Connection refused" rather than trio's "all attempts to connect ... failed"."""
+    attempts = exc.__cause__
+    if isinstance(attempts, BaseExceptionGroup):
+        reasons = sorted(
+            {
+                leaf.strerror
+                for leaf in _leaves(attempts)
+                if isinstance(leaf, OSError) and leaf.strerror
+            }
+        )
+        if reasons:
+            return "; ".join(reasons)
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterable[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+# --------------------------------------------------------------------------------------
+# Remuxing
+# --------------------------------------------------------------------------------------
+
+
+class RemuxError(Exception):
+    """The received bytes hold no video that could be written."""
+
+
+def remux_to_mp4(fmp4: bytes, path: str | os.PathLike[str]) -> int:
+    """Copy the packets of a fragmented MP4 into a progressive one; returns frames written.
+
+    No re-encoding, so it is fast and lossless. ``faststart`` puts the ``moov`` first so
+    the file also streams over HTTP. A stream cut short (no trailer, or damaged at the end)
+    keeps every packet that demuxes; the file is written to a temporary name and renamed,
+    so ``path`` is never left half-written.
+    """
+    target = Path(path)
+    try:
+        source = av.open(io.BytesIO(fmp4), mode="r")
+    except (av.error.FFmpegError, ValueError, OSError) as exc:
+        raise RemuxError(f"the received data is not a readable MP4 stream: {exc}") from exc
+    # Not mkstemp: its 0600 mode would survive the rename; this name honours the umask.
+    temp_name = str(target.with_name(f".{target.name}.{os.getpid()}.part"))
+    frames = 0
+    try:
+        with source:
+            if not source.streams.video:
+                raise RemuxError("the received data holds no video stream")
+            in_stream = source.streams.video[0]
+            with av.open(
+                temp_name, mode="w", format="mp4", options={"movflags": "+faststart"}
+            ) as output:
+                out_stream = _add_stream_like(output, in_stream)
+                try:
+                    for packet in source.demux(in_stream):
+                        if packet.dts is None:  # the demuxer's end-of-stream marker
+                            continue
+                        packet.stream = out_stream
+                        output.mux(packet)
+                        frames += 1
+                except av.error.FFmpegError as exc:
+                    if frames == 0:
+                        raise RemuxError(f"the received video is unreadable: {exc}") from exc
+                    # Damaged tail: keep what came before it.
+                if frames == 0:
+                    raise RemuxError("the received data holds no video frames")
+        os.replace(temp_name, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp_name)
+        raise
+    return frames
+
+
+def _add_stream_like(output: Any, template: Any) -> Any:
+    # PyAV >= 13 has add_stream_from_template; older versions took template= instead.
+    if hasattr(output, "add_stream_from_template"):
+        return output.add_stream_from_template(template)
+    return output.add_stream(template=template)  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+_SIZE: Final = re.compile(r"[0-9]+x[0-9]+")
+
+#: Flags that fill a session.start field; --param may not set these again.
+_FLAG_FIELDS: Final = {
+    "size": "size",
+    "seconds": "seconds",
+    "num_frames": "num_frames",
+    "fps": "fps",
+    "seed": "seed",
+    "steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "negative_prompt": "negative_prompt",
+    "model": "model",
+}
+
+
+def _size(text: str) -> str:
+    if not _SIZE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT like 640x480, got {text!r}")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _param(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``, VALUE as JSON when it is JSON, else the text itself.
+
+    So ``seed=7`` sends a number and ``user=alice`` a string, while ``num_frames='"30"'``
+    can still send a string on purpose. NaN and Infinity are not JSON and stay strings.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _interaction(text: str) -> tuple[float, str]:
+    at_text, sep, prompt = text.partition(":")
+    try:
+        at = float(at_text)
+    except ValueError:
+        at = math.nan
+    if not sep or not math.isfinite(at) or at < 0 or not prompt.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected SECONDS:PROMPT like '2.5:a green circle', got {text!r}"
+        )
+    return at, prompt
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``client`` subcommand's flags; kept here so cli.py only wires it in."""
+    parser.add_argument("prompt", help="what to generate")
+    parser.add_argument(
+        "-o", "--output", type=Path, metavar="FILE", help="write a progressive MP4 here"
+    )
+    parser.add_argument(
+        "--raw",
+        type=Path,
+        metavar="FILE",
+        help="write the fragmented MP4 bytes exactly as received",
+    )
+    parser.add_argument(
+        "--url", default=DEFAULT_URL, metavar="URL", help="server endpoint (default %(default)s)"
+    )
+    request = parser.add_argument_group("session.start fields")
+    request.add_argument("--size", type=_size, metavar="WxH", help="frame size, like 640x480")
+    request.add_argument(
+        "--seconds", type=int, metavar="N", help="video length in seconds (times fps)"
+    )
+    request.add_argument("--num-frames", type=int, metavar="N", help="video length in frames")
+    request.add_argument("--fps", type=int, metavar="N", help="frames per second")
+    request.add_argument("--seed", type=int, metavar="N")
+    request.add_argument("--steps", type=int, metavar="N", help="num_inference_steps")
+    request.add_argument("--guidance-scale", type=float, metavar="X")
+    request.add_argument("--negative-prompt", metavar="TEXT")
+    request.add_argument("--model", metavar="NAME", help="model name the server must be serving")
+    request.add_argument(
+        "--image", type=Path, metavar="FILE", help="conditioning image, sent as a data: URL"
+    )
+    request.add_argument(
+        "--param",
+        dest="params",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other session.start field; VALUE is parsed as JSON if it can be (repeatable)",
+    )
+    steering = parser.add_argument_group("interactions")
+    steering.add_argument(
+        "--interact",
+        dest="interactions",
+        type=_interaction,
+        action="append",
+        default=[],
+        metavar="SECONDS:PROMPT",
+        help="change the prompt this many seconds after video.start (repeatable)",
+    )
+    steering.add_argument(
+        "--transition-chunks",
+        type=_non_negative_int,
+        metavar="N",
+        help="chunks to blend over, for every interaction (default: the server's)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--stop-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        default=10.0,
+        help="seconds to wait for session.done after Ctrl-C (default %(default)s)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        default=10.0,
+        help="seconds to wait for the connection (default %(default)s)",
+    )
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _start_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"prompt": args.prompt}
+    for attr, name in _FLAG_FIELDS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            fields[name] = str(value) if name == "seconds" else value
+    if args.image is not None:
+        fields["image_reference"] = {"image_url": _image_data_url(args.image)}
+    flagged = dict(fields)
+    for key, value in args.params:
+        if key == "type":
+            raise _UsageError("--param type: the message type is always session.start")
+        if key in flagged:
+            raise _UsageError(f"--param {key} conflicts with a value given by another flag")
+        fields[key] = value
+    return fields
+
+
+_IMAGE_SIGNATURES: Final = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+    (b"II*\x00", "image/tiff"),
+    (b"MM\x00*", "image/tiff"),
+)
+
+
+def _image_mime(data: bytes, path: Path) -> str | None:
+    """The media type from the file's content; the name is only a fallback."""
+    for signature, mime in _IMAGE_SIGNATURES:
+        if data.startswith(signature):
+            return mime
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"avif", b"avis"):
+        return "image/avif"
+    guessed, _ = mimetypes.guess_type(path.name)
+    return guessed if guessed is not None and guessed.startswith("image/") else None
+
+
+def _image_data_url(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise _UsageError(f"--image {path}: {exc.strerror or exc}") from exc
+    if not data:
+        raise _UsageError(f"--image {path}: the file is empty")
+    mime = _image_mime(data, path)
+    if mime is None:
+        raise _UsageError(f"--image {path}: not a recognised image file")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _check_output(path: Path | None, flag: str) -> None:
+    """Fail before streaming, not after minutes of generation."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise _UsageError(f"{flag} {path}: is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise _UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise _UsageError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def _check_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise _UsageError(f"--url must be a ws:// or wss:// URL, got {url!r}")
+
+
+class _Progress:
+    """The ``\\r``-updated status line; silent unless stderr is a terminal."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.result: StreamResult | None = None
+        self.started = 0.0  # set inside trio.run, where the Trio clock exists
+        self.stopping = False
+        self._shown = False
+        self._drawn_at = -math.inf
+
+    def update(self, _event: object, result: StreamResult) -> None:
+        """Fits both `stream_video` callbacks; redraws at most ten times a second."""
+        self.result = result
+        if self.enabled and trio.current_time() - self._drawn_at >= 0.1:
+            self.draw()
+
+    def draw(self) -> None:
+        if not self.enabled:
+            return
+        now = trio.current_time()
+        result = self.result
+        chunks = frames = 0
+        fps = 0.0
+        phase = "connecting"
+        if result is not None:
+            chunks, frames = len(result.chunks), result.frames
+            phase = "streaming" if result.video_start_at is not None else "starting"
+            if result.video_start_at is not None and frames:
+                span = (result.last_media_at or now) - result.video_start_at
+                fps = frames / span if span > 0 else 0.0
+        if self.stopping:
+            phase = "stopping"
+        line = (
+            f"{phase}: {chunks} chunks, {frames} frames, {fps:.1f} fps, {now - self.started:.1f} s"
+        )
+        self.stream.write(f"\r{line}\x1b[K")
+        self.stream.flush()
+        self._shown = True
+        self._drawn_at = now
+
+    def note(self, text: str) -> None:
+        """A message on its own line, without tearing the status line."""
+        if not self.enabled:
+            return
+        self.clear()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        self.draw()
+
+    def clear(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+    async def run(self) -> None:
+        """Redraw while the stream runs, so elapsed time moves even between chunks."""
+        while True:
+            self.draw()
+            await trio.sleep(0.25)
+
+
+@attrs.define
+class _Run:
+    """What the async part hands back to `run_client` (also after a late Ctrl-C)."""
+
+    result: StreamResult | None = None
+    connect_error: StreamConnectError | None = None
+
+
+async def _run_async(
+    args: argparse.Namespace,
+    fields: dict[str, Any],
+    interactions: Sequence[ScheduledInteraction],
+    progress: _Progress,
+    run: _Run,
+) -> None:
+    stop_event, abort_event = trio.Event(), trio.Event()
+    progress.started = trio.current_time()
+
+    async def watch_signals(signals: AsyncIterator[int]) -> None:
+        # First signal: stop cleanly and keep what arrives; second: give up now.
+        async for signum in signals:
+            if not stop_event.is_set():
+                stop_event.set()
+                progress.stopping = True
+                progress.note(
+                    f"{signal.Signals(signum).name}: stopping (sent session.stop); "
+                    "press Ctrl-C again to quit now"
+                )
+            else:
+                abort_event.set()
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_signals, signals)
+            if progress.enabled:
+                nursery.start_soon(progress.run)
+            try:
+                run.result = await stream_video(
+                    args.url,
+                    fields,
+                    interactions=interactions,
+                    on_chunk=progress.update,
+                    on_message=progress.update,
+                    stop_event=stop_event,
+                    abort_event=abort_event,
+                    stop_timeout=args.stop_timeout,
+                    connect_timeout=args.connect_timeout,
+                )
+            except StreamConnectError as exc:
+                run.connect_error = exc
+            nursery.cancel_scope.cancel()
+
+
+def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
+    """The ``client`` subcommand; returns the exit status (see the README's table)."""
+    out = stdout or sys.stdout
+    err = sys.stderr
+    try:
+        if args.output is None and args.raw is None:
+            raise _UsageError("nothing to write: give -o/--output FILE.mp4 and/or --raw FILE")
+        _check_url(args.url)
+        _check_output(args.output, "--output")
+        _check_output(args.raw, "--raw")
+        fields = _start_fields(args)
+    except _UsageError as exc:
+        print(f"python -m trio_vstream client: error: {exc}", file=err)
+        return EXIT_USAGE
+    interactions = [
+        ScheduledInteraction(at=at, prompt=prompt, transition_chunks=args.transition_chunks)
+        for at, prompt in args.interactions
+    ]
+
+    run = _Run()
+    progress = _Progress(err, enabled=err.isatty())
+    try:
+        trio.run(_run_async, args, fields, interactions, progress, run)
+    except KeyboardInterrupt:
+        # A signal outside the receiver's lifetime: before it was installed (nothing
+        # received yet) or just after the stream ended (the result is in `run`).
+        if run.result is None:
+            print("interrupted", file=err)
+            return EXIT_INTERRUPTED
+    finally:
+        progress.clear()
+    if run.connect_error is not None:
+        print(f"error: {run.connect_error}", file=err)
+        return EXIT_CONNECTION
+    result = run.result
+    assert result is not None
+    return _finish(args, result, out, err)
+
+
+def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: TextIO) -> int:
+    """Report errors, write the files, print the summary, pick the exit status."""
+    for error in result.errors:
+        where = f" (event {error.event_id})" if error.event_id else ""
+        label = "error" if error is result.error else "warning"
+        print(f"{label}: server error {error.code}{where}: {error.message}", file=err)
+    for problem in result.problems:
+        print(f"warning: {problem}", file=err)
+    if result.outcome is Outcome.DISCONNECTED:
+        print(
+            f"error: the connection to {result.url} ended before the session did"
+            + (f" (close code {result.close_code})" if result.close_code is not None else ""),
+            file=err,
+        )
+    elif result.outcome is Outcome.ABORTED:
+        reason = (
+            f"no session.done within {args.stop_timeout:g} s of session.stop"
+            if result.stop_timed_out
+            else "interrupted"
+        )
+        print(f"error: gave up: {reason}", file=err)
+
+    written: dict[str, Any] = {"output": None, "output_frames": None, "raw": None}
+    output_failed = False
+    try:
+        if args.raw is not None:
+            with open(args.raw, "wb") as raw_file:
+                for data in result.binary_messages:
+                    raw_file.write(data)
+            written["raw"] = str(args.raw)
+        if args.output is not None:
+            if not result.binary_messages:
+                print(f"warning: no video arrived; {args.output} not written", file=err)
+            else:
+                try:
+                    written["output_frames"] = remux_to_mp4(result.video, args.output)
+                    written["output"] = str(args.output)
+                except RemuxError as exc:
+                    print(f"warning: {args.output} not written: {exc}", file=err)
+    except OSError as exc:
+        print(f"error: cannot write output: {exc}", file=err)
+        output_failed = True
+    except KeyboardInterrupt:
+        print("interrupted while writing the output", file=err)
+        return EXIT_INTERRUPTED
+
+    summary = result.summary()
+    summary.update(written)
+    try:
+        if args.json:
+            print(json.dumps(summary), file=out)
+        else:
+            _print_summary(summary, out)
+        out.flush()
+    except BrokenPipeError:
+        # `... --json | head`: the reader left; the files are written, so carry on quietly
+        # (and keep Python from complaining again when it flushes stdout at exit).
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+
+    if result.outcome is Outcome.ERROR:
+        return EXIT_SERVER_ERROR
+    if result.outcome is Outcome.DISCONNECTED:
+        return EXIT_CONNECTION
+    if result.outcome is Outcome.ABORTED:
+        return EXIT_INTERRUPTED
+    return EXIT_OUTPUT if output_failed else EXIT_OK
+
+
+def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f} s"
+
+    outcome = summary["outcome"]
+    if summary["error"] is not None:
+        outcome += f" ({summary['error']['code']})"
+    fps = summary["delivered_fps"]
+    rows = [
+        ("outcome", outcome),
+        ("request id", summary["request_id"] or "-"),
+        ("time to video.start", seconds(summary["time_to_video_start_s"])),
+        ("time to first chunk", seconds(summary["time_to_first_chunk_s"])),
+        ("frames", str(summary["frames"])),
+        ("delivered fps", "-" if fps is None else f"{fps:.2f}"),
+        ("bytes", str(summary["bytes"])),
+        ("chunks", str(summary["chunks"])),
+    ]
+    if summary["interactions"]:
+        sent = sum(1 for i in summary["interactions"] if i["sent_s"] is not None)
+        queued = sum(1 for i in summary["interactions"] if i["queued"])
+        rows.append(
+            (
+                "interactions",
+                f"{len(summary['interactions'])} planned, {sent} sent, {queued} queued",
+            )
+        )
+    if summary["output"] is not None:
+        rows.append(("wrote", f"{summary['output']} ({summary['output_frames']} frames)"))
+    if summary["raw"] is not None:
+        rows.append(("wrote", f"{summary['raw']} (raw fragmented MP4)"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}", file=out)
