@@ -112,6 +112,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         *,
         max_sessions: int = 8,
         shutdown_grace: float = 5.0,
+        encode_concurrency: int = 1,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -129,6 +130,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
             port=0,
             max_sessions=max_sessions,
             shutdown_grace=shutdown_grace,
+            encode_concurrency=encode_concurrency,
             session=SessionConfig(**session),
         )
         server = VideoServer(engine, config, on_session_end=on_end)

@@ -544,6 +544,45 @@ async def test_steps_of_concurrent_sessions_take_turns(start_server: Any) -> Non
     assert overlapping >= 3
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+async def test_encoders_share_the_cpu_through_a_server_wide_limit(
+    start_server: Any, monkeypatch: pytest.MonkeyPatch, slots: int
+) -> None:
+    import threading
+
+    from trio_vstream import session as session_module
+
+    running = await start_server(SyntheticSettings(chunk_frames=4), encode_concurrency=slots)
+    lock = threading.Lock()
+    busy = 0
+    most = 0
+    real_encode = session_module._encode_chunk
+
+    def counting_encode(*args: Any) -> Any:
+        nonlocal busy, most
+        with lock:
+            busy += 1
+            most = max(most, busy)
+        try:
+            time.sleep(0.01)  # widen the window in which encodes could overlap
+            return real_encode(*args)
+        finally:
+            with lock:
+                busy -= 1
+
+    monkeypatch.setattr(session_module, "_encode_chunk", counting_encode)
+    results: list[Transcript] = []
+
+    async def one() -> None:
+        results.append(await running.run_session({**START, "num_frames": 24}))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+    assert all(len(decode(t.video_bytes)) == 24 for t in results)
+    assert most == slots if slots == 1 else 1 < most <= slots
+
+
 async def test_graceful_shutdown_ends_running_sessions(start_server: Any) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.02, chunk_frames=2))
     transcript = Transcript()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -117,6 +118,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without progress before a session is aborted (default %(default)s)",
     )
     parser.add_argument(
+        "--encode-concurrency",
+        type=_positive(int),
+        default=defaults.encode_concurrency,
+        help="chunks encoded at once, server-wide (default %(default)s: cores - 1)",
+    )
+    parser.add_argument(
         "--shutdown-grace",
         type=_positive(float),
         default=defaults.shutdown_grace,
@@ -179,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_sessions=args.max_sessions,
+        encode_concurrency=args.encode_concurrency,
         shutdown_grace=args.shutdown_grace,
         session=SessionConfig(
             start_timeout=args.start_timeout,
@@ -187,6 +195,10 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model=args.model or engine.name,
         ),
     )
+    # Everything loaded so far lives as long as the process: keep the garbage
+    # collector from walking it again and again (a full pass stalls the event loop).
+    gc.collect()
+    gc.freeze()
     try:
         trio.run(_serve_until_signalled, engine, config)
     except OSError as exc:

@@ -13,6 +13,8 @@ message), and after a grace period abort what is left.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
 import logging
 import os
@@ -53,6 +55,8 @@ class ServerConfig:
     port: int = 8000
     """0 picks a free port; ``VideoServer.port`` tells which."""
     max_sessions: int = 16
+    encode_concurrency: int = attrs.field(factory=lambda: max(1, (os.cpu_count() or 2) - 1))
+    """Chunks encoded at once, server-wide; by default one core is left to the rest."""
     shutdown_grace: float = 10.0
     """Seconds running sessions get to finish after a shutdown request."""
     session: SessionConfig = attrs.field(factory=SessionConfig)
@@ -90,6 +94,7 @@ class VideoServer:
             step_limiter=trio.CapacityLimiter(steps) if steps else None,
             # Each session runs at most two blocking calls at once (engine, encoder).
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
+            encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
         )
 
     @property
@@ -245,6 +250,10 @@ class VideoServer:
         self._recent.append(summary)
         if self._on_session_end is not None:
             self._on_session_end(summary)
+        if not self._sessions:
+            # Frames are large and short-lived; without this, glibc keeps the freed
+            # arenas and an idle server holds on to hundreds of MiB.
+            await trio.to_thread.run_sync(_return_free_memory)
 
 
 def _split_cancelled(
@@ -263,6 +272,24 @@ def _is_disconnect(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_disconnect(e) for e in exc.exceptions)
     return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | ConnectionClosed)
+
+
+def _return_free_memory() -> None:
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    """glibc, when this process runs on it (for ``malloc_trim``); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
 
 
 def _rss_bytes() -> int | None:

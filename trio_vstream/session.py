@@ -174,6 +174,7 @@ class ServerResources:
     stats: SessionStats
     step_limiter: trio.CapacityLimiter | None
     thread_limiter: trio.CapacityLimiter
+    encode_limiter: trio.CapacityLimiter
 
 
 class Session:
@@ -192,6 +193,7 @@ class Session:
         self._session_scope = trio.CancelScope()
         self._streaming = False
         self._producer_scope = trio.CancelScope()
+        self._encode_wait = trio.CancelScope()
         self._progress = trio.Event()
         self._stream: EngineStream | None = None
         self._encoder: FragmentedMP4Encoder | None = None
@@ -250,6 +252,7 @@ class Session:
         chunk being sent is finished, and the stream is closed properly."""
         if self._end(outcome, error):
             self._producer_scope.cancel()
+            self._encode_wait.cancel()
 
     def abort(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> None:
         """End the session now, interrupting even a send stuck on the socket."""
@@ -407,11 +410,16 @@ class Session:
                 await self._interact(message)
 
     async def _interact(self, message: protocol.Interaction) -> None:
-        assert self.request_id is not None and self._stream is not None
+        assert self.request_id is not None
         event_id = message.event_id
         if event_id in self._event_ids:
             await self._send_error(
                 ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict", event_id=event_id
+            )
+            return
+        if self._stream is None:  # generation is over; nothing can take the change
+            await self._send_error(
+                ErrorCode.INTERACTION_FAILED, "Failed to apply interaction", event_id=event_id
             )
             return
         self._event_ids.add(event_id)
@@ -461,24 +469,32 @@ class Session:
         assert self._stream is not None
         stream = self._stream
         async with send_chunks:
-            with self._producer_scope:
-                while True:
-                    try:
-                        chunk = await self._in_thread(stream.next_chunk, self._gate)
-                    except trio.Cancelled:
-                        raise
-                    except Exception as exc:
-                        logger.exception(
-                            "session %s: engine failed while generating", self.request_id
-                        )
-                        self.stop(Outcome.FAILED, (ErrorCode.GENERATION_FAILED, _describe(exc)))
-                        return
-                    finally:
-                        self._gate.release()
-                    if chunk is None:
-                        return
-                    self._touch()
-                    await send_chunks.send(chunk)
+            try:
+                with self._producer_scope:
+                    await self._generate_chunks(stream, send_chunks)
+            finally:
+                # The engine is done with this session: free the model's memory now,
+                # not after the last chunk has been encoded and sent.
+                await self._close_stream()
+
+    async def _generate_chunks(
+        self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
+    ) -> None:
+        while True:
+            try:
+                chunk = await self._in_thread(stream.next_chunk, self._gate)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                logger.exception("session %s: engine failed while generating", self.request_id)
+                self.stop(Outcome.FAILED, (ErrorCode.GENERATION_FAILED, _describe(exc)))
+                return
+            finally:
+                self._gate.release()
+            if chunk is None:
+                return
+            self._touch()
+            await send_chunks.send(chunk)
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None
@@ -486,12 +502,12 @@ class Session:
         width, height = self._size
         async with receive_chunks:
             async for chunk in receive_chunks:
-                if self.outcome is not None:
+                if not await self._take_encode_slot():
                     logger.info(
                         "session %s: dropping generated chunk %d after %s",
                         self.request_id,
                         chunk.index,
-                        self.outcome.value,
+                        self.outcome.value if self.outcome else "the end",
                     )
                     continue
                 try:
@@ -507,9 +523,30 @@ class Session:
                     )
                     self.stop(Outcome.FAILED, (code, _describe(exc)))
                     continue
+                finally:
+                    self._res.encode_limiter.release_on_behalf_of(self)
                 self._frames_generated += frames
                 await self._send_chunk("media", frames, data, chunk)
                 self._touch()
+
+    async def _take_encode_slot(self) -> bool:
+        """Wait for a turn to encode; False, holding nothing, if the session ended meanwhile.
+
+        Encoders share the CPU through a server-wide limiter: unbounded, every session's
+        x264 would fight for the cores, and the event loop with them. A stop ends the
+        wait, so a chunk whose encoding has not started is dropped at once.
+        """
+        if self.outcome is not None:
+            return False
+        limiter = self._res.encode_limiter
+        with trio.CancelScope() as self._encode_wait:
+            await limiter.acquire_on_behalf_of(self)
+        if self._encode_wait.cancelled_caught:
+            return False
+        if self.outcome is not None:  # stopped just as the slot came
+            limiter.release_on_behalf_of(self)
+            return False
+        return True
 
     async def _send_chunk(self, kind: str, frames: int, data: bytes, chunk: Chunk | None) -> None:
         assert self.request_id is not None
