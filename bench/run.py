@@ -14,7 +14,10 @@
   closed (from ``GET /metrics``), alone and with other sessions streaming;
 * ``resources``: server RSS per idle connection and per streaming session, and whether
   threads and engine streams return to their baseline;
-* ``encoder``: ``FragmentedMP4Encoder`` cost per frame, as a share of the chunk period.
+* ``encoder``: ``FragmentedMP4Encoder`` cost per frame, as a share of the chunk period;
+* ``diffusers`` (where diffusers is installed): a random Wan pipeline, built in a temporary
+  directory, served by ``--engine diffusers``: the server's time per segment (and TTFC,
+  delivered fps) against the same pipeline calls made directly, in a process of their own.
 
 It talks to a server only through the WebSocket protocol and ``GET /metrics``, so it works
 against any server of the protocol; figures that need ``/metrics`` are reported as
@@ -26,9 +29,11 @@ figure with min/median/p99 and its per-run values). See ``bench/README.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import functools
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -58,9 +63,11 @@ BENCH_DIR: Final = Path(__file__).resolve().parent
 REPO_DIR: Final = BENCH_DIR.parent
 RESULTS_DIR: Final = BENCH_DIR / "results"
 
-SCENARIOS: Final = ("resources", "latency", "concurrency", "abort", "encoder")
+SCENARIOS: Final = ("resources", "latency", "concurrency", "abort", "encoder", "diffusers")
 """In the order they run: resources first, so that its RSS figures start from a fresh
-server rather than from whatever memory the other scenarios left to the allocator."""
+server rather than from whatever memory the other scenarios left to the allocator.
+``diffusers`` is part of ``all`` only where diffusers is installed and the harness starts
+the server itself (it serves a model the harness builds, so neither --url nor --compare)."""
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
 CLIENT_MAX_MESSAGE: Final = 256 * 1024 * 1024
 """Chunks of large videos are big; the client must never be the one to refuse them."""
@@ -143,6 +150,47 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     "encoder.{S}.chunk_ms": ("ms", "encode of one chunk"),
     "encoder.{S}.first_chunk_ms": ("ms", "encode of the first chunk (init segment + IDR)"),
     "encoder.{S}.chunk_period_share_pct": ("%", "encode time / chunk period"),
+    "diffusers.inproc.first_segment_ms": (
+        "ms",
+        "pipeline called directly: prompt encoding + first call + conversion to uint8",
+    ),
+    "diffusers.inproc.segment_ms": (
+        "ms",
+        "pipeline called directly: one segment's call + conversion (segments after the first)",
+    ),
+    "diffusers.inproc.fps": ("fps", "pipeline called directly: frames/s after the first segment"),
+    "diffusers.engine.first_segment_ms": (
+        "ms",
+        "engine alone (no server): open_stream + first next_chunk",
+    ),
+    "diffusers.engine.segment_ms": (
+        "ms",
+        "engine alone (no server): next_chunk (segments after the first)",
+    ),
+    "diffusers.server.ttfc_ms": ("ms", "server: session.start sent -> first media chunk"),
+    "diffusers.server.interarrival_ms": ("ms", "server: time between consecutive media chunks"),
+    "diffusers.server.fps": ("fps", "server: frames/s delivered, first chunk -> last chunk"),
+    "diffusers.server.errors": ("count", "server: sessions that failed"),
+    "diffusers.{D}.faults_per_segment": (
+        "count",
+        "minor page faults of the whole process per segment, over a session (/proc/PID/stat)",
+    ),
+    "diffusers.{D}.cpu_ms_per_segment": (
+        "ms",
+        "CPU time of the whole process per segment, over a session (/proc/PID/stat)",
+    ),
+    "diffusers.overhead_pct": (
+        "%",
+        "per run: median server inter-arrival / median direct segment time - 1",
+    ),
+    "diffusers.engine_overhead_pct": (
+        "%",
+        "per run: median engine-alone segment time / median direct segment time - 1",
+    ),
+    "diffusers.ttfc_overhead_ms": (
+        "ms",
+        "per run: median server TTFC - median direct first segment",
+    ),
 }
 
 
@@ -150,6 +198,7 @@ def catalogue_key(name: str) -> str:
     """``concurrency.n8.ping_rtt_ms`` -> ``concurrency.n{N}.ping_rtt_ms``, and so on."""
     name = re.sub(r"^concurrency\.n\d+\.", "concurrency.n{N}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
+    name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)
 
 
@@ -285,6 +334,12 @@ class Settings:
     """How long to wait for threads to return to baseline; Trio's idle workers linger 10 s."""
     session_timeout_s: float = 60.0
     seed: int = 1
+    diffusers_preset: str | None = None
+    """tiny, cpu or gpu; None: tiny with --quick, else gpu where CUDA is available, else cpu."""
+    diffusers_segments: int = 6
+    """Segments (pipeline calls) per measured session; the first is reported apart."""
+    diffusers_reps: int = 2
+    """Per run: sessions through the server, and as many direct and engine-alone ones."""
 
     @property
     def size(self) -> str:
@@ -311,6 +366,8 @@ class Settings:
             "calibration_reps": 2,
             "thread_wait_s": 12.0,
             "session_timeout_s": 20.0,
+            "diffusers_segments": 3,
+            "diffusers_reps": 1,
         }
         base.update(overrides)
         return cls(**base)
@@ -539,6 +596,17 @@ def os_threads(pid: int | None) -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def minor_faults(pid: int | str | None) -> int | None:
+    """Minor page faults of a process so far, from /proc (fresh memory touched)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def cpu_seconds(pid: int | str | None) -> float | None:
@@ -1233,6 +1301,588 @@ async def scenario_encoder(figures: Figures, run: int, s: Settings, chunk_frames
         )
 
 
+# --------------------------------------------------------------------------- diffusers
+
+
+def diffusers_available() -> bool:
+    """Whether the ``diffusers`` scenario can run here (it needs the optional extra)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("diffusers", "transformers"))
+
+
+def _diffusers_tiny() -> Any:
+    """``bench/diffusers_tiny.py``, imported whether the harness runs as a script or as
+    ``bench.run`` (the tests)."""
+    try:
+        from bench import diffusers_tiny
+    except ImportError:
+        import diffusers_tiny  # type: ignore[no-redef]  # python bench/run.py: bench/ is on sys.path
+    return diffusers_tiny
+
+
+DIFFUSERS_PRESETS: Final = ("tiny", "cpu", "gpu")
+DIFFUSERS_OVERHEAD_LIMIT_PCT: Final = 5.0
+
+
+@attrs.frozen(kw_only=True)
+class DiffusersPreset:
+    """A random Wan pipeline and the request the scenario sends it: every segment is one
+    pipeline call of ``segment_frames`` frames and ``steps`` denoising steps, with
+    classifier-free guidance (two transformer passes per step), as Wan is run."""
+
+    name: str
+    device: str
+    model: Any
+    """``bench.diffusers_tiny.WanSize``: the transformer's and the VAE's shape."""
+    width: int
+    height: int
+    segment_frames: int
+    steps: int
+    guidance_scale: float = 5.0
+
+    @classmethod
+    def named(cls, name: str) -> DiffusersPreset:
+        tiny = _diffusers_tiny()
+        if name == "tiny":  # the tests' pipeline, milliseconds per call: for --quick
+            return cls(
+                name=name,
+                device="cpu",
+                model=tiny.TINY,
+                width=48,
+                height=32,
+                segment_frames=5,
+                steps=2,
+            )
+        if name == "cpu":  # a few hundred ms per segment on one core
+            model = tiny.WanSize(
+                layers=4,
+                heads=4,
+                head_dim=32,
+                ffn_dim=512,
+                rope_max_seq_len=1024,
+                vae_base_dim=3,
+                vae_dim_mult=(1, 1, 1, 1),
+                vae_res_blocks=1,
+            )
+            return cls(
+                name=name,
+                device="cpu",
+                model=model,
+                width=128,
+                height=96,
+                segment_frames=17,
+                steps=4,
+            )
+        if name == "gpu":  # Wan 2.1 1.3B's widths and VAE, 10 of its 30 blocks, at 480p
+            model = tiny.WanSize(
+                layers=10,
+                heads=12,
+                head_dim=128,
+                ffn_dim=8960,
+                rope_max_seq_len=1024,
+                vae_base_dim=96,
+                vae_dim_mult=(1, 2, 4, 4),
+                vae_res_blocks=2,
+            )
+            return cls(
+                name=name,
+                device="cuda",
+                model=model,
+                width=832,
+                height=480,
+                segment_frames=17,
+                steps=4,
+            )
+        raise ValueError(f"unknown diffusers preset {name!r}: use {', '.join(DIFFUSERS_PRESETS)}")
+
+    @classmethod
+    def default(cls, quick: bool) -> DiffusersPreset:
+        """--quick: tiny; otherwise gpu where CUDA is available, else cpu."""
+        if quick:
+            return cls.named("tiny")
+        import torch
+
+        return cls.named("gpu" if torch.cuda.is_available() else "cpu")
+
+    def engine_args(self, model: Path) -> dict[str, str]:
+        return {"model": str(model), "threads": "1", "segment_frames": str(self.segment_frames)}
+
+    def start_fields(self, num_frames: int, seed: int) -> dict[str, Any]:
+        return {
+            "size": f"{self.width}x{self.height}",
+            "fps": 16,
+            "num_frames": num_frames,
+            "num_inference_steps": self.steps,
+            "guidance_scale": self.guidance_scale,
+            "seed": seed,
+        }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _pipeline_sequence(
+    engine: Any, preset: DiffusersPreset, segments: int, seed: int
+) -> dict[str, Any]:
+    """The pipeline calls the engine makes for one session, made directly and timed.
+
+    As in ``DiffusersStream``: the prompt (and, with guidance, the empty negative prompt)
+    encoded once, in the first segment; then per segment one call with those embeddings,
+    ``num_frames=segment_frames``, a generator seeded ``seed + index``, ``output_type="pt"``,
+    and the engine's conversion to uint8 frames copied to the host. The pipeline object is
+    the one the engine loaded (so the same dtypes and device).
+    """
+    import numpy as np
+    import torch
+
+    from trio_vstream.engines.diffusers import _frames_to_uint8
+
+    pipe = engine.model.pipe
+    max_sequence_length = engine.model.default("max_sequence_length")
+    encode_args: dict[str, Any] = {"do_classifier_free_guidance": False}
+    if max_sequence_length is not None:
+        encode_args["max_sequence_length"] = max_sequence_length
+    threads = _torch_threads()
+    times: list[float] = []
+    started = time.perf_counter()
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(prompt=PROMPT, **encode_args)
+        negative = None
+        if preset.guidance_scale > 1.0:
+            negative, _ = pipe.encode_prompt(prompt="", **encode_args)
+    for index in range(segments):
+        output = pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative,
+            height=preset.height,
+            width=preset.width,
+            num_frames=preset.segment_frames,
+            num_inference_steps=preset.steps,
+            guidance_scale=preset.guidance_scale,
+            generator=torch.Generator(device="cpu").manual_seed(seed + index),
+            output_type="pt",
+        )
+        frames = _frames_to_uint8(output.frames)
+        host = np.ascontiguousarray(frames[: preset.segment_frames].cpu().numpy())
+        assert host.shape == (preset.segment_frames, preset.height, preset.width, 3), host.shape
+        ended = time.perf_counter()
+        times.append((ended - started) * 1000)
+        started = ended
+    return {"segment_ms": times, "torch_threads": threads}
+
+
+def _engine_sequence(
+    engine: Any, preset: DiffusersPreset, segments: int, seed: int
+) -> dict[str, Any]:
+    """The same session through the engine alone (``open_stream`` + ``next_chunk``, no
+    server): what the engine adds to the pipeline calls (its lock, scheduler copies)."""
+    from trio_vstream.engines import GenerationRequest
+
+    request = GenerationRequest(
+        request_id="diffusers-bench",
+        prompt=PROMPT,
+        width=preset.width,
+        height=preset.height,
+        fps=16,
+        num_frames=segments * preset.segment_frames,
+        num_inference_steps=preset.steps,
+        guidance_scale=preset.guidance_scale,
+        seed=seed,
+    )
+    times: list[float] = []
+    started = time.perf_counter()
+    stream = engine.open_stream(request)
+    try:
+        while stream.next_chunk(lambda: None) is not None:
+            ended = time.perf_counter()
+            times.append((ended - started) * 1000)
+            started = ended
+    finally:
+        stream.close()
+    return {"segment_ms": times}
+
+
+def _steady_fps(times_ms: Sequence[float], frames: int) -> float:
+    """Frames per second over the segments after the first."""
+    steady = times_ms[1:]
+    return frames * len(steady) / (sum(steady) / 1000) if steady else math.nan
+
+
+def diffusers_worker(config_json: str) -> int:
+    """``run.py --diffusers-worker CONFIG``: the "direct" side of the diffusers scenario.
+
+    A process of its own, set up like the server's: it builds the preset's pipeline (if
+    the directory does not exist), loads it with ``load_engine`` in its main thread (so
+    ``threads=1`` is set before any other thread exists, as the server's command line
+    does), then runs sequences in one worker thread, as the server runs its engine, one per
+    JSON line on stdin, each answered by a JSON line on stdout. Measuring in a fresh
+    process, not in the harness, keeps the comparison fair: the harness's heap, threads and
+    torch settings are not the server's.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever a library prints goes to the log, not into the replies
+    config = json.loads(config_json)
+    preset = DiffusersPreset.named(config["preset"])
+    model = Path(config["model"])
+    started = time.perf_counter()
+    if not model.exists():
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()
+        _diffusers_tiny().build_wan_t2v(model, size=preset.model)
+    build_s = time.perf_counter() - started
+    from trio_vstream.engines import load_engine
+
+    engine = load_engine("diffusers", preset.engine_args(model), device=preset.device)
+    sequences = {"pipeline": _pipeline_sequence, "engine": _engine_sequence}
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        threads = thread.submit(_torch_threads).result()
+        print(
+            json.dumps({"ready": True, "build_s": build_s, "torch_threads": threads}), file=replies
+        )
+        for line in sys.stdin:
+            command = json.loads(line)
+            try:
+                sequence = sequences[command["what"]]
+                result = thread.submit(
+                    sequence, engine, preset, command["segments"], command["seed"]
+                ).result()
+            except Exception as exc:
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(result), file=replies)
+    engine.close()
+    return 0
+
+
+class DirectWorker:
+    """The ``--diffusers-worker`` process, driven over its stdin and stdout."""
+
+    def __init__(self, command: Sequence[str], log_path: Path) -> None:
+        self.command = list(command)
+        self.log_path = log_path
+        self.process: trio.Process | None = None
+        self._buffer = bytearray()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def start(self, timeout: float) -> dict[str, Any]:
+        with self.log_path.open("wb") as log:
+            self.process = await trio.lowlevel.open_process(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        return await self._reply(timeout)
+
+    async def call(self, timeout: float, **command: Any) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdin is not None
+        await self.process.stdin.send_all((json.dumps(command) + "\n").encode())
+        return await self._reply(timeout)
+
+    async def _reply(self, timeout: float) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdout is not None
+        with trio.move_on_after(timeout):
+            while b"\n" not in self._buffer:
+                data = await self.process.stdout.receive_some(65536)
+                if not data:
+                    await self.process.wait()
+                    raise RuntimeError(
+                        f"diffusers worker exited with status {self.process.returncode}:\n"
+                        + self.log_tail()
+                    )
+                self._buffer += data
+            line, _, rest = bytes(self._buffer).partition(b"\n")
+            self._buffer = bytearray(rest)
+            reply = json.loads(line)
+            if "error" in reply:
+                raise RuntimeError(f"diffusers worker: {reply['error']}")
+            return reply
+        raise RuntimeError(
+            f"diffusers worker gave no answer in {timeout:.0f} s:\n{self.log_tail()}"
+        )
+
+    async def stop(self, grace: float = 15.0) -> int | None:
+        """End of stdin ends the worker; SIGKILL after ``grace`` seconds. Shielded."""
+        process = self.process
+        if process is None:
+            return None
+        with trio.CancelScope(shield=True):
+            if process.stdin is not None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await process.stdin.aclose()
+            with trio.move_on_after(grace):
+                await process.wait()
+            if process.poll() is None:
+                process.kill()
+                await process.wait()
+        return process.returncode
+
+
+class DiffusersScenario:
+    """The server's overhead over calling the same diffusers pipeline directly.
+
+    Once: a worker process (``--diffusers-worker``) builds a random Wan pipeline of the
+    preset's size into a temporary directory and loads it as the server does
+    (``load_engine("diffusers", ...)``, ``threads=1``). Per run: a fresh server
+    (``--engine diffusers``, the same engine args), one warm-up segment on each side, then
+    ``diffusers_reps`` times, in alternating order: (a) the session's pipeline calls made
+    directly in the worker, (b) the same session through the engine alone, in the worker,
+    (c) the same session through the server, over a WebSocket.
+    """
+
+    def __init__(self, s: Settings, preset: DiffusersPreset, server_args: Sequence[str]) -> None:
+        self.s = s
+        self.preset = preset
+        self.server_args = list(server_args)
+        self.figures = Figures()
+        self.checks: list[dict[str, Any]] = []
+        self.runs: list[dict[str, Any]] = []
+        self.worker: DirectWorker | None = None
+        self.target: Target | None = None
+        self.inproc_torch_threads: int | None = None
+        self.build_s: float | None = None
+        self.worker_exit: int | None = None
+
+    @property
+    def segments(self) -> int:
+        return self.s.diffusers_segments
+
+    async def setup(self, work_dir: Path) -> None:
+        preset = self.preset
+        model = work_dir / f"Wan-random-{preset.name}"
+        config = {"preset": preset.name, "model": str(model)}
+        command = [
+            sys.executable,
+            str(BENCH_DIR / "run.py"),
+            "--diffusers-worker",
+            json.dumps(config),
+        ]
+        progress(f"diffusers: building and loading a random Wan pipeline ({preset.name} preset)")
+        self.worker = DirectWorker(command, work_dir / "diffusers-worker.log")
+        ready = await self.worker.start(timeout=600)
+        self.build_s = ready["build_s"]
+        self.inproc_torch_threads = ready["torch_threads"]
+        spec = ["--engine", "diffusers", "--device", preset.device]
+        for key, value in preset.engine_args(model).items():
+            spec += ["--engine-arg", f"{key}={value}"]
+        self.target = make_target(
+            "diffusers", shlex.join([*spec, *self.server_args]), max_sessions_needed=1
+        )
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            self.worker_exit = await self.worker.stop()
+            self.worker = None
+
+    async def _process_cost(
+        self, run: int, side: str, pid: int | None, body: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        """Run ``body``; record the process's page faults and CPU time per segment."""
+        faults, cpu = minor_faults(pid), cpu_seconds(pid)
+        result = await body()
+        faults_after, cpu_after = minor_faults(pid), cpu_seconds(pid)
+        if faults is not None and faults_after is not None:
+            per_segment = (faults_after - faults) / self.segments
+            self.figures.add(run, f"diffusers.{side}.faults_per_segment", [per_segment])
+        if cpu is not None and cpu_after is not None:
+            per_segment = (cpu_after - cpu) * 1000 / self.segments
+            self.figures.add(run, f"diffusers.{side}.cpu_ms_per_segment", [per_segment])
+        return result
+
+    async def _direct(self, run: int, what: str, side: str, seed: int) -> list[float]:
+        worker = self.worker
+        assert worker is not None and worker.process is not None
+        timeout = self.s.session_timeout_s
+
+        async def call() -> dict[str, Any]:
+            return await worker.call(timeout, what=what, segments=self.segments, seed=seed)
+
+        result = await self._process_cost(run, side, worker.process.pid, call)
+        return result["segment_ms"]
+
+    async def _inproc(self, run: int, seed: int) -> None:
+        times = await self._direct(run, "pipeline", "inproc", seed)
+        self.figures.add(run, "diffusers.inproc.first_segment_ms", times[:1])
+        self.figures.add(run, "diffusers.inproc.segment_ms", times[1:])
+        self.figures.add(
+            run, "diffusers.inproc.fps", [_steady_fps(times, self.preset.segment_frames)]
+        )
+
+    async def _engine(self, run: int, seed: int) -> None:
+        times = await self._direct(run, "engine", "engine", seed)
+        self.figures.add(run, "diffusers.engine.first_segment_ms", times[:1])
+        self.figures.add(run, "diffusers.engine.segment_ms", times[1:])
+
+    async def _server(self, ctx: RunContext, seed: int) -> None:
+        frames = self.segments * self.preset.segment_frames
+        client = SessionClient(
+            ctx.endpoint,
+            protocol.start_message(PROMPT, **self.preset.start_fields(frames, seed)),
+        )
+        await self._process_cost(
+            ctx.run,
+            "server",
+            ctx.pid,
+            functools.partial(
+                run_clients, [client], trio.lowlevel.checkpoint, self.s.session_timeout_s
+            ),
+        )
+        failed = report_failures([client], "diffusers: server session")
+        await ctx.settle()
+        if failed or not client.arrivals or client.t_start_sent is None:
+            ctx.add("diffusers.server.errors", [1])
+            return
+        ctx.add("diffusers.server.errors", [0])
+        arrivals = [t for t, _, _ in client.arrivals]
+        ctx.add("diffusers.server.ttfc_ms", [(arrivals[0] - client.t_start_sent) * 1000])
+        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
+        ctx.add("diffusers.server.interarrival_ms", gaps)
+        if len(arrivals) > 1:
+            steady = sum(f for _, f, _ in client.arrivals[1:])
+            ctx.add("diffusers.server.fps", [steady / (arrivals[-1] - arrivals[0])])
+        if len(client.arrivals) != self.segments:
+            progress(f"  !! diffusers: {len(client.arrivals)} chunks for {self.segments} segments")
+
+    async def run(self, run: int, log_dir: Path) -> None:
+        assert self.target is not None and self.target.command is not None
+        assert self.worker is not None
+        s = self.s
+        tag = f"run {run + 1}/{s.repeat} diffusers"
+        server = ServerProcess(self.target.command, log_dir / f"server-diffusers-{run}.log")
+        info: dict[str, Any] = {"run": run, "target": "diffusers"}
+        try:
+            url = await server.start(timeout=300)
+            info["server_pid"] = server.pid
+            progress(f"{tag}: server pid {server.pid} at {url}")
+            endpoint = Endpoint.parse(url)
+            ctx = RunContext(
+                target=self.target,
+                endpoint=endpoint,
+                settings=s,
+                figures=self.figures,
+                run=run,
+                pid=server.pid,
+                rng=random.Random(s.seed * 1000 + run),
+                checks=self.checks,
+                has_metrics=await fetch_metrics(endpoint) is not None,
+            )
+            progress(f"{tag}: warm-up, one segment on each side")
+            warm_up = SessionClient(
+                endpoint,
+                protocol.start_message(
+                    PROMPT, **self.preset.start_fields(self.preset.segment_frames, s.seed)
+                ),
+            )
+            await run_clients([warm_up], trio.lowlevel.checkpoint, s.session_timeout_s)
+            report_failures([warm_up], "diffusers: warm-up session")
+            await ctx.settle()
+            await self.worker.call(s.session_timeout_s, what="pipeline", segments=1, seed=s.seed)
+            started = now()
+            for rep in range(s.diffusers_reps):
+                seed = s.seed + 1000 * (run * s.diffusers_reps + rep)
+                steps = [
+                    ("direct pipeline calls", functools.partial(self._inproc, run, seed)),
+                    ("engine alone", functools.partial(self._engine, run, seed)),
+                    ("server", functools.partial(self._server, ctx, seed)),
+                ]
+                if (run + rep) % 2:
+                    steps.reverse()  # drift on the machine affects both sides alike
+                for label, step in steps:
+                    progress(f"{tag}: {label}, {self.segments} segments")
+                    await step()
+            ctx.windows.append({"scenario": "diffusers", "start": started, "end": now()})
+            info["windows"] = ctx.windows
+            await ctx.check_after("diffusers")
+            self._add_ratios(run)
+        finally:
+            info["server_exit"] = await server.stop()
+            if info["server_exit"] != 0:
+                progress(f"server exited with {info['server_exit']}:\n{server.log_tail(10)}")
+            self.runs.append(info)
+
+    def _run_median(self, name: str, run: int) -> float | None:
+        figure = self.figures.get(name)
+        if figure is None or len(figure.runs) <= run or not figure.runs[run]:
+            return None
+        return percentile(figure.runs[run], 50)
+
+    def _add_ratios(self, run: int) -> None:
+        """One value per run: the run's medians compared."""
+        inproc = self._run_median("diffusers.inproc.segment_ms", run)
+        server = self._run_median("diffusers.server.interarrival_ms", run)
+        engine = self._run_median("diffusers.engine.segment_ms", run)
+        if inproc and server:
+            self.figures.add(run, "diffusers.overhead_pct", [100 * (server / inproc - 1)])
+        if inproc and engine:
+            self.figures.add(run, "diffusers.engine_overhead_pct", [100 * (engine / inproc - 1)])
+        first = self._run_median("diffusers.inproc.first_segment_ms", run)
+        ttfc = self._run_median("diffusers.server.ttfc_ms", run)
+        if first and ttfc:
+            self.figures.add(run, "diffusers.ttfc_overhead_ms", [ttfc - first])
+
+    def evaluate(self) -> list[dict[str, Any]]:
+        """Pooled medians of all runs: server per-segment time over the in-process one."""
+        inproc = self.figures.stat("diffusers.inproc.segment_ms", "median")
+        server = self.figures.stat("diffusers.server.interarrival_ms", "median")
+        measured = None if not inproc or server is None else 100 * (server / inproc - 1)
+        status = "N/A" if measured is None else "PASS"
+        if measured is not None and measured > DIFFUSERS_OVERHEAD_LIMIT_PCT:
+            status = "FAIL"
+        leftovers = [c for c in self.checks if c["ok"] is False]
+        cleanup = "PASS" if not leftovers else "FAIL"
+        if not self.checks or any(c["ok"] is None for c in self.checks):
+            cleanup = "N/A"
+        return [
+            {
+                "target": "diffusers: server overhead per segment",
+                "rule": "median chunk inter-arrival through the server / median segment time "
+                "of the same pipeline calls made directly (in a process of their own) - 1 "
+                "<= 5 %",
+                "measured": measured,
+                "threshold": DIFFUSERS_OVERHEAD_LIMIT_PCT,
+                "status": status,
+                "note": f"{server:.1f} ms vs {inproc:.1f} ms" if measured is not None else "",
+            },
+            {
+                "target": "diffusers: cleanup",
+                "rule": "sessions_active = streams_open = worker_threads = 0 after each run",
+                "measured": {"runs_with_leftovers": len(leftovers)},
+                "threshold": None,
+                "status": cleanup,
+                "note": "",
+            },
+        ]
+
+    def to_json(self, verdicts: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.target is not None
+        return {
+            "preset": attrs.asdict(self.preset),
+            "segments": self.segments,
+            "reps_per_run": self.s.diffusers_reps,
+            "build_s": self.build_s,
+            "command": list(self.target.command or ()),
+            "engine_args": dict(self.target.engine_args),
+            "inproc_torch_threads": self.inproc_torch_threads,
+            "worker_exit": self.worker_exit,
+            **self.figures.to_json(),
+            "checks": self.checks,
+            "runs": self.runs,
+            "targets": verdicts,
+        }
+
+
 # ----------------------------------------------------------------------------- a run
 
 SCENARIO_FUNCTIONS: Final[dict[str, Callable[[RunContext], Awaitable[None]]]] = {
@@ -1475,6 +2125,14 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _verdict_line(v: dict[str, Any], prefix: str = "") -> str:
+    measured = v["measured"]
+    shown = json.dumps(measured) if isinstance(measured, dict) else _fmt(measured)
+    limit = "" if v["threshold"] is None else f" (limit {_fmt(v['threshold'])})"
+    note = f"; {v['note']}" if v["note"] else ""
+    return f"- **{v['status']}** {prefix}{v['target']}: {shown}{limit}; {v['rule']}{note}"
+
+
 def render(
     report: dict[str, Any],
     targets: Sequence[Target],
@@ -1482,6 +2140,7 @@ def render(
     local: Figures,
     verdicts: dict[str, list[dict[str, Any]]],
     s: Settings,
+    diffusers: DiffusersScenario | None = None,
 ) -> str:
     m = report["machine"]
     git = m["git"]
@@ -1498,35 +2157,51 @@ def render(
         + (" (quick mode: indicative only)" if s.quick else ""),
         "",
     ]
-    lines += [f"Target {t.label}: `{t.shown}`" for t in targets] + [""]
+    # With only the diffusers scenario (which starts its own server), and maybe the encoder,
+    # the targets were never measured: no table and no verdicts for them.
+    served = "diffusers" not in s.scenarios or any(n in s.scenarios for n in SERVER_SCENARIOS)
     header = ("metric", "unit", "median", "p99", "run medians (min - max)", "n")
-    if len(targets) == 2:
-        compare_header = ("metric", "unit", "A median", "B median", "B/A", "A p99", "B p99")
-        lines.append(
-            markdown_table(
-                (*compare_header, "B/A p99"), compare_rows(per_target["A"], per_target["B"])
+    if served:
+        lines += [f"Target {t.label}: `{t.shown}`" for t in targets] + [""]
+        if len(targets) == 2:
+            compare_header = ("metric", "unit", "A median", "B median", "B/A", "A p99", "B p99")
+            lines.append(
+                markdown_table(
+                    (*compare_header, "B/A p99"), compare_rows(per_target["A"], per_target["B"])
+                )
             )
-        )
-    else:
-        lines.append(markdown_table(header, figure_rows(per_target[targets[0].label])))
+        else:
+            lines.append(markdown_table(header, figure_rows(per_target[targets[0].label])))
     if any(True for _ in local):
         lines += ["", markdown_table(header, figure_rows(local))]
-    for target in targets:
-        unavailable = per_target[target.label].unavailable
-        if unavailable:
-            shown = "; ".join(f"{name} ({why})" for name, why in unavailable.items())
-            lines += ["", f"Unavailable for {target.label}: {shown}"]
+    if diffusers is not None:
+        p, size = diffusers.preset, diffusers.preset.model
+        lines += [
+            "",
+            f"Diffusers: preset {p.name} on {p.device}: random Wan, {size.layers} blocks of "
+            f"width {size.heads * size.head_dim} (ffn {size.ffn_dim}), VAE base {size.vae_base_dim}"
+            f"; {p.width}x{p.height}, {p.segment_frames} frames per segment, {p.steps} steps, "
+            f"guidance {p.guidance_scale:g}; {s.diffusers_segments} segments per session, "
+            f"{s.diffusers_reps} session(s) per side per run; threads=1 (torch threads in the "
+            f"direct worker: {diffusers.inproc_torch_threads})",
+            "",
+        ]
+        if diffusers.target is not None:
+            lines += [f"Server: `{diffusers.target.shown}`", ""]
+        lines.append(markdown_table(header, figure_rows(diffusers.figures)))
+    if served:
+        for target in targets:
+            unavailable = per_target[target.label].unavailable
+            if unavailable:
+                shown = "; ".join(f"{name} ({why})" for name, why in unavailable.items())
+                lines += ["", f"Unavailable for {target.label}: {shown}"]
     lines.append("")
-    for target in targets:
-        prefix = f"{target.label}: " if len(targets) > 1 else ""
-        for v in verdicts[target.label]:
-            measured = v["measured"]
-            shown = json.dumps(measured) if isinstance(measured, dict) else _fmt(measured)
-            limit = "" if v["threshold"] is None else f" (limit {_fmt(v['threshold'])})"
-            note = f"; {v['note']}" if v["note"] else ""
-            lines.append(
-                f"- **{v['status']}** {prefix}{v['target']}: {shown}{limit}; {v['rule']}{note}"
-            )
+    if served:
+        for target in targets:
+            prefix = f"{target.label}: " if len(targets) > 1 else ""
+            lines += [_verdict_line(v, prefix) for v in verdicts[target.label]]
+    if diffusers is not None:
+        lines += [_verdict_line(v) for v in report["diffusers"]["targets"]]
     return "\n".join(lines)
 
 
@@ -1681,6 +2356,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--abort-samples", type=int, default=None, help="stops per abort phase (default 20)")
     add("--seed", type=int, default=1, help="for the random points at which aborts happen")
+    add(
+        "--diffusers-preset",
+        choices=DIFFUSERS_PRESETS,
+        default=None,
+        help="size of the diffusers scenario's random pipeline (default: tiny with --quick, "
+        "else gpu where CUDA is available, else cpu)",
+    )
+    add("--diffusers-worker", default=None, help=argparse.SUPPRESS)
     add("--output", type=Path, default=None, help="JSON path (default bench/results/<time>.json)")
     add("--strict", action="store_true", help="exit with status 1 when a target is missed")
     return parser
@@ -1691,7 +2374,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for item in args.scenario or ["all"]:
         for name in (n.strip() for n in item.split(",")):
             if name == "all":
-                chosen.extend(SCENARIOS)
+                chosen.extend(SCENARIOS[:-1])
+                if not (args.url or args.compare) and diffusers_available():
+                    chosen.append("diffusers")
+            elif name == "diffusers" and not diffusers_available():
+                raise SystemExit(
+                    "the diffusers scenario needs diffusers and transformers: "
+                    "pip install 'trio-vstream[diffusers]'"
+                )
             elif name in SCENARIOS:
                 chosen.append(name)
             elif name:
@@ -1701,6 +2391,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "height": args.size[1],
         "fps": args.fps,
         "seed": args.seed,
+        "diffusers_preset": args.diffusers_preset,
     }
     for option, field in (
         ("repeat", "repeat"),
@@ -1779,6 +2470,20 @@ async def main_async(args: argparse.Namespace) -> int:
                     target, s, per_target[target.label], checks[target.label], run, Path(log_dir)
                 )
                 runs[target.label].append(info)
+        diffusers: DiffusersScenario | None = None
+        if "diffusers" in s.scenarios:
+            preset = (
+                DiffusersPreset.named(s.diffusers_preset)
+                if s.diffusers_preset
+                else DiffusersPreset.default(s.quick)
+            )
+            diffusers = DiffusersScenario(s, preset, args.server_arg)
+            try:
+                await diffusers.setup(Path(log_dir))
+                for run in range(s.repeat):
+                    await diffusers.run(run, Path(log_dir))
+            finally:
+                await diffusers.close()
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -1818,13 +2523,17 @@ async def main_async(args: argparse.Namespace) -> int:
             for t in targets
         },
     }
+    diffusers_verdicts: list[dict[str, Any]] = []
+    if diffusers is not None:
+        diffusers_verdicts = diffusers.evaluate()
+        report["diffusers"] = diffusers.to_json(diffusers_verdicts)
     if len(targets) == 2:
         keys = ("A_median", "B_median", "ratio_median", "A_p99", "B_p99", "ratio_p99")
         report["compare"] = {
             row[0]: dict(zip(keys, row[2:], strict=True))
             for row in compare_rows(per_target["A"], per_target["B"])
         }
-    text = render(report, targets, per_target, local, verdicts, s)
+    text = render(report, targets, per_target, local, verdicts, s, diffusers)
     print(text)
     stamp = started.strftime("%Y%m%d-%H%M%S") + ("-quick" if s.quick else "")
     output = args.output or RESULTS_DIR / f"bench-{stamp}.json"
@@ -1832,12 +2541,16 @@ async def main_async(args: argparse.Namespace) -> int:
     output.write_text(json.dumps(report, indent=1) + "\n")
     output.with_suffix(".md").write_text(text + "\n")
     progress(f"wrote {output} and {output.with_suffix('.md')}")
-    missed = any(v["status"] == "FAIL" for vs in verdicts.values() for v in vs)
+    missed = any(
+        v["status"] == "FAIL" for vs in [*verdicts.values(), diffusers_verdicts] for v in vs
+    )
     return 1 if missed and args.strict else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.diffusers_worker:
+        return diffusers_worker(args.diffusers_worker)
     try:
         return trio.run(main_async, args)
     except (KeyboardInterrupt, BaseExceptionGroup) as exc:

@@ -2,7 +2,9 @@
 checked for a complete, sane report; plus the helpers it computes its figures with.
 
 The quick run is shared by the tests of this module (one run, ~20 s): each test checks one
-property of its report, so a regression names what broke.
+property of its report, so a regression names what broke. It names the synthetic-engine
+scenarios; the ``diffusers`` scenario (part of ``all`` where diffusers is installed) has a
+quick run of its own below.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench import run as bench
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "bench" / "run.py"
 
+SYNTHETIC_SCENARIOS = "resources,latency,concurrency,abort,encoder"
 QUICK_FIGURES = (
     "calib.engine_first_chunk_ms",
     "calib.encode_first_chunk_ms",
@@ -67,7 +70,15 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     output = tmp_path_factory.mktemp("bench") / "quick.json"
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--output", str(output)],
+        [
+            sys.executable,
+            str(RUN),
+            "--quick",
+            "--scenario",
+            SYNTHETIC_SCENARIOS,
+            "--output",
+            str(output),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -370,3 +381,108 @@ async def test_a_server_without_metrics_gets_unavailable_figures(tmp_path: Path)
     verdicts = {v["target"].split(":")[0]: v["status"] for v in result["targets"]}
     assert verdicts["cleanup"] == "N/A" and verdicts["transport overhead"] == "N/A"
     assert verdicts["abort"] == "N/A"  # no engine step known for a URL
+
+
+# ------------------------------------------------------------------ the diffusers scenario
+
+DIFFUSERS_FIGURES = (
+    "diffusers.inproc.first_segment_ms",
+    "diffusers.inproc.segment_ms",
+    "diffusers.inproc.fps",
+    "diffusers.engine.first_segment_ms",
+    "diffusers.engine.segment_ms",
+    "diffusers.server.ttfc_ms",
+    "diffusers.server.interarrival_ms",
+    "diffusers.server.fps",
+)
+
+
+def test_diffusers_scenario_quick(tmp_path: Path) -> None:
+    """A quick run of the diffusers scenario alone (the tests' tiny pipeline): its JSON has
+    every figure, per side as many segments as asked, and a verdict that follows from them."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    output = tmp_path / "diffusers.json"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(RUN), "--quick", "--scenario", "diffusers", "--output", str(output)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - started < 60, done.stderr[-2000:]
+    report = json.loads(output.read_text())
+    assert report["settings"]["scenarios"] == ["diffusers"]
+    result = report["diffusers"]
+    preset = result["preset"]
+    assert preset["name"] == "tiny" and preset["device"] == "cpu"
+    assert result["engine_args"]["threads"] == "1"
+    assert result["engine_args"]["segment_frames"] == str(preset["segment_frames"])
+    assert result["inproc_torch_threads"] == 1  # the direct side runs as the server does
+    assert "--engine" in result["command"] and "diffusers" in result["command"]
+    segments = result["segments"]
+    assert segments == report["settings"]["diffusers_segments"] >= 2
+    figures = result["figures"]
+    for name in DIFFUSERS_FIGURES:
+        figure = figures[name]
+        assert 0 < figure["min"] <= figure["median"] <= figure["max"] < 30_000, name
+        assert len(figure["runs"]) == 1, name
+    # The first segment apart; every later one is a sample, on each side.
+    for name in ("diffusers.inproc.segment_ms", "diffusers.engine.segment_ms"):
+        assert figures[name]["n"] == segments - 1, name
+    assert figures["diffusers.server.interarrival_ms"]["n"] == segments - 1
+    assert figures["diffusers.server.errors"]["max"] == 0
+    # Both sides make the same frames: their rates are of one order.
+    ratio = figures["diffusers.server.fps"]["median"] / figures["diffusers.inproc.fps"]["median"]
+    assert 0.1 < ratio < 10
+    for side in ("inproc", "engine", "server"):
+        assert figures[f"diffusers.{side}.faults_per_segment"]["min"] >= 0
+        assert figures[f"diffusers.{side}.cpu_ms_per_segment"]["min"] > 0
+    overhead, server, inproc = (
+        figures["diffusers.overhead_pct"]["median"],
+        figures["diffusers.server.interarrival_ms"]["median"],
+        figures["diffusers.inproc.segment_ms"]["median"],
+    )
+    assert overhead == pytest.approx(100 * (server / inproc - 1))
+    verdict, cleanup = result["targets"]
+    assert verdict["threshold"] == 5.0 and verdict["measured"] == pytest.approx(overhead)
+    assert verdict["status"] == ("PASS" if overhead <= 5.0 else "FAIL")
+    assert cleanup["status"] == "PASS", result["checks"]
+    assert result["runs"][0]["server_exit"] == 0 and result["worker_exit"] == 0
+    assert not _alive(result["runs"][0]["server_pid"])
+    # Only the diffusers scenario ran: no table or verdicts for the synthetic target.
+    assert report["results"]["A"]["figures"] == {}
+    assert done.stdout.count("- **PASS**") + done.stdout.count("- **FAIL**") == 2
+    assert "| diffusers.overhead_pct | % |" in done.stdout
+
+
+def test_diffusers_presets_make_valid_requests() -> None:
+    for name in bench.DIFFUSERS_PRESETS:
+        preset = bench.DiffusersPreset.named(name)
+        assert preset.width % 16 == 0 and preset.height % 16 == 0  # Wan's size multiple
+        assert (preset.segment_frames - 1) % 4 == 0  # Wan's 4n+1 frames
+        assert preset.engine_args(Path("/m"))["threads"] == "1"
+        fields = preset.start_fields(3 * preset.segment_frames, seed=7)
+        assert fields["size"] == f"{preset.width}x{preset.height}" and fields["seed"] == 7
+    assert bench.DiffusersPreset.named("gpu").device == "cuda"
+    assert bench.DiffusersPreset.default(quick=True).name == "tiny"
+    with pytest.raises(ValueError):
+        bench.DiffusersPreset.named("huge")
+
+
+def test_all_includes_diffusers_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = bench.build_parser().parse_args
+    monkeypatch.setattr(bench, "diffusers_available", lambda: True)
+    assert bench.settings_from(parse([])).scenarios[-1] == "diffusers"
+    assert "diffusers" not in bench.settings_from(parse(["--url", "ws://h:1/v"])).scenarios
+    assert (
+        "diffusers"
+        not in bench.settings_from(parse(["--compare", "ws://a:1/v", "ws://b:1/v"])).scenarios
+    )
+    monkeypatch.setattr(bench, "diffusers_available", lambda: False)
+    assert bench.settings_from(parse([])).scenarios == bench.SCENARIOS[:-1]
+    with pytest.raises(SystemExit):
+        bench.settings_from(parse(["--scenario", "diffusers"]))
+    assert bench.catalogue_key("diffusers.server.faults_per_segment") in bench.CATALOGUE
