@@ -1515,16 +1515,19 @@ def _steady_fps(times_ms: Sequence[float], frames: int) -> float:
 def diffusers_worker(config_json: str) -> int:
     """``run.py --diffusers-worker CONFIG``: the "direct" side of the diffusers scenario.
 
-    A process of its own, set up like the server's: it builds the preset's pipeline (if
-    the directory does not exist), loads it with ``load_engine`` in its main thread (so
-    ``threads=1`` is set before any other thread exists, as the server's command line
-    does), then runs sequences in one worker thread, as the server runs its engine, one per
-    JSON line on stdin, each answered by a JSON line on stdout. Measuring in a fresh
-    process, not in the harness, keeps the comparison fair: the harness's heap, threads and
-    torch settings are not the server's.
+    A process of its own, set up like the server's (allocator settings included): it
+    builds the preset's pipeline (if the directory does not exist), loads it with
+    ``load_engine`` in its main thread (so ``threads=1`` is set before any other thread
+    exists, as the server's command line does), then runs sequences in one worker thread,
+    as the server runs its engine, one per JSON line on stdin, each answered by a JSON line
+    on stdout. Measuring in a fresh process, not in the harness, keeps the comparison fair:
+    the harness's heap, threads and torch settings are not the server's.
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    from trio_vstream import memory
+
+    memory.tune_allocator()  # the same allocator settings as the server's command line
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever a library prints goes to the log, not into the replies
     config = json.loads(config_json)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+import pytest
 import trio
 
 from trio_vstream.engines.synthetic import SyntheticSettings
@@ -74,3 +76,33 @@ async def test_shutdown_stops_accepting_connections_at_once(start_server: Any) -
             pass
         else:
             raise AssertionError("still accepting connections during shutdown")
+
+
+async def test_freed_memory_goes_back_only_after_an_idle_while(
+    start_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_vstream import memory, server
+
+    trims: list[float] = []
+    real_trim = memory.return_free_memory
+
+    def counting_trim() -> None:
+        trims.append(time.monotonic())
+        real_trim()
+
+    monkeypatch.setattr(memory, "return_free_memory", counting_trim)
+    monkeypatch.setattr(server, "IDLE_BEFORE_TRIM", 0.5)
+    running = await start_server()
+    await running.run_session(START)
+    await running.wait_sessions_ended(1)
+    ended = time.monotonic()
+    await running.run_session(START)  # a second session inside the idle window
+    await running.wait_sessions_ended(2)
+    second_ended = time.monotonic()
+    await trio.sleep(0.2)
+    assert trims == []
+    with trio.fail_after(5):
+        while not trims:
+            await trio.sleep(0.05)
+    assert len(trims) == 1
+    assert trims[0] - second_ended >= 0.4 and trims[0] - ended >= 0.4

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
-from trio_vstream import protocol
+from trio_vstream import memory, protocol
 from trio_vstream.client import add_client_arguments, run_client
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
@@ -169,6 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    memory.tune_allocator()  # before the engine starts any threads
     try:
         engine = load_engine(args.engine, dict(args.engine_args), device=args.device)
     except EngineConfigError as exc:

@@ -13,8 +13,6 @@ message), and after a grace period abort what is left.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import enum
 import logging
 import os
@@ -30,7 +28,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import http, protocol
+from trio_vstream import http, memory, protocol
 from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -47,6 +45,8 @@ logger = logging.getLogger(__name__)
 VIDEO_PATH = "/v1/realtime/video"
 RECENT_SESSIONS = 256
 """Finished sessions kept for /metrics."""
+IDLE_BEFORE_TRIM = 10.0
+"""Seconds without sessions before freed memory is given back to the system."""
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +84,8 @@ class VideoServer:
         self._on_session_end = on_session_end
         self._sessions: set[Session] = set()
         self._recent: deque[SessionSummary] = deque(maxlen=RECENT_SESSIONS)
+        self._became_idle = trio.Event()
+        self._last_idle = 0.0
         self._shutdown_requested = trio.Event()
         self._closing = False
         steps = engine.max_concurrent_steps
@@ -127,11 +129,25 @@ class VideoServer:
                     )
                 )
                 self.port = listeners[0].socket.getsockname()[1]
+                listener.start_soon(self._return_memory_when_idle)
                 logger.info("serving %s with engine %s", self.url, self.engine.name)
                 task_status.started(self)
                 await self._shutdown_requested.wait()
                 listener.cancel_scope.cancel()
             await self._drain(handlers)
+
+    async def _return_memory_when_idle(self) -> None:
+        """Give freed memory back to the system once no session has run for a while.
+
+        Not at once when the last session ends: the next session would fault it all
+        back in, which showed up as tens of milliseconds on its first chunk.
+        """
+        while True:
+            await self._became_idle.wait()
+            self._became_idle = trio.Event()
+            await trio.sleep_until(self._last_idle + IDLE_BEFORE_TRIM)
+            if not self._sessions and trio.current_time() >= self._last_idle + IDLE_BEFORE_TRIM:
+                await trio.to_thread.run_sync(memory.return_free_memory)
 
     async def _drain(self, handlers: trio.Nursery) -> None:
         """Wind sessions down, then abort stragglers, then cancel what remains."""
@@ -251,9 +267,8 @@ class VideoServer:
         if self._on_session_end is not None:
             self._on_session_end(summary)
         if not self._sessions:
-            # Frames are large and short-lived; without this, glibc keeps the freed
-            # arenas and an idle server holds on to hundreds of MiB.
-            await trio.to_thread.run_sync(_return_free_memory)
+            self._last_idle = trio.current_time()
+            self._became_idle.set()
 
 
 def _split_cancelled(
@@ -272,24 +287,6 @@ def _is_disconnect(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_disconnect(e) for e in exc.exceptions)
     return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | ConnectionClosed)
-
-
-def _return_free_memory() -> None:
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    """glibc, when this process runs on it (for ``malloc_trim``); None elsewhere."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC = _load_libc()
 
 
 def _rss_bytes() -> int | None:
