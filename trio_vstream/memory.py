@@ -56,6 +56,6 @@ def tune_allocator() -> None:
 
 
 def return_free_memory() -> None:
-    """Give freed heap memory back to the system (blocking; run it in a thread)."""
+    """Give freed heap memory back to the system (blocking, for milliseconds)."""
     if _GLIBC is not None:
         _GLIBC.malloc_trim(0)

@@ -147,7 +147,9 @@ class VideoServer:
             self._became_idle = trio.Event()
             await trio.sleep_until(self._last_idle + IDLE_BEFORE_TRIM)
             if not self._sessions and trio.current_time() >= self._last_idle + IDLE_BEFORE_TRIM:
-                await trio.to_thread.run_sync(memory.return_free_memory)
+                # On the event loop: it takes milliseconds and nothing is streaming, while
+                # a worker thread would linger for Trio's idle-thread timeout afterwards.
+                memory.return_free_memory()
 
     async def _drain(self, handlers: trio.Nursery) -> None:
         """Wind sessions down, then abort stragglers, then cancel what remains."""
