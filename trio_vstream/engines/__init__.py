@@ -44,6 +44,7 @@ __all__ = [
 BUILTIN_ENGINES: Mapping[str, str] = {
     "synthetic": "trio_vstream.engines.synthetic:create_engine",
     "diffusers": "trio_vstream.engines.diffusers:create_engine",
+    "shapes": "trio_vstream.engines.shapes:create_engine",
 }
 """Short names for ``--engine``; each maps to a ``module:factory`` path."""
 

@@ -1,0 +1,67 @@
+"""The shapes engine end to end: a real server on loopback, H.264 decoded by the client,
+judged by the evaluator (colour and background verdicts) on a few prompts."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+import trio
+
+from tests.conftest import Transcript, receive_into
+from trio_vstream.engines.shapes import ShapesEngine, create_engine
+from trio_vstream.models.shapes import evaluate
+from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.session import SessionConfig
+
+PROMPTS = [
+    ("a red circle moving left on a black background", "red", "black"),
+    ("Big yellow box, falling, navy backdrop.", "yellow", "navy"),
+    ("one cyan triangle standing still over grey", "cyan", "gray"),
+    ("a small purple ball drifting rightwards on a white background", "purple", "white"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> ShapesEngine:
+    return create_engine(device="cpu")
+
+
+def decode(data: bytes) -> np.ndarray:
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+async def test_prompts_come_out_in_the_right_colours(
+    nursery: trio.Nursery, engine: ShapesEngine
+) -> None:
+    server = VideoServer(
+        engine,
+        ServerConfig(host="127.0.0.1", port=0, session=SessionConfig(served_model="shapes")),
+    )
+    await nursery.start(server.run)
+    from trio_websocket import open_websocket_url
+
+    for index, (prompt, colour, background) in enumerate(PROMPTS):
+        start: dict[str, Any] = {
+            "type": "session.start",
+            "prompt": prompt,
+            "model": "shapes",
+            "size": "128x128",
+            "num_frames": 16,
+            "seed": 100 + index,
+        }
+        transcript = Transcript()
+        async with open_websocket_url(server.url, max_message_size=2**26) as ws:
+            await ws.send_message(json.dumps(start))
+            await receive_into(ws, transcript)
+        assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+        frames = decode(transcript.video_bytes)
+        assert frames.shape == (16, 128, 128, 3)
+        verdict = evaluate.analyse_clip(frames)
+        assert (verdict.colour, verdict.background) == (colour, background), prompt
+    server.shutdown()

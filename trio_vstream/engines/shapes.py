@@ -1,0 +1,378 @@
+"""The ``shapes`` engine: the built-in video diffusion model, on CPU or CUDA.
+
+A toy-scale model of a simple world (one coloured object moving on a plain
+background; see :mod:`trio_vstream.models.shapes`) that is nevertheless a
+real chunk-autoregressive video diffusion model: a text (slot) encoder, a
+denoiser conditioned on the last frame of the previous chunk, classifier-free
+guidance and a few-step flow-matching sampler whose steps are checkpoints.
+Its weights ship with the package, so ``python -m trio_vstream --engine
+shapes`` works on a fresh machine with no GPU and no network.
+
+Per stream: slots the prompt leaves out are drawn once from the seed (a
+request without a seed gets a random one, logged), so an interaction that
+names only a new colour keeps the rest; so is where the object starts when
+there is no reference image (given to the model as a position hint). The
+conditioning of each chunk is the ``PromptSchedule`` mix of prompt embeddings,
+weighted as the reference's transition rules say. The native 32x32 frames are
+resized to the requested size inside the engine (bilinear; the square world is
+stretched to other aspect ratios) and converted to uint8 on the model's
+device, so a CUDA chunk crosses to the host once, in the server's delivery
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import secrets
+import threading
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+
+import attrs
+import torch
+from torch.nn import functional as F
+
+from trio_vstream.engines.base import (
+    Checkpoint,
+    Chunk,
+    EngineConfigError,
+    GenerationRequest,
+    InvalidRequestError,
+    PromptChange,
+)
+from trio_vstream.engines.transitions import PromptSchedule
+from trio_vstream.models.shapes.model import (
+    ShapesDenoiser,
+    WeightsError,
+    load_weights,
+    slot_vectors,
+)
+from trio_vstream.models.shapes.render import position_hint
+from trio_vstream.models.shapes.sampler import sample
+from trio_vstream.models.shapes.vocab import (
+    SLOT_NAMES,
+    SeedDefaults,
+    Slots,
+    fill_slots,
+    parse_prompt,
+)
+from trio_vstream.protocol import VideoDefaults
+
+logger = logging.getLogger(__name__)
+
+_MAX_STEPS = 200
+_IGNORED_FIELDS = ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "quality")
+
+
+def default_weights_path() -> Path:
+    """The checkpoint shipped as package data."""
+    return Path(str(resources.files("trio_vstream.models.shapes") / "weights.safetensors"))
+
+
+@attrs.frozen(kw_only=True)
+class ShapesSettings:
+    """``--engine-arg`` options; requests can override steps, guidance and shift."""
+
+    weights: Path | None = None
+    """A checkpoint to load instead of the shipped one."""
+    steps: int = 4
+    """Denoising steps per chunk when the request has no ``num_inference_steps``."""
+    guidance_scale: float = 2.0
+    """Classifier-free guidance when the request has none; 1 turns the extra branch off."""
+    flow_shift: float = 1.0
+    """Timestep shift when the request has no ``flow_shift``."""
+    threads: int | None = None
+    """torch CPU threads (default: torch's own choice)."""
+
+
+def _parse_number(name: str, raw: str, kind: type, minimum: float) -> float | int:
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise EngineConfigError(f"shapes engine: {name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise EngineConfigError(f"shapes engine: {name} must be >= {minimum}, got {raw!r}")
+    return value
+
+
+def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
+    """Turn ``--engine-arg`` strings into settings, naming any bad one."""
+    known = {field.name for field in attrs.fields(ShapesSettings)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise EngineConfigError(
+            f"shapes engine: unknown engine arg(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    values: dict[str, object] = {}
+    for name, raw in args.items():
+        if name == "weights":
+            values[name] = Path(raw).expanduser()
+        elif name == "steps":
+            steps = _parse_number(name, raw, int, 1)
+            if steps > _MAX_STEPS:
+                raise EngineConfigError(f"shapes engine: steps must be <= {_MAX_STEPS}")
+            values[name] = steps
+        elif name == "threads":
+            values[name] = _parse_number(name, raw, int, 1)
+        elif name == "flow_shift":
+            values[name] = _parse_number(name, raw, float, 1e-3)
+        else:
+            values[name] = _parse_number(name, raw, float, 0.0)
+    return ShapesSettings(**values)  # type: ignore[arg-type]
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (CUDA when there is one), ``cpu`` or ``cuda[:N]``; anything else is an error."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        try:
+            device = torch.device(spec)
+        except RuntimeError:
+            raise EngineConfigError(f"shapes engine: bad device {spec!r}") from None
+        if not torch.cuda.is_available():
+            raise EngineConfigError(f"shapes engine: device {spec!r} asked for, but no CUDA")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise EngineConfigError(
+                f"shapes engine: device {spec!r} asked for, but only "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+        return device
+    raise EngineConfigError(f"shapes engine: device must be auto, cpu or cuda[:N], got {spec!r}")
+
+
+class ShapesEngine:
+    """The loaded model, shared by every stream of the server."""
+
+    name = "shapes"
+    video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
+    max_concurrent_steps: int | None = 1
+    """One step at a time: on CPU the cores are shared anyway, on CUDA one GPU."""
+
+    def __init__(
+        self, model: ShapesDenoiser, device: torch.device, settings: ShapesSettings
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.settings = settings
+        self._reported_words: set[str] = set()
+        self._lock = threading.Lock()
+        with torch.inference_mode():
+            empty = Slots()
+            self.null_embedding = self.embed(empty)
+
+    def embed(self, slots: Slots) -> torch.Tensor:
+        """The prompt embedding (E,) of some slots; unspecified slots are "null"."""
+        indices = {
+            name: torch.tensor([-1 if i is None else i], device=self.device)
+            for name, i in zip(SLOT_NAMES, slots.indices(), strict=True)
+        }
+        with torch.inference_mode():
+            return self.model.embed(slot_vectors(indices))[0]
+
+    def report_unknown(self, words: tuple[str, ...], request_id: str) -> None:
+        """Log each word the parser did not know once per engine, not once per prompt."""
+        with self._lock:
+            new = [w for w in words if w not in self._reported_words]
+            self._reported_words.update(new)
+        if new:
+            logger.info(
+                "shapes engine: ignoring unknown prompt word(s) %s (request %s)",
+                ", ".join(repr(w) for w in new),
+                request_id,
+            )
+
+    def warm_up(self) -> None:
+        """One tiny sampling pass, so the first real chunk does not pay for kernel setup."""
+        config = self.model.config
+        size = config.native_size
+        with torch.inference_mode():
+            for guided in (False, True):
+                sample(
+                    self.model,
+                    cond=self.null_embedding[None],
+                    uncond=self.null_embedding[None] if guided else None,
+                    context=torch.zeros(1, 3, size, size, device=self.device),
+                    context_mask=torch.zeros(1, device=self.device),
+                    generator=torch.Generator(self.device).manual_seed(0),
+                    steps=1,
+                    guidance_scale=2.0 if guided else 1.0,
+                )
+
+    def open_stream(self, request: GenerationRequest) -> ShapesStream:
+        return ShapesStream(self, request)
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class ShapesStream:
+    """One session's video: chunk after chunk, each conditioned on the last frame before it."""
+
+    def __init__(self, engine: ShapesEngine, request: GenerationRequest) -> None:
+        if request.lora:
+            raise InvalidRequestError("the shapes engine has no LoRA support")
+        if request.extra_params:
+            raise InvalidRequestError(
+                "the shapes engine takes no extra_params, got "
+                + ", ".join(sorted(map(str, request.extra_params)))
+            )
+        for name in _IGNORED_FIELDS:
+            if getattr(request, name) is not None:
+                logger.info("shapes engine ignores %s (request %s)", name, request.request_id)
+        settings = engine.settings
+        self._engine = engine
+        self._request = request
+        self._steps = request.num_inference_steps or settings.steps
+        guidance = request.guidance_scale
+        self._guidance = settings.guidance_scale if guidance is None else guidance
+        self._shift = request.flow_shift if request.flow_shift else settings.flow_shift
+        if request.seed is None:
+            self.seed = secrets.randbits(31)
+            logger.info("shapes engine: request %s uses seed %d", request.request_id, self.seed)
+        else:
+            self.seed = request.seed
+        self._defaults = SeedDefaults.from_seed(self.seed)
+        self._schedule = PromptSchedule(request.prompt)
+        self._embeddings: dict[str, torch.Tensor] = {}
+        self._embedding(request.prompt)  # parse now: unknown words are logged at the start
+        device = engine.device
+        self._uncond = engine.null_embedding
+        if request.negative_prompt:
+            negative = parse_prompt(request.negative_prompt)
+            engine.report_unknown(negative.unknown_words, request.request_id)
+            self._uncond = engine.embed(negative.slots)
+        size = engine.model.config.native_size
+        self._context = torch.zeros(1, 3, size, size, device=device)
+        self._context_mask = torch.zeros(1, device=device)
+        self._hint: torch.Tensor | None = None
+        if request.image is not None:
+            self._context = image_to_context(request.image, size, device)
+            self._context_mask = torch.ones(1, device=device)
+        else:
+            # Where the object starts: drawn from the seed, like the slots a prompt omits.
+            rng = random.Random(f"shapes-start-{self.seed}")
+            start = torch.tensor([rng.uniform(0, size), rng.uniform(0, size)], device=device)
+            self._hint = position_hint(start[:1], start[1:], size)
+        self._generator = torch.Generator(device).manual_seed(self.seed)
+        self._frames_done = 0
+        self._next_index = 0
+
+    def slots_for(self, prompt: str) -> Slots:
+        """A prompt's slots, completed with this stream's seed defaults."""
+        parsed = parse_prompt(prompt)
+        self._engine.report_unknown(parsed.unknown_words, self._request.request_id)
+        for note in parsed.notes:
+            logger.info("shapes engine: %s (request %s)", note, self._request.request_id)
+        return fill_slots(parsed.slots, self._defaults)
+
+    def _embedding(self, prompt: str) -> torch.Tensor:
+        if prompt not in self._embeddings:
+            slots = self.slots_for(prompt)
+            logger.debug("shapes engine: %r -> %s", prompt, slots.describe())
+            self._embeddings[prompt] = self._engine.embed(slots)
+        return self._embeddings[prompt]
+
+    def interact(self, change: PromptChange) -> None:
+        self._schedule.push(change)
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        request = self._request
+        remaining = request.num_frames - self._frames_done
+        if remaining <= 0:
+            return None
+        conditioning = self._schedule.next_conditioning()
+        model = self._engine.model
+        config = model.config
+        with torch.inference_mode():
+            cond = sum(
+                (weight * self._embedding(prompt) for prompt, weight in conditioning.mix),
+                start=torch.zeros_like(self._uncond),
+            )
+            x0 = sample(
+                model,
+                cond=cond[None],
+                uncond=self._uncond[None],
+                context=self._context,
+                context_mask=self._context_mask,
+                generator=self._generator,
+                steps=self._steps,
+                guidance_scale=self._guidance,
+                shift=self._shift,
+                checkpoint=checkpoint,
+                hint=self._hint,
+            )
+            checkpoint()  # the decode: resize and convert
+            size = config.native_size
+            native = x0.view(config.chunk_frames, 3, size, size)
+            self._context = native[-1:].clone()
+            self._context_mask = torch.ones(1, device=native.device)
+            self._hint = None
+            count = min(config.chunk_frames, remaining)
+            frames = to_uint8_frames(native[:count], request.width, request.height)
+        index = self._next_index
+        self._next_index += 1
+        self._frames_done += count
+        return Chunk(
+            frames=frames,
+            index=index,
+            started_event_ids=conditioning.started_event_ids,
+            active_event_ids=conditioning.active_event_ids,
+            completed_event_ids=conditioning.completed_event_ids,
+        )
+
+    def close(self) -> None:
+        self._embeddings.clear()
+
+
+def to_uint8_frames(native: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """(T, 3, S, S) in [-1, 1] -> (T, height, width, 3) uint8, on the same device."""
+    if native.shape[-2:] != (height, width):
+        shrinking = height < native.shape[-2] or width < native.shape[-1]
+        native = F.interpolate(
+            native, size=(height, width), mode="bilinear", align_corners=False, antialias=shrinking
+        )
+    pixels = ((native + 1.0) * 127.5).round_().clamp_(0.0, 255.0).to(torch.uint8)
+    return pixels.permute(0, 2, 3, 1).contiguous()
+
+
+def image_to_context(image: object, size: int, device: torch.device) -> torch.Tensor:
+    """An (H, W, 3) uint8 reference image -> a (1, 3, size, size) context frame in [-1, 1]."""
+    tensor = torch.as_tensor(image)
+    if tensor.ndim != 3 or tensor.shape[-1] != 3:
+        raise InvalidRequestError(
+            f"image_reference must be an RGB image, got shape {tuple(tensor.shape)}"
+        )
+    pixels = tensor.to(device=device, dtype=torch.float32).permute(2, 0, 1)[None] / 127.5 - 1.0
+    return F.interpolate(pixels, size=(size, size), mode="bilinear", antialias=True)
+
+
+def create_engine(*, device: str = "auto", **engine_args: str) -> ShapesEngine:
+    """Factory for ``--engine shapes``: loads the weights (shipped or ``weights=PATH``)."""
+    settings = parse_settings(engine_args)
+    torch_device = resolve_device(device)
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    path = settings.weights or default_weights_path()
+    try:
+        model = load_weights(path, torch_device)
+    except WeightsError as exc:
+        raise EngineConfigError(f"shapes engine: {exc}") from None
+    engine = ShapesEngine(model, torch_device, settings)
+    engine.warm_up()
+    logger.info(
+        "shapes engine: %s on %s, %d steps, guidance %.1f",
+        path,
+        torch_device,
+        settings.steps,
+        settings.guidance_scale,
+    )
+    return engine
