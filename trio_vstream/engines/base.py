@@ -21,7 +21,7 @@ no video encoding. Three rules keep the server's guarantees intact:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -143,6 +143,17 @@ class Engine(Protocol):
 
 EngineFactory = Callable[..., Engine]
 """``factory(device=..., **engine_args)``: engine args arrive as strings."""
+
+
+def reject_unknown_args(engine: str, args: Mapping[str, str], known: Iterable[str]) -> None:
+    """A typo in ``--engine-arg`` fails at start-up, naming the key and what is known."""
+    known = sorted(known)
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise EngineConfigError(
+            f"{engine} engine: unknown engine arg(s) {', '.join(unknown)}; "
+            f"known: {', '.join(known)}"
+        )
 
 
 def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray:

@@ -42,6 +42,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.models.shapes.model import (
@@ -100,13 +101,7 @@ def _parse_number(name: str, raw: str, kind: type, minimum: float) -> float | in
 
 def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
     """Turn ``--engine-arg`` strings into settings, naming any bad one."""
-    known = {field.name for field in attrs.fields(ShapesSettings)}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise EngineConfigError(
-            f"shapes engine: unknown engine arg(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
+    reject_unknown_args("shapes", args, (field.name for field in attrs.fields(ShapesSettings)))
     values: dict[str, object] = {}
     for name, raw in args.items():
         if name == "weights":

@@ -29,6 +29,7 @@ from trio_vstream.engines.base import (
     EngineError,
     GenerationRequest,
     PromptChange,
+    reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.protocol import VideoDefaults
@@ -69,13 +70,7 @@ def _parse_int(name: str, raw: str, *, minimum: int) -> int:
 
 def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
     """Turn ``--engine-arg`` strings into settings, naming any bad one."""
-    known = {field.name for field in attrs.fields(SyntheticSettings)}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise EngineConfigError(
-            f"synthetic engine: unknown engine arg(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
+    reject_unknown_args("synthetic", args, (f.name for f in attrs.fields(SyntheticSettings)))
     values: dict[str, object] = {}
     for name, raw in args.items():
         if name == "step_delay":
