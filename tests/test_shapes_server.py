@@ -65,3 +65,35 @@ async def test_prompts_come_out_in_the_right_colours(
         verdict = evaluate.analyse_clip(frames)
         assert (verdict.colour, verdict.background) == (colour, background), prompt
     server.shutdown()
+
+
+async def test_a_seed_the_engine_chose_is_echoed_and_reproduces_the_video(
+    nursery: trio.Nursery, engine: ShapesEngine
+) -> None:
+    """Without a seed in the request, video.start's config carries the one the engine
+    drew; sending it back gives the same frames (and slots: here the colour)."""
+    server = VideoServer(
+        engine,
+        ServerConfig(host="127.0.0.1", port=0, session=SessionConfig(served_model="shapes")),
+    )
+    await nursery.start(server.run)
+    from trio_websocket import open_websocket_url
+
+    async def run(extra: dict[str, Any]) -> Transcript:
+        start = {"type": "session.start", "prompt": "a circle", "size": "64x64", "num_frames": 8}
+        transcript = Transcript()
+        async with open_websocket_url(server.url, max_message_size=2**26) as ws:
+            await ws.send_message(json.dumps({**start, **extra}))
+            await receive_into(ws, transcript)
+        assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+        return transcript
+
+    first = await run({})
+    seed = first.messages[0]["config"]["seed"]
+    assert isinstance(seed, int)
+    again = await run({"seed": seed})
+    assert again.messages[0]["config"]["seed"] == seed
+    np.testing.assert_array_equal(decode(first.video_bytes), decode(again.video_bytes))
+    other = await run({"seed": seed + 1})
+    assert not np.array_equal(decode(first.video_bytes), decode(other.video_bytes))
+    server.shutdown()

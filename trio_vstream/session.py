@@ -286,7 +286,9 @@ class Session:
             return
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
         request = await self._prepare(start)
-        await self._send(protocol.VideoStart(self.request_id, start.format, start.config))
+        await self._send(
+            protocol.VideoStart(self.request_id, start.format, self._config_echo(start))
+        )
         self._touch()
         logger.info(
             "session %s started: %dx%d, %d frames at %d fps",
@@ -325,6 +327,13 @@ class Session:
             self._end(Outcome.REJECTED, (exc.code, exc.message))
             return None
         return start
+
+    def _config_echo(self, start: protocol.SessionStart) -> dict[str, Any]:
+        """The request as used: with the engine's seed when the client chose none."""
+        seed = getattr(self._stream, "seed", None)
+        if "seed" in start.config or not isinstance(seed, int) or isinstance(seed, bool):
+            return start.config
+        return {**start.config, "seed": seed}
 
     async def _prepare(self, start: protocol.SessionStart) -> GenerationRequest:
         """Decode inputs, open the encoder and the engine stream: every check before video.start."""

@@ -118,6 +118,10 @@ class EngineStream(Protocol):
         """Release the stream's resources. Called exactly once."""
         ...
 
+    # Optional: ``seed: int``, the seed the stream uses. When the request had
+    # none, the server adds it to video.start's config echo, so a client can
+    # ask for the same video again.
+
 
 @runtime_checkable
 class Engine(Protocol):

@@ -713,6 +713,8 @@ class DiffusersStream:
         self._engine = engine
         self._request = request
         self._plan = plan
+        self.seed = plan.seed
+        """The seed in use (drawn here when the request has none): echoed in video.start."""
         self._schedule = PromptSchedule(request.prompt)
         self._lora = lora
         self._embeddings: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -764,13 +766,7 @@ class DiffusersStream:
             raise EngineError(f"{info.class_name} made no new frame ({count} asked for)")
         self._frames_done += host.shape[0]
         self._next_index += 1
-        return Chunk(
-            frames=host,
-            index=index,
-            started_event_ids=conditioning.started_event_ids,
-            active_event_ids=conditioning.active_event_ids,
-            completed_event_ids=conditioning.completed_event_ids,
-        )
+        return conditioning.chunk(host, index)
 
     def close(self) -> None:
         if self._closed:

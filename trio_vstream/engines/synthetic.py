@@ -110,8 +110,8 @@ class SyntheticStream:
         self._next_index = 0
         self._frames_done = 0
         self._closed = threading.Event()
-        seed = request.seed if request.seed is not None else 0
-        self._phase = (seed % 997) / 997.0
+        self.seed = request.seed if request.seed is not None else 0
+        self._phase = (self.seed % 997) / 997.0
         height, width = request.height, request.width
         # The bands' phase at a pixel is 1.5 * x + 1.5 * y cycles (x, y in 0..1), quantised
         # to _PHASE_LEVELS steps per cycle and split into a column part and a row part, so
@@ -148,13 +148,7 @@ class SyntheticStream:
         frames = self._render(self._frames_done, count, colour)
         self._frames_done += count
         self._next_index += 1
-        return Chunk(
-            frames=frames,
-            index=index,
-            started_event_ids=conditioning.started_event_ids,
-            active_event_ids=conditioning.active_event_ids,
-            completed_event_ids=conditioning.completed_event_ids,
-        )
+        return conditioning.chunk(frames, index)
 
     def _render(self, first: int, count: int, colour: np.ndarray) -> np.ndarray:
         """Diagonal bands drifting at 0.5 cycles per second, in the prompt's colour.

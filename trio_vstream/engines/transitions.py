@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any
 
 import attrs
 
-from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.base import Chunk, PromptChange
 
 DEFAULT_TRANSITION_CHUNKS = 3
 
@@ -41,6 +42,16 @@ class ChunkConditioning:
     def prompt(self) -> str:
         """The dominant prompt: for engines that cannot blend."""
         return self.mix[0][0]
+
+    def chunk(self, frames: Any, index: int) -> Chunk:
+        """The chunk generated from this conditioning, carrying its event ids."""
+        return Chunk(
+            frames=frames,
+            index=index,
+            started_event_ids=self.started_event_ids,
+            active_event_ids=self.active_event_ids,
+            completed_event_ids=self.completed_event_ids,
+        )
 
 
 @attrs.define
