@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -17,10 +18,11 @@ from trio_websocket import open_websocket_url
 URL_LINE = re.compile(r"ws://127\.0\.0\.1:(\d+)/v1/realtime/video")
 
 
-@pytest.fixture
-def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    """``python -m trio_vstream --port 0 ARGS``: the process, its URL and its first line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "trio_vstream", "--port", "0", "--engine-arg", "step_delay=0.02"],
+        [sys.executable, "-m", "trio_vstream", "--port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -30,11 +32,17 @@ def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
         line = process.stdout.readline()
         match = URL_LINE.search(line)
         assert match, f"no URL in {line!r}"
-        yield process, match.group(0)
+        yield process, match.group(0), line
     finally:
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with serving("--engine", "synthetic", "--engine-arg", "step_delay=0.02") as (process, url, _):
+        yield process, url
 
 
 async def test_serves_and_shuts_down_gracefully_on_sigterm(
@@ -79,8 +87,8 @@ def test_sigint_with_no_sessions_exits_zero(
     [
         (["--engine", "nope"], "unknown engine 'nope'"),
         (["--engine", "no_such_module:factory"], "cannot import engine module 'no_such_module'"),
-        (["--engine-arg", "steps=zero"], "steps must be an integer, got 'zero'"),
-        (["--engine-arg", "colour=red"], "unknown engine arg(s) colour"),
+        (["--engine", "synthetic", "--engine-arg", "steps=zero"], "steps must be an integer"),
+        (["--engine", "synthetic", "--engine-arg", "colour=red"], "unknown engine arg(s) colour"),
         (["--engine-arg", "novalue"], "expected KEY=VALUE"),
         (["--max-sessions", "0"], "must be > 0"),
     ],
@@ -103,3 +111,38 @@ def test_custom_engine_factory_by_module_path() -> None:
     engine = load_engine("trio_vstream.engines.synthetic:create_engine", {"steps": "2"})
     assert engine.name == "synthetic"
     assert engine.settings.steps == 2  # type: ignore[attr-defined]
+
+
+async def test_the_default_engine_is_the_shapes_model() -> None:
+    """``python -m trio_vstream`` with no engine flag streams the built-in diffusion
+    model: the video shows the colours the prompt asked for."""
+    import io
+
+    import av
+    import numpy as np
+
+    from trio_vstream.models.shapes.evaluate import analyse_clip
+
+    with serving() as (_, url, line):
+        assert "(engine: shapes)" in line, line
+        start = {
+            "type": "session.start",
+            "prompt": "a large yellow square moving down on a navy background",
+            "size": "128x128",
+            "num_frames": 16,
+            "seed": 5,
+        }
+        video = b""
+        async with open_websocket_url(url, max_message_size=1 << 26) as ws:
+            await ws.send_message(json.dumps(start))
+            while True:
+                message = await ws.get_message()
+                if isinstance(message, bytes):
+                    video += message
+                elif json.loads(message)["type"] in ("session.done", "error"):
+                    assert json.loads(message)["type"] == "session.done", message
+                    break
+        with av.open(io.BytesIO(video)) as container:
+            frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    verdict = analyse_clip(frames)
+    assert (verdict.colour, verdict.background) == ("yellow", "navy")

@@ -504,7 +504,10 @@ async def test_connection_lost_midstream_is_disconnected(nursery: trio.Nursery) 
 async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
     with open(tmp_path / "server.log", "wb") as log:
         server = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_vstream", "--port", "0", "--engine-arg", "chunk_frames=4"],
+            [
+                *[sys.executable, "-m", "trio_vstream", "--port", "0"],
+                *["--engine", "synthetic", "--engine-arg", "chunk_frames=4"],
+            ],
             stdout=subprocess.PIPE,
             stderr=log,
             cwd=REPO,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -184,6 +185,38 @@ def test_another_checkpoint_loads_with_weights_arg(tmp_path: Path) -> None:
     engine = create_engine(device="cpu", weights=str(path))
     chunks = run(engine, request(num_frames=3))
     assert frames_of(chunks).shape == (3, 64, 64, 3)
+
+
+def test_context_skip_copies_the_context_into_every_frame() -> None:
+    """With the skip, an untrained (zero-output) network already continues the
+    context exactly; without a context, or without the skip, it does not."""
+    torch.manual_seed(0)
+    config = ModelConfig(channels=(8, 16), native_size=16, chunk_frames=3, context_skip=True)
+    model = ShapesDenoiser(config).eval()
+    x = torch.randn(2, 9, 16, 16)
+    context = torch.rand(2, 3, 16, 16) * 2 - 1
+    cond = torch.zeros(2, config.embed_dim)
+    with torch.no_grad():
+        out = model(x, torch.ones(2), context, torch.tensor([1.0, 0.0]), cond)
+        plain = ShapesDenoiser(attrs.evolve(config, context_skip=False)).eval()
+        plain.load_state_dict(model.state_dict())
+        out_plain = plain(x, torch.ones(2), context, torch.tensor([1.0, 0.0]), cond)
+    for frame in range(3):
+        assert torch.equal(out[0, 3 * frame : 3 * frame + 3], context[0])
+    assert torch.count_nonzero(out[1]) == 0
+    assert torch.count_nonzero(out_plain) == 0
+
+
+def test_checkpoints_without_the_context_skip_setting_load_without_it(tmp_path: Path) -> None:
+    """Files written before the option existed keep meaning what they meant."""
+    import json
+
+    config = ModelConfig.from_json(json.dumps({"channels": [8, 16], "native_size": 16}))
+    assert config.context_skip is False
+    model = ShapesDenoiser(attrs.evolve(config, context_skip=True))
+    path = tmp_path / "skip.safetensors"
+    save_weights(model, path)
+    assert load_weights(path).config.context_skip is True
 
 
 def test_bad_engine_args_and_devices_are_config_errors() -> None:

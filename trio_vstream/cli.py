@@ -18,7 +18,7 @@ from trio_vstream.engines.base import Engine
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
 
-DEFAULT_ENGINE = "synthetic"
+DEFAULT_ENGINE = "shapes"
 _COMMANDS = ("serve", "client")
 
 logger = logging.getLogger("trio_vstream")

@@ -81,7 +81,7 @@ class ShapesSettings:
     """A checkpoint to load instead of the shipped one."""
     steps: int = 4
     """Denoising steps per chunk when the request has no ``num_inference_steps``."""
-    guidance_scale: float = 2.0
+    guidance_scale: float = 1.25
     """Classifier-free guidance when the request has none; 1 turns the extra branch off."""
     flow_shift: float = 1.0
     """Timestep shift when the request has no ``flow_shift``."""
@@ -316,13 +316,7 @@ class ShapesStream:
         index = self._next_index
         self._next_index += 1
         self._frames_done += count
-        return Chunk(
-            frames=frames,
-            index=index,
-            started_event_ids=conditioning.started_event_ids,
-            active_event_ids=conditioning.active_event_ids,
-            completed_event_ids=conditioning.completed_event_ids,
-        )
+        return conditioning.chunk(frames, index)
 
     def close(self) -> None:
         self._embeddings.clear()

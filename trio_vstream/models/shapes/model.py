@@ -10,7 +10,12 @@ Why this shape of network:
   under an hour on two CPU cores possible.
 * The last frame of the previous chunk (or the reference image, or nothing)
   is concatenated as extra input channels with a mask channel saying whether
-  it is there. That is what makes consecutive chunks join without a jump.
+  it is there, and (``context_skip``) added to every frame of the output, so
+  the network predicts what changes from the context rather than the whole
+  picture. That is what makes consecutive chunks join without a jump: a
+  network that redraws the background of every chunk leaves a faint
+  pattern of its own in it, different from chunk to chunk; one that copies
+  it carries the previous chunk's pattern on unchanged.
   When there is nothing (chunk 0 of a text-to-video request), one more
   channel holds a blob where the object starts: the start position is drawn
   from the seed like any slot the prompt leaves out. Without it, chunk 0
@@ -62,6 +67,10 @@ class ModelConfig:
     UNet at half resolution with 4x the channels, a quarter of the compute."""
     slot_dim: int = 64
     embed_dim: int = 256
+    context_skip: bool = False
+    """Predict each frame as the context frame plus a change (when there is a
+    context): unchanged background is then copied, not redrawn, so chunks
+    join without a jump. False reads checkpoints written before the option."""
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -227,7 +236,10 @@ class ShapesDenoiser(nn.Module):
             if level < len(self.up_blocks) - 1:
                 h = F.interpolate(h, scale_factor=2.0, mode="nearest")
         out = self.out(F.silu(self.out_norm(h)))
-        return F.pixel_shuffle(out, patch) if patch > 1 else out
+        out = F.pixel_shuffle(out, patch) if patch > 1 else out
+        if self.config.context_skip:
+            out = out + (context * mask).repeat(1, self.config.chunk_frames, 1, 1)
+        return out
 
 
 def parameter_count(model: nn.Module) -> int:
