@@ -21,6 +21,7 @@ no video encoding. Three rules keep the server's guarantees intact:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,6 +159,29 @@ def reject_unknown_args(engine: str, args: Mapping[str, str], known: Iterable[st
             f"{engine} engine: unknown engine arg(s) {', '.join(unknown)}; "
             f"known: {', '.join(known)}"
         )
+
+
+def parse_number_arg(
+    engine: str,
+    name: str,
+    raw: str,
+    kind: type[int] | type[float],
+    *,
+    minimum: float,
+    maximum: float | None = None,
+) -> Any:
+    """One numeric ``--engine-arg``: parsed as ``kind`` and range-checked, or an
+    ``EngineConfigError`` naming the engine, the key and what was wrong."""
+    try:
+        value = kind(raw)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise EngineConfigError(f"{engine} engine: {name} must be {what}, got {raw!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise EngineConfigError(f"{engine} engine: {name} must be >= {minimum}, got {raw}")
+    if maximum is not None and value > maximum:
+        raise EngineConfigError(f"{engine} engine: {name} must be <= {maximum}, got {raw}")
+    return value
 
 
 def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray:

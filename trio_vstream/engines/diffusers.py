@@ -60,6 +60,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    parse_number_arg,
 )
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 from trio_vstream.protocol import VideoDefaults
@@ -188,13 +189,7 @@ def parse_settings(args: Mapping[str, str]) -> DiffusersSettings:
         values["offload"] = raw
     for key, minimum in (("segment_frames", 2), ("threads", 1)):
         if key in args:
-            try:
-                number = int(args[key])
-            except ValueError:
-                raise _config_error(f"{key} must be an integer, got {args[key]!r}") from None
-            if number < minimum:
-                raise _config_error(f"{key} must be >= {minimum}, got {number}")
-            values[key] = number
+            values[key] = parse_number_arg("diffusers", key, args[key], int, minimum=minimum)
     if args.get("name"):
         values["name"] = args["name"]
     return DiffusersSettings(**values)

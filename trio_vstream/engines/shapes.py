@@ -23,7 +23,6 @@ thread.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import secrets
 import threading
@@ -42,6 +41,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    parse_number_arg,
     reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
@@ -89,16 +89,6 @@ class ShapesSettings:
     """torch CPU threads (default: torch's own choice)."""
 
 
-def _parse_number(name: str, raw: str, kind: type, minimum: float) -> float | int:
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise EngineConfigError(f"shapes engine: {name} must be a number, got {raw!r}") from None
-    if not math.isfinite(value) or value < minimum:
-        raise EngineConfigError(f"shapes engine: {name} must be >= {minimum}, got {raw!r}")
-    return value
-
-
 def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
     """Turn ``--engine-arg`` strings into settings, naming any bad one."""
     reject_unknown_args("shapes", args, (field.name for field in attrs.fields(ShapesSettings)))
@@ -107,16 +97,13 @@ def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
         if name == "weights":
             values[name] = Path(raw).expanduser()
         elif name == "steps":
-            steps = _parse_number(name, raw, int, 1)
-            if steps > _MAX_STEPS:
-                raise EngineConfigError(f"shapes engine: steps must be <= {_MAX_STEPS}")
-            values[name] = steps
+            values[name] = parse_number_arg("shapes", name, raw, int, minimum=1, maximum=_MAX_STEPS)
         elif name == "threads":
-            values[name] = _parse_number(name, raw, int, 1)
+            values[name] = parse_number_arg("shapes", name, raw, int, minimum=1)
         elif name == "flow_shift":
-            values[name] = _parse_number(name, raw, float, 1e-3)
+            values[name] = parse_number_arg("shapes", name, raw, float, minimum=1e-3)
         else:
-            values[name] = _parse_number(name, raw, float, 0.0)
+            values[name] = parse_number_arg("shapes", name, raw, float, minimum=0.0)
     return ShapesSettings(**values)  # type: ignore[arg-type]
 
 

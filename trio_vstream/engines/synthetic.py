@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -25,10 +24,10 @@ import numpy as np
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
-    EngineConfigError,
     EngineError,
     GenerationRequest,
     PromptChange,
+    parse_number_arg,
     reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
@@ -56,38 +55,19 @@ class SyntheticSettings:
     concurrency: int | None = None
 
 
-def _parse_int(name: str, raw: str, *, minimum: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise EngineConfigError(
-            f"synthetic engine: {name} must be an integer, got {raw!r}"
-        ) from None
-    if value < minimum:
-        raise EngineConfigError(f"synthetic engine: {name} must be >= {minimum}, got {value}")
-    return value
-
-
 def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
     """Turn ``--engine-arg`` strings into settings, naming any bad one."""
     reject_unknown_args("synthetic", args, (f.name for f in attrs.fields(SyntheticSettings)))
     values: dict[str, object] = {}
     for name, raw in args.items():
         if name == "step_delay":
-            try:
-                delay = float(raw)
-            except ValueError:
-                raise EngineConfigError(
-                    f"synthetic engine: step_delay must be a number of seconds, got {raw!r}"
-                ) from None
-            if not math.isfinite(delay) or delay < 0:
-                raise EngineConfigError(f"synthetic engine: step_delay must be >= 0, got {raw!r}")
-            values[name] = delay
+            values[name] = parse_number_arg("synthetic", name, raw, float, minimum=0)
         elif name == "concurrency":
             # 0 means no limit, as in "any number of steps at once".
-            values[name] = _parse_int(name, raw, minimum=0) or None
+            values[name] = parse_number_arg("synthetic", name, raw, int, minimum=0) or None
         else:
-            values[name] = _parse_int(name, raw, minimum=0 if name.endswith("_at_chunk") else 1)
+            minimum = 0 if name.endswith("_at_chunk") else 1
+            values[name] = parse_number_arg("synthetic", name, raw, int, minimum=minimum)
     return SyntheticSettings(**values)  # type: ignore[arg-type]
 
 
