@@ -215,9 +215,10 @@ class ShapesDenoiser(nn.Module):
         (B, 1, S, S) a blob where the object should start when there is no context."""
         emb = F.silu(self.time_mlp(timestep_embedding(t, 128)) + cond)
         mask = context_mask.view(-1, 1, 1, 1).to(x.dtype)
+        context = context * mask
         if hint is None:
             hint = torch.zeros_like(x[:, :1])
-        h = torch.cat([x, context * mask, mask.expand(-1, 1, *x.shape[2:]), hint], 1)
+        h = torch.cat([x, context, mask.expand(-1, 1, *x.shape[2:]), hint], 1)
         patch = self.config.patch
         h = self.stem(F.pixel_unshuffle(h, patch) if patch > 1 else h)
         skips = [h]
@@ -238,7 +239,7 @@ class ShapesDenoiser(nn.Module):
         out = self.out(F.silu(self.out_norm(h)))
         out = F.pixel_shuffle(out, patch) if patch > 1 else out
         if self.config.context_skip:
-            out = out + (context * mask).repeat(1, self.config.chunk_frames, 1, 1)
+            out = out + context.repeat(1, self.config.chunk_frames, 1, 1)
         return out
 
 

@@ -387,19 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-clips", type=int, default=48, help="clips for the final quick evaluation (0: none)"
     )
     args = parser.parse_args(argv)
+    # Every setting with a flag comes from it; the rest keep their defaults.
     settings = TrainSettings(
-        seed=args.seed,
-        steps=args.steps,
-        minutes=args.minutes,
-        batch=args.batch,
-        lr=args.lr,
-        threads=args.threads,
-        channels=args.channels,
-        blocks=args.blocks,
-        patch=args.patch,
-        context_skip=args.context_skip,
-        halo=args.halo,
-        end_weight=args.end_weight,
+        **{f.name: getattr(args, f.name) for f in attrs.fields(TrainSettings) if f.name in args}
     )
     train(
         settings,
