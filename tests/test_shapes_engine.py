@@ -226,6 +226,8 @@ def test_bad_engine_args_and_devices_are_config_errors() -> None:
         create_engine(device="cpu", steps="0")
     with pytest.raises(EngineConfigError, match="device"):
         create_engine(device="tpu")
+    with pytest.raises(EngineConfigError, match=r"unsupported device 'mps'"):
+        create_engine(device="mps")
     if not torch.cuda.is_available():
         with pytest.raises(EngineConfigError, match="no CUDA"):
             create_engine(device="cuda")

@@ -62,6 +62,7 @@ from trio_vstream.engines.base import (
     PromptChange,
     parse_number_arg,
 )
+from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 from trio_vstream.protocol import VideoDefaults
 
@@ -193,27 +194,6 @@ def parse_settings(args: Mapping[str, str]) -> DiffusersSettings:
     if args.get("name"):
         values["name"] = args["name"]
     return DiffusersSettings(**values)
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` is CUDA when available; ``cuda:N`` must exist."""
-    text = (device or "auto").strip().lower()
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise _config_error(f"unknown device {device!r}: use auto, cpu or cuda[:N]") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise _config_error(f"device {device!r} asked for, but CUDA is not available")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise _config_error(
-                f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here"
-            )
-    elif resolved.type != "cpu" and resolved.type != "mps":
-        raise _config_error(f"unsupported device {device!r}: use auto, cpu or cuda[:N]")
-    return resolved
 
 
 # --------------------------------------------------------------------------------------
@@ -1294,7 +1274,7 @@ def create_engine(*, device: str = "auto", **engine_args: str) -> DiffusersEngin
         check_pipeline_dir(settings.i2v_model, "i2v_model")
     if settings.lora_root is not None and not settings.lora_root.is_dir():
         raise _config_error(f"lora_root={settings.lora_root}: no such directory")
-    resolved = resolve_device(device)
+    resolved = resolve_device("diffusers", device, allow_mps=True)
     if settings.offload != "none" and resolved.type != "cuda":
         raise _config_error(f"offload={settings.offload} needs a CUDA device, not {resolved}")
     if settings.threads is not None:

@@ -44,6 +44,7 @@ from trio_vstream.engines.base import (
     parse_number_arg,
     reject_unknown_args,
 )
+from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.models.shapes.model import (
     ShapesDenoiser,
@@ -105,29 +106,6 @@ def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
         else:
             values[name] = parse_number_arg("shapes", name, raw, float, minimum=0.0)
     return ShapesSettings(**values)  # type: ignore[arg-type]
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when there is one), ``cpu`` or ``cuda[:N]``; anything else is an error."""
-    spec = spec.strip().lower()
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec == "cpu":
-        return torch.device("cpu")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        try:
-            device = torch.device(spec)
-        except RuntimeError:
-            raise EngineConfigError(f"shapes engine: bad device {spec!r}") from None
-        if not torch.cuda.is_available():
-            raise EngineConfigError(f"shapes engine: device {spec!r} asked for, but no CUDA")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise EngineConfigError(
-                f"shapes engine: device {spec!r} asked for, but only "
-                f"{torch.cuda.device_count()} CUDA device(s)"
-            )
-        return device
-    raise EngineConfigError(f"shapes engine: device must be auto, cpu or cuda[:N], got {spec!r}")
 
 
 class ShapesEngine:
@@ -334,7 +312,7 @@ def image_to_context(image: object, size: int, device: torch.device) -> torch.Te
 def create_engine(*, device: str = "auto", **engine_args: str) -> ShapesEngine:
     """Factory for ``--engine shapes``: loads the weights (shipped or ``weights=PATH``)."""
     settings = parse_settings(engine_args)
-    torch_device = resolve_device(device)
+    torch_device = resolve_device("shapes", device)
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     path = settings.weights or default_weights_path()
