@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
+import av
+import numpy as np
 import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
@@ -17,6 +20,13 @@ from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig, SessionSummary
 
 CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+def decode_video(data: bytes) -> np.ndarray:
+    """What a player shows: the (T, H, W, 3) RGB frames of an MP4 or fMP4 byte string."""
+    with av.open(io.BytesIO(data)) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8)
 
 
 @attrs.define

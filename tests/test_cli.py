@@ -15,6 +15,8 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
+from tests.conftest import decode_video
+
 URL_LINE = re.compile(r"ws://127\.0\.0\.1:(\d+)/v1/realtime/video")
 
 
@@ -116,11 +118,6 @@ def test_custom_engine_factory_by_module_path() -> None:
 async def test_the_default_engine_is_the_shapes_model() -> None:
     """``python -m trio_vstream`` with no engine flag streams the built-in diffusion
     model: the video shows the colours the prompt asked for."""
-    import io
-
-    import av
-    import numpy as np
-
     from trio_vstream.models.shapes.evaluate import analyse_clip
 
     with serving() as (_, url, line):
@@ -142,7 +139,5 @@ async def test_the_default_engine_is_the_shapes_model() -> None:
                 elif json.loads(message)["type"] in ("session.done", "error"):
                     assert json.loads(message)["type"] == "session.done", message
                     break
-        with av.open(io.BytesIO(video)) as container:
-            frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    verdict = analyse_clip(frames)
+    verdict = analyse_clip(decode_video(video))
     assert (verdict.colour, verdict.background) == ("yellow", "navy")

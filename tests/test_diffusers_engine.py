@@ -10,7 +10,6 @@ the image handed to the image-to-video pipeline); nothing under test is mocked.
 from __future__ import annotations
 
 import gc
-import io
 import json
 import shutil
 import subprocess
@@ -28,13 +27,12 @@ import pytest
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-import av
 import numpy as np
 import torch
 import trio
 from trio_websocket import open_websocket_url
 
-from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, receive_into
+from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, decode_video, receive_into
 from tests.diffusers_fixtures import build_lora, build_wan_i2v, build_wan_t2v
 from trio_vstream.engines import (
     EngineConfigError,
@@ -176,11 +174,6 @@ def encode(pipe: Any, text: str) -> torch.Tensor:
             prompt=text, do_classifier_free_guidance=False, max_sequence_length=512
         )
     return embeds
-
-
-def decode_video(data: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(data)) as container:
-        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
 @pytest.fixture

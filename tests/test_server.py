@@ -14,15 +14,10 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from tests.conftest import Transcript, is_type, receive_into, receive_until
+from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "a red circle moving left", "size": "64x48", "fps": 8}
-
-
-def decode(data: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(data)) as container:
-        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
 
 
 def assert_g1(running: Any, index: int = -1) -> None:
@@ -66,7 +61,7 @@ async def test_full_session_streams_chunks_trailer_and_done(start_server: Any) -
     }
     assert transcript.close_code == 1000
 
-    frames = decode(transcript.video_bytes)
+    frames = decode_video(transcript.video_bytes)
     assert len(frames) == 10
     assert frames[0].shape == (48, 64, 3)
     with av.open(io.BytesIO(transcript.video_bytes)) as container:
@@ -88,7 +83,7 @@ async def test_each_chunk_is_decodable_when_it_arrives(start_server: Any) -> Non
             frames_so_far += message["num_frames"]
         elif isinstance(message, bytes):
             received += message
-            assert len(decode(received)) == frames_so_far
+            assert len(decode_video(received)) == frames_so_far
 
 
 async def test_seconds_times_fps_sets_frame_count(start_server: Any) -> None:
@@ -96,7 +91,7 @@ async def test_seconds_times_fps_sets_frame_count(start_server: Any) -> None:
     transcript = await running.run_session(
         {"type": "session.start", "prompt": "x", "seconds": "2", "fps": 6, "size": "32x32"}
     )
-    assert len(decode(transcript.video_bytes)) == 12
+    assert len(decode_video(transcript.video_bytes)) == 12
 
 
 async def test_sampling_params_are_lifted_and_echoed(start_server: Any) -> None:
@@ -339,7 +334,7 @@ async def test_stop_ends_within_one_step_with_done(start_server: Any) -> None:
     assert transcript.close_code == 1000
     # What was sent still decodes, frame for frame.
     sent_frames = sum(m["num_frames"] for m in metas)
-    assert len(decode(transcript.video_bytes)) == sent_frames
+    assert len(decode_video(transcript.video_bytes)) == sent_frames
     await running.wait_sessions_ended(1)
     assert running.engine.streams[0].steps_after(stopped_at) <= 1  # G2
     assert_g1(running)
@@ -402,7 +397,7 @@ async def test_slow_engine_without_client_messages_is_not_a_stall(start_server: 
     )
     transcript = await running.run_session({**START, "num_frames": 6})
     assert transcript.terminal[0]["type"] == "session.done"
-    assert len(decode(transcript.video_bytes)) == 6
+    assert len(decode_video(transcript.video_bytes)) == 6
 
 
 # ---------------------------------------------------------------------- G3
@@ -579,7 +574,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     async with trio.open_nursery() as nursery:
         for _ in range(4):
             nursery.start_soon(one)
-    assert all(len(decode(t.video_bytes)) == 24 for t in results)
+    assert all(len(decode_video(t.video_bytes)) == 24 for t in results)
     assert most == slots if slots == 1 else 1 < most <= slots
 
 
@@ -595,7 +590,7 @@ async def test_graceful_shutdown_ends_running_sessions(start_server: Any) -> Non
     assert len(terminal) == 1
     assert terminal[0]["type"] == "error" and terminal[0]["code"] == "server_shutdown"
     assert transcript.of_type("video.chunk_metadata")
-    assert len(decode(transcript.video_bytes)) == sum(
+    assert len(decode_video(transcript.video_bytes)) == sum(
         m["num_frames"] for m in transcript.of_type("video.chunk_metadata")
     )
     assert transcript.close_code == 1000

@@ -3,16 +3,14 @@ judged by the evaluator (colour and background verdicts) on a few prompts."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
-import av
 import numpy as np
 import pytest
 import trio
 
-from tests.conftest import Transcript, receive_into
+from tests.conftest import Transcript, decode_video, receive_into
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
 from trio_vstream.server import ServerConfig, VideoServer
@@ -29,11 +27,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine() -> ShapesEngine:
     return create_engine(device="cpu")
-
-
-def decode(data: bytes) -> np.ndarray:
-    with av.open(io.BytesIO(data)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
 async def test_prompts_come_out_in_the_right_colours(
@@ -60,7 +53,7 @@ async def test_prompts_come_out_in_the_right_colours(
             await ws.send_message(json.dumps(start))
             await receive_into(ws, transcript)
         assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
-        frames = decode(transcript.video_bytes)
+        frames = decode_video(transcript.video_bytes)
         assert frames.shape == (16, 128, 128, 3)
         verdict = evaluate.analyse_clip(frames)
         assert (verdict.colour, verdict.background) == (colour, background), prompt
@@ -93,7 +86,7 @@ async def test_a_seed_the_engine_chose_is_echoed_and_reproduces_the_video(
     assert isinstance(seed, int)
     again = await run({"seed": seed})
     assert again.messages[0]["config"]["seed"] == seed
-    np.testing.assert_array_equal(decode(first.video_bytes), decode(again.video_bytes))
+    np.testing.assert_array_equal(decode_video(first.video_bytes), decode_video(again.video_bytes))
     other = await run({"seed": seed + 1})
-    assert not np.array_equal(decode(first.video_bytes), decode(other.video_bytes))
+    assert not np.array_equal(decode_video(first.video_bytes), decode_video(other.video_bytes))
     server.shutdown()
