@@ -58,6 +58,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
 
 from trio_vstream import protocol
+from trio_vstream.engines.base import Checkpoint
 
 BENCH_DIR: Final = Path(__file__).resolve().parent
 REPO_DIR: Final = BENCH_DIR.parent
@@ -943,7 +944,7 @@ def calibrate_engine(target: Target, s: Settings) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             stream = engine.open_stream(request)
             try:
-                chunk = stream.next_chunk(lambda: None)
+                chunk = stream.next_chunk(Checkpoint())
             finally:
                 stream.close()
             t1 = time.perf_counter()
@@ -1276,7 +1277,7 @@ def measure_encoder(
     encoder = FragmentedMP4Encoder(width=width, height=height, fps=fps)
     times = []
     for _ in range(chunks + 1):
-        chunk = stream.next_chunk(lambda: None)
+        chunk = stream.next_chunk(Checkpoint())
         assert chunk is not None
         started = time.perf_counter()
         encoder.encode(chunk.frames)
@@ -1497,7 +1498,7 @@ def _engine_sequence(
     started = time.perf_counter()
     stream = engine.open_stream(request)
     try:
-        while stream.next_chunk(lambda: None) is not None:
+        while stream.next_chunk(Checkpoint()) is not None:
             ended = time.perf_counter()
             times.append((ended - started) * 1000)
             started = ended

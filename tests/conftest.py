@@ -123,10 +123,11 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         max_sessions: int = 8,
         shutdown_grace: float = 5.0,
         encode_concurrency: int = 1,
+        engine_class: type[InstrumentedEngine] = InstrumentedEngine,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
-        engine = InstrumentedEngine(settings or SyntheticSettings())
+        engine = engine_class(settings or SyntheticSettings())
         summaries: list[SessionSummary] = []
         checks: list[dict[str, Any]] = []
 

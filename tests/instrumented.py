@@ -6,7 +6,13 @@ import threading
 import time
 from typing import Any
 
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.base import (
+    Checkpoint,
+    Chunk,
+    GenerationRequest,
+    PromptChange,
+    checkpoint_calling,
+)
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
 
 
@@ -23,7 +29,7 @@ class InstrumentedStream:
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
         engine = self._engine
 
-        def counting_checkpoint() -> None:
+        def counting_step() -> None:
             checkpoint()
             # Only checkpoints that let the engine go on count as steps started.
             self.step_times.append(time.monotonic())
@@ -31,7 +37,9 @@ class InstrumentedStream:
         with engine.lock:
             self.threads_inside += 1
         try:
-            return self._inner.next_chunk(counting_checkpoint)
+            return self._inner.next_chunk(
+                checkpoint_calling(counting_step, checkpoint.check_cancelled)
+            )
         finally:
             with engine.lock:
                 self.threads_inside -= 1
@@ -67,3 +75,49 @@ class InstrumentedEngine(SyntheticEngine):
                 "threads_inside": sum(s.threads_inside for s in mine),
                 "unclosed_streams": sum(1 for s in mine if s.closed != 1),
             }
+
+
+class TakingTurnsEngine(InstrumentedEngine):
+    """Whole chunks take turns on one lock, as sessions do on the diffusers engine's
+    shared pipeline: a session waits for its turn inside ``checkpoint.waiting()``."""
+
+    def __init__(self, settings: SyntheticSettings) -> None:
+        super().__init__(settings)
+        self._turn = threading.Condition()
+        self._busy = False
+        self._waiting = 0
+        self.max_waiting = 0
+        """The most sessions seen waiting for their turn at once."""
+
+    def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
+        stream = super().open_stream(request)
+        next_chunk = stream.next_chunk
+
+        def next_chunk_in_turn(checkpoint: Checkpoint) -> Chunk | None:
+            self._take_turn(checkpoint)
+            try:
+                return next_chunk(checkpoint)
+            finally:
+                with self._turn:
+                    self._busy = False
+                    self._turn.notify_all()
+
+        stream.next_chunk = next_chunk_in_turn  # type: ignore[method-assign]
+        return stream
+
+    def _take_turn(self, checkpoint: Checkpoint) -> None:
+        with checkpoint.waiting():
+            with self._turn:
+                self._waiting += 1
+            try:
+                while True:
+                    checkpoint.check_cancelled()
+                    with self._turn:
+                        if not self._busy:
+                            self._busy = True
+                            return
+                        self.max_waiting = max(self.max_waiting, self._waiting)
+                        self._turn.wait(timeout=0.01)
+            finally:
+                with self._turn:
+                    self._waiting -= 1

@@ -35,10 +35,12 @@ from trio_websocket import open_websocket_url
 from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, decode_video, receive_into
 from tests.diffusers_fixtures import build_lora, build_wan_i2v, build_wan_t2v
 from trio_vstream.engines import (
+    Checkpoint,
     EngineConfigError,
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    checkpoint_calling,
     load_engine,
 )
 from trio_vstream.engines.diffusers import DiffusersEngine
@@ -108,11 +110,10 @@ def request(**fields: Any) -> GenerationRequest:
     return GenerationRequest(**values)
 
 
-def no_stop() -> None:
-    pass
+no_stop = Checkpoint()
 
 
-def run_all(stream: Any, checkpoint: Callable[[], None] = no_stop) -> list[Any]:
+def run_all(stream: Any, checkpoint: Checkpoint = no_stop) -> list[Any]:
     chunks = []
     try:
         while (chunk := stream.next_chunk(checkpoint)) is not None:
@@ -468,7 +469,7 @@ def test_a_raising_checkpoint_stops_the_segment_before_more_steps_and_the_decode
 
     stream = engine.open_stream(request(num_inference_steps=10))
     with pytest.raises(_Stopped):
-        stream.next_chunk(checkpoint)
+        stream.next_chunk(checkpoint_calling(checkpoint, checkpoint))
     stream.close()
     assert len(probe.forwards) == 2
     assert probe.decodes == []
@@ -497,7 +498,7 @@ def test_a_session_waiting_for_the_pipeline_can_be_stopped(
                 raise _Stopped
 
         with pytest.raises(_Stopped):
-            waiting.next_chunk(checkpoint)
+            waiting.next_chunk(checkpoint_calling(checkpoint, checkpoint))
         waited = time.monotonic() - stop_at
         waiting.close()
         assert holder.is_alive()  # the other segment still holds the pipeline...
@@ -557,10 +558,11 @@ def test_no_tensor_of_a_finished_session_stays_referenced(
             ):
                 raise _Stopped
 
+        stop = checkpoint_calling(checkpoint, checkpoint)
         try:
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stop)
             stream.interact(PromptChange("e1", "something else", transition_chunks=1))
-            while stream.next_chunk(checkpoint) is not None:
+            while stream.next_chunk(stop) is not None:
                 pass
         except _Stopped:
             pass
@@ -603,7 +605,7 @@ def test_gpu_memory_returns_to_baseline_after_a_session(models: SimpleNamespace)
                 raise _Stopped
 
         with pytest.raises(_Stopped):
-            stream.next_chunk(stop_mid_segment)
+            stream.next_chunk(checkpoint_calling(stop_mid_segment, stop_mid_segment))
         stream.close()
         del stream
         gc.collect()

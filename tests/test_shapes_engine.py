@@ -13,6 +13,7 @@ import torch
 
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import (
+    Checkpoint,
     Chunk,
     GenerationRequest,
     InvalidRequestError,
@@ -58,7 +59,7 @@ def run(
         while True:
             if changes and len(chunks) in changes:
                 stream.interact(changes[len(chunks)])
-            chunk = stream.next_chunk(lambda: None)
+            chunk = stream.next_chunk(Checkpoint())
             if chunk is None:
                 return chunks
             chunks.append(chunk)

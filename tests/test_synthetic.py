@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from trio_vstream.engines.base import (
+    Checkpoint,
     EngineConfigError,
     EngineError,
     GenerationRequest,
     PromptChange,
+    checkpoint_calling,
 )
 from trio_vstream.engines.synthetic import SyntheticEngine, create_engine, parse_settings
 
@@ -29,7 +31,7 @@ def request(**overrides: object) -> GenerationRequest:
 
 def drain(stream: object) -> list[object]:
     chunks = []
-    while (chunk := stream.next_chunk(lambda: None)) is not None:  # type: ignore[attr-defined]
+    while (chunk := stream.next_chunk(Checkpoint())) is not None:  # type: ignore[attr-defined]
         chunks.append(chunk)
     return chunks
 
@@ -57,9 +59,9 @@ def test_chunks_cover_exactly_the_requested_frames() -> None:
 def test_colour_follows_the_prompt_and_interactions() -> None:
     engine = SyntheticEngine(parse_settings({"chunk_frames": "2"}))
     stream = engine.open_stream(request(num_frames=8))
-    first = stream.next_chunk(lambda: None)
+    first = stream.next_chunk(Checkpoint())
     stream.interact(PromptChange("e", "something else entirely", 0))
-    second = stream.next_chunk(lambda: None)
+    second = stream.next_chunk(Checkpoint())
     assert first is not None and second is not None
     mean_first = first.frames.reshape(-1, 3).mean(axis=0)
     mean_second = second.frames.reshape(-1, 3).mean(axis=0)
@@ -87,16 +89,16 @@ def test_a_raising_checkpoint_stops_generation_at_once() -> None:
             raise KeyboardInterrupt  # stands in for trio.Cancelled, a BaseException
 
     with pytest.raises(KeyboardInterrupt):
-        stream.next_chunk(checkpoint)
+        stream.next_chunk(checkpoint_calling(checkpoint, checkpoint))
     assert calls == 3
 
 
 def test_fail_at_chunk_raises_an_engine_error() -> None:
     engine = SyntheticEngine(parse_settings({"fail_at_chunk": "1", "chunk_frames": "5"}))
     stream = engine.open_stream(request())
-    assert stream.next_chunk(lambda: None) is not None
+    assert stream.next_chunk(Checkpoint()) is not None
     with pytest.raises(EngineError, match="failure at chunk 1"):
-        stream.next_chunk(lambda: None)
+        stream.next_chunk(Checkpoint())
 
 
 def test_same_seed_same_frames() -> None:

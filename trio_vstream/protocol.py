@@ -470,8 +470,15 @@ def _parse_finite_float(text: str) -> float:
     return value
 
 
-def _load_json(raw: str | bytes, *, max_bytes: int, too_large: str, bad_json: str) -> Any:
-    """Size check, then strict JSON.
+def _load_json(
+    raw: str | bytes,
+    *,
+    max_bytes: int,
+    too_large: str,
+    bad_json: str,
+    unicode_only: bool = True,
+) -> Any:
+    """Size check, then strict JSON, and (``unicode_only``) no lone surrogates.
 
     NaN/Infinity are refused because they are not JSON: echoing them back in
     ``video.start`` would produce text that browsers' ``JSON.parse`` rejects.
@@ -492,9 +499,45 @@ def _load_json(raw: str | bytes, *, max_bytes: int, too_large: str, bad_json: st
         ):
             raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, too_large)
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_finite_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_finite_float)
     except (ValueError, RecursionError):
         raise ProtocolError(ErrorCode.INVALID_JSON, bad_json) from None
+    where = _lone_surrogate_at(value) if unicode_only else None
+    if where is not None:
+        # JSON can escape half of a UTF-16 pair ("\udc80"). Such a string cannot be
+        # encoded as UTF-8: it would break an engine's tokenizer or our own reply.
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"{bad_json}: the string at {where} is not valid Unicode (a lone surrogate)",
+        )
+    return value
+
+
+_LONE_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def safe_text(text: str) -> str:
+    """Client text made fit to send back: lone surrogates written as ``\\udc80``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _lone_surrogate_at(value: Any) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, if any."""
+    pending: list[tuple[str, Any]] = [("the top level", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                child_path = key if path == "the top level" else f"{path}.{key}"
+                if _LONE_SURROGATE.search(key):
+                    return safe_text(child_path)
+                pending.append((child_path, child))
+        elif isinstance(item, list):
+            pending.extend((f"{path}[{index}]", child) for index, child in enumerate(item))
+    return None
 
 
 _DATA_URL: Final = re.compile(
@@ -1043,8 +1086,14 @@ def parse_server_message(raw: str | bytes) -> ServerMessage:
     Unknown keys are ignored so that clients keep working when servers add fields.
     """
     # No size limit: a client trusts its server, and the transport bounds frames anyway.
+    # Lone surrogates are let through: a server that echoes one (the reference does) is
+    # still understood; escaped as they arrive, they stay valid text for the client.
     msg = _load_json(
-        raw, max_bytes=2**62, too_large="server message too large", bad_json="Invalid JSON message"
+        raw,
+        max_bytes=2**62,
+        too_large="server message too large",
+        bad_json="Invalid JSON message",
+        unicode_only=False,
     )
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "Server messages must be JSON objects")

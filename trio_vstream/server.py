@@ -28,7 +28,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import http, memory, protocol
+from trio_vstream import _websocket_compat, http, memory, protocol
 from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -41,6 +41,8 @@ from trio_vstream.session import (
 )
 
 logger = logging.getLogger(__name__)
+
+_websocket_compat.patch_ping_during_close()  # trio-websocket #184; see that module
 
 VIDEO_PATH = "/v1/realtime/video"
 RECENT_SESSIONS = 256
@@ -83,6 +85,7 @@ class VideoServer:
         self.port: int | None = None
         self._on_session_end = on_session_end
         self._sessions: set[Session] = set()
+        self._sessions_changed = trio.Event()
         self._recent: deque[SessionSummary] = deque(maxlen=RECENT_SESSIONS)
         self._became_idle = trio.Event()
         self._last_idle = 0.0
@@ -158,15 +161,27 @@ class VideoServer:
         for session in list(self._sessions):
             session.shutdown()
         with trio.move_on_after(self.config.shutdown_grace):
-            while self._sessions:
-                await trio.sleep(0.01)
+            await self._wait_no_sessions()
         for session in list(self._sessions):
             session.abort(Outcome.SHUTDOWN, (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down"))
         with trio.move_on_after(self.config.session.close_timeout):
-            while self._sessions:
-                await trio.sleep(0.01)
+            await self._wait_no_sessions()
         # Connections still in their handshake, and anything left, go now.
         handlers.cancel_scope.cancel()
+
+    async def _wait_no_sessions(self) -> None:
+        while self._sessions:
+            await self._sessions_changed.wait()
+
+    def _session_ended(self, session: Session) -> None:
+        self._sessions.discard(session)
+        self._sessions_changed.set()
+        self._sessions_changed = trio.Event()
+
+    @property
+    def running_sessions(self) -> int:
+        """Sessions that count against ``max_sessions``: not those only closing their socket."""
+        return sum(1 for session in self._sessions if not session.finishing)
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
         """One TCP connection: a plain HTTP GET, or a WebSocket upgrade."""
@@ -246,7 +261,7 @@ class VideoServer:
         refusal: protocol.Error | None = None
         if self._closing:
             refusal = protocol.Error(ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
-        elif len(self._sessions) >= self.config.max_sessions:
+        elif self.running_sessions >= self.config.max_sessions:
             refusal = protocol.Error(
                 ErrorCode.SERVER_BUSY,
                 f"Server busy: {self.config.max_sessions} sessions running; try again later",
@@ -264,7 +279,7 @@ class VideoServer:
         try:
             summary = await session.run()
         finally:
-            self._sessions.discard(session)
+            self._session_ended(session)
         self._recent.append(summary)
         if self._on_session_end is not None:
             self._on_session_end(summary)

@@ -13,8 +13,12 @@ structure is the whole design:
   delivered), so a client that stops reading stalls the engine instead of
   filling memory;
 * the **stall guard** is a ``trio.move_on_after`` that every sign of
-  progress (a chunk generated or sent, a client ping) pushes back; when it
-  expires the session is aborted.
+  progress (a denoising step, a chunk generated or sent, a client ping)
+  pushes back; when it expires the session is aborted. A session queued
+  behind others (for a step slot, or inside the engine's
+  ``checkpoint.waiting()``) is pushed back by every step the engine takes for
+  any session: waiting behind sessions that progress is not a stall, while an
+  engine that makes no progress at all is caught within the stall timeout.
 
 How a session ends decides what is cancelled. A stop, an engine failure or a
 graceful shutdown cancels only the producer (the engine sees it at its next
@@ -24,6 +28,11 @@ disconnect or a stall aborts everything, including a send stuck on a client
 that does not read. Sends are otherwise shielded: a cancelled half-written
 WebSocket frame would corrupt the stream, so a send is only ever interrupted
 on purpose, and then the socket is marked broken and left alone.
+
+The outcome is decided when it happens, and the first reason wins: once the
+engine has produced the last chunk the video is complete, and a stop or a
+shutdown after that changes nothing; a client that goes away is a disconnect
+whichever task notices it first.
 
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
@@ -36,7 +45,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import attrs
@@ -47,6 +56,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from trio_vstream import protocol
 from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_image
 from trio_vstream.engines.base import (
+    Checkpoint,
     Chunk,
     Engine,
     EngineStream,
@@ -107,6 +117,8 @@ class SessionSummary:
     chunks_sent: int
     frames_generated: int
     error_code: str | None
+    error_message: str | None = None
+    """What went wrong, in words (also when no message could reach the client)."""
     started_at: float
     """``time.monotonic()`` when the connection's session began."""
     stream_closed_at: float | None
@@ -114,36 +126,91 @@ class SessionSummary:
     ended_at: float
 
 
-class _StepGate:
-    """The ``checkpoint`` an engine calls between steps, from its worker thread.
+class EngineProgress:
+    """The engine's steps, as seen by the stall guards of sessions queued behind them.
 
-    It raises ``trio.Cancelled`` once the producer is cancelled, which is what
-    stops the engine within one step. With an engine step limit it also hands
-    the engine's step slots round fairly: a session that holds a slot gives it
-    up at every checkpoint where another session is waiting, and
-    ``trio.CapacityLimiter`` serves waiters first come, first served.
+    Server-wide: a session waiting for its turn (for a step slot, or inside the
+    engine's ``checkpoint.waiting()``) is queued here, and every step the
+    engine takes for any session counts as progress for all queued sessions.
+    Used from the Trio thread only.
     """
 
-    def __init__(self, limiter: trio.CapacityLimiter | None) -> None:
+    def __init__(self) -> None:
+        self._queued: dict[object, tuple[Callable[[], None], int]] = {}
+
+    @contextlib.contextmanager
+    def queued(self, key: object, on_progress: Callable[[], None]) -> Iterator[None]:
+        """While inside, ``on_progress`` runs at every step the engine takes."""
+        _, depth = self._queued.get(key, (on_progress, 0))
+        self._queued[key] = (on_progress, depth + 1)
+        try:
+            yield
+        finally:
+            depth = self._queued[key][1] - 1
+            if depth:
+                self._queued[key] = (on_progress, depth)
+            else:
+                del self._queued[key]
+
+    def step_taken(self) -> None:
+        for on_progress, _ in list(self._queued.values()):
+            on_progress()
+
+
+class _SessionCheckpoint(Checkpoint):
+    """The ``checkpoint`` a session hands its engine, called from the worker thread.
+
+    A step (``checkpoint()``) raises ``trio.Cancelled`` once the producer is
+    cancelled, which is what stops the engine within one step; otherwise it
+    counts as progress, for this session and for the sessions queued behind
+    it. With an engine step limit it also hands the engine's step slots round
+    fairly: a session that holds a slot gives it up at every step where
+    another session is waiting, and ``trio.CapacityLimiter`` serves waiters
+    first come, first served. One round trip to the Trio thread per step,
+    small beside a denoising step.
+    """
+
+    def __init__(
+        self,
+        limiter: trio.CapacityLimiter | None,
+        progress: EngineProgress,
+        on_progress: Callable[[], None],
+    ) -> None:
         self._limiter = limiter
+        self._progress = progress
+        self._on_progress = on_progress
         self._holding = False
 
     def __call__(self) -> None:
         trio.from_thread.check_cancelled()
-        if self._limiter is not None:
-            # The limiter is only touched from the Trio thread: one round trip per step,
-            # small beside a denoising step.
-            trio.from_thread.run(self._take_turn)
+        trio.from_thread.run(self._step)
 
-    async def _take_turn(self) -> None:
-        assert self._limiter is not None
-        if self._holding:
-            if self._limiter.statistics().tasks_waiting == 0:
-                return
-            self._limiter.release_on_behalf_of(self)
-            self._holding = False
-        await self._limiter.acquire_on_behalf_of(self)
-        self._holding = True
+    def check_cancelled(self) -> None:
+        trio.from_thread.check_cancelled()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        trio.from_thread.check_cancelled()
+        queued = self._progress.queued(self, self._on_progress)
+        trio.from_thread.run_sync(queued.__enter__)
+        try:
+            yield
+        finally:
+            trio.from_thread.run_sync(queued.__exit__, None, None, None)
+
+    async def _step(self) -> None:
+        limiter = self._limiter
+        if limiter is not None:
+            # The limiter is only touched from the Trio thread.
+            if self._holding and limiter.statistics().tasks_waiting:
+                limiter.release_on_behalf_of(self)
+                self._holding = False
+            if not self._holding:
+                with self._progress.queued(self, self._on_progress):
+                    await limiter.acquire_on_behalf_of(self)
+                self._holding = True
+        self._on_progress()
+        self._progress.step_taken()
 
     def release(self) -> None:
         """Give the slot back when the engine call returns (from the Trio thread)."""
@@ -175,6 +242,7 @@ class ServerResources:
     step_limiter: trio.CapacityLimiter | None
     thread_limiter: trio.CapacityLimiter
     encode_limiter: trio.CapacityLimiter
+    engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
 
 
 class Session:
@@ -190,14 +258,21 @@ class Session:
         self._send_lock = trio.Lock()
         self._active_sends: set[trio.CancelScope] = set()
         self._broken = False
+        self._disconnect_logged = False
         self._session_scope = trio.CancelScope()
         self._streaming = False
+        self._generated_all = False
+        self.finishing = False
+        """True once the session only has its last message and the close left to do:
+        it no longer counts against the server's session limit."""
         self._producer_scope = trio.CancelScope()
         self._encode_wait = trio.CancelScope()
         self._progress = trio.Event()
         self._stream: EngineStream | None = None
         self._encoder: FragmentedMP4Encoder | None = None
-        self._gate = _StepGate(resources.step_limiter)
+        self._checkpoint = _SessionCheckpoint(
+            resources.step_limiter, resources.engine_progress, self._touch
+        )
         self._event_ids: set[str] = set()
         self._chunks_sent = 0
         self._frames_generated = 0
@@ -216,10 +291,16 @@ class Session:
             with self._session_scope:
                 try:
                     await self._run()
-                except _Failure as failure:  # a failure before streaming began
+                # Several tasks may fail at once (a close noticed by two of them, while a
+                # third is cancelled): every part of a group is handled, and whatever
+                # cancellation is left is this scope's to absorb, or the caller's.
+                except* ConnectionClosed:
+                    self._disconnected()
+                except* _Failure as failures:  # a failure before streaming began
+                    failure = _first_leaf(failures)
                     self._end(Outcome.FAILED, (failure.code, failure.message))
-                except Exception:
-                    logger.exception("session %s: internal error", self.request_id)
+                except* Exception as errors:
+                    logger.error("session %s: internal error", self.request_id, exc_info=errors)
                     self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error"))
             await self._close_stream()
             await self._finish()
@@ -240,6 +321,7 @@ class Session:
             chunks_sent=self._chunks_sent,
             frames_generated=self._frames_generated,
             error_code=self._error[0].value if self._error else None,
+            error_message=self._error[1] if self._error else None,
             started_at=self._started_at,
             stream_closed_at=self._stream_closed_at,
             ended_at=time.monotonic(),
@@ -249,7 +331,13 @@ class Session:
         self, outcome: Outcome = Outcome.STOPPED, error: tuple[ErrorCode, str] | None = None
     ) -> None:
         """End the session gracefully: the engine stops at its next checkpoint, the
-        chunk being sent is finished, and the stream is closed properly."""
+        chunk being sent is finished, and the stream is closed properly.
+
+        Once the engine has made the last chunk, the video is complete: a stop or a
+        shutdown then changes nothing, and the chunks still on their way are sent.
+        """
+        if self._generated_all and outcome in (Outcome.STOPPED, Outcome.SHUTDOWN):
+            return
         if self._end(outcome, error):
             self._producer_scope.cancel()
             self._encode_wait.cancel()
@@ -263,12 +351,17 @@ class Session:
             scope.cancel()
 
     def shutdown(self) -> None:
-        """The server is going away: streaming sessions wind down, others end at once."""
+        """The server is going away: streaming sessions wind down, others end at once.
+
+        Even those are not cut mid-send: a session that is sending its ``video.start``
+        finishes that message, then says ``server_shutdown``.
+        """
         error = (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
         if self._streaming:
             self.stop(Outcome.SHUTDOWN, error)
-        else:
-            self.abort(Outcome.SHUTDOWN, error)
+        elif self._end(Outcome.SHUTDOWN, error):
+            self._producer_scope.cancel()
+            self._session_scope.cancel()
 
     def _end(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> bool:
         """Record the first reason the session ends; later ones change nothing."""
@@ -278,6 +371,13 @@ class Session:
         self._error = error
         return True
 
+    def _disconnected(self) -> None:
+        """The client closed the connection: whichever task noticed, one line, no traceback."""
+        if not self._disconnect_logged:
+            self._disconnect_logged = True
+            logger.info("session %s: client disconnected", self.request_id)
+        self.abort(Outcome.DISCONNECTED)
+
     # ----------------------------------------------------------- the session
 
     async def _run(self) -> None:
@@ -286,6 +386,9 @@ class Session:
             return
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
         request = await self._prepare(start)
+        # From here a shutdown lets the session say goodbye properly, rather than
+        # cutting the video.start about to be sent.
+        self._streaming = True
         await self._send(
             protocol.VideoStart(self.request_id, start.format, self._config_echo(start))
         )
@@ -298,7 +401,6 @@ class Session:
             request.num_frames,
             request.fps,
         )
-        self._streaming = True
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_loop)
             nursery.start_soon(self._stall_guard)
@@ -400,8 +502,7 @@ class Session:
             try:
                 raw = await self._ws.get_message()
             except ConnectionClosed:
-                logger.info("session %s: client disconnected", self.request_id)
-                self.abort(Outcome.DISCONNECTED)
+                self._disconnected()
                 return
             try:
                 message = protocol.parse_control(raw, limits=self._config.limits)
@@ -451,19 +552,21 @@ class Session:
         self._progress = trio.Event()
 
     async def _stall_guard(self) -> None:
+        timeout = self._config.stall_timeout
         while True:
             progress = self._progress
-            with trio.move_on_after(self._config.stall_timeout):
+            with trio.move_on_after(timeout):
                 await progress.wait()
                 continue
+            if self._active_sends:
+                # Nothing moved because a send is stuck: the engine waits for the channel.
+                reason = "Stall timeout: the client stopped reading"
+            else:
+                reason = "Stall timeout: no generation progress"  # the reference's words
             logger.warning(
-                "session %s: no progress for %.1f s, aborting",
-                self.request_id,
-                self._config.stall_timeout,
+                "session %s: %s for %.1f s, aborting", self.request_id, reason.lower(), timeout
             )
-            self.abort(
-                Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
-            )
+            self.abort(Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, reason))
             return
 
     # ------------------------------------------------------ generation loop
@@ -491,7 +594,7 @@ class Session:
     ) -> None:
         while True:
             try:
-                chunk = await self._in_thread(stream.next_chunk, self._gate)
+                chunk = await self._in_thread(stream.next_chunk, self._checkpoint)
             except trio.Cancelled:
                 raise
             except Exception as exc:
@@ -499,8 +602,11 @@ class Session:
                 self.stop(Outcome.FAILED, (ErrorCode.GENERATION_FAILED, _describe(exc)))
                 return
             finally:
-                self._gate.release()
+                self._checkpoint.release()
             if chunk is None:
+                # The video is complete: what is left is delivery, which a stop or a
+                # shutdown no longer interrupts.
+                self._generated_all = True
                 return
             self._touch()
             await send_chunks.send(chunk)
@@ -557,7 +663,15 @@ class Session:
             return False
         return True
 
-    async def _send_chunk(self, kind: str, frames: int, data: bytes, chunk: Chunk | None) -> None:
+    async def _send_chunk(
+        self,
+        kind: str,
+        frames: int,
+        data: bytes,
+        chunk: Chunk | None,
+        *,
+        deadline: float | None = None,
+    ) -> None:
         assert self.request_id is not None
         metadata = protocol.ChunkMetadata(
             request_id=self.request_id,
@@ -570,26 +684,42 @@ class Session:
             completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
             transport_chunk_index=self._chunks_sent,
         )
-        await self._send(metadata, data)
+        await self._send(metadata, data, deadline=deadline)
         self._chunks_sent += 1
         self._res.stats.chunks_sent += 1
 
     # --------------------------------------------------------------- ending
 
     async def _finish(self) -> None:
-        """Send the one terminal message, then close the WebSocket normally."""
+        """Send the one terminal message, then close the WebSocket normally.
+
+        Both within ``close_timeout``: a client that stops reading at the end holds
+        its session slot that long, not a stall timeout. After a half-written frame
+        the socket is left alone: a close frame would only add to the garbage.
+        """
+        self.finishing = True
+        trailer: bytes | None = b""
+        if self.outcome is None:  # defensive: _run returned without deciding
+            self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "session ended unexpectedly"))
+        if self.outcome is Outcome.COMPLETED:
+            # Like the reference, only a completed stream gets the encoder's trailer: after
+            # a stop it would be an extra message, and it carries no frames (an index box).
+            trailer = await self._close_encoder()
+            if trailer is None:
+                self.outcome = Outcome.FAILED  # the error is recorded: the video is broken
         outcome = self.outcome
-        if outcome is None:  # defensive: _run returned without deciding
-            outcome = Outcome.FAILED
-            self._end(outcome, (ErrorCode.INTERNAL_ERROR, "session ended unexpectedly"))
+        assert outcome is not None
         if outcome is not Outcome.DISCONNECTED and not self._broken:
-            with trio.move_on_after(self._config.close_timeout) as deadline:
-                with contextlib.suppress(ConnectionClosed, _SocketBroken):
-                    await self._send_terminal(outcome)
-            if deadline.cancelled_caught:
+            deadline = trio.current_time() + self._config.close_timeout
+            with contextlib.suppress(ConnectionClosed, _SocketBroken):
+                if outcome is Outcome.COMPLETED and trailer:
+                    await self._send_chunk("trailer", 0, trailer, None, deadline=deadline)
+                await self._send_terminal(outcome, deadline)
+            if self._broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
-        with trio.move_on_after(self._config.close_timeout):
-            await self._ws.aclose()
+        if not self._broken:
+            with trio.move_on_after(self._config.close_timeout):
+                await self._ws.aclose()
         logger.info(
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
@@ -598,23 +728,16 @@ class Session:
             f" ({self._error[0].value}: {self._error[1]})" if self._error else "",
         )
 
-    async def _send_terminal(self, outcome: Outcome) -> None:
-        # Like the reference, only a completed stream gets the encoder's trailer: after
-        # a stop it would be an extra message, and it carries no frames (an index box).
-        if outcome is Outcome.COMPLETED:
-            trailer = await self._close_encoder()
-            if trailer is None:
-                outcome = Outcome.FAILED
-            elif trailer:
-                await self._send_chunk("trailer", 0, trailer, None)
+    async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
         if outcome in (Outcome.COMPLETED, Outcome.STOPPED):
             assert self.request_id is not None
-            await self._send(
-                protocol.SessionDone(self.request_id, self._chunks_sent, outcome is Outcome.STOPPED)
+            done = protocol.SessionDone(
+                self.request_id, self._chunks_sent, outcome is Outcome.STOPPED
             )
+            await self._send(done, deadline=deadline)
         else:
             code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
-            await self._send_error(code, message)
+            await self._send_error(code, message, deadline=deadline)
 
     async def _close_encoder(self) -> bytes | None:
         """The encoder's final bytes, or None (and an error recorded) if it fails."""
@@ -646,42 +769,59 @@ class Session:
     # ---------------------------------------------------------------- sends
 
     async def _send_error(
-        self, code: ErrorCode, message: str, *, event_id: str | None = None
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        event_id: str | None = None,
+        deadline: float | None = None,
     ) -> None:
-        await self._send(
-            protocol.Error(code, message, request_id=self.request_id, event_id=event_id)
-        )
+        error = protocol.Error(code, message, request_id=self.request_id, event_id=event_id)
+        await self._send(error, deadline=deadline)
 
-    async def _send(self, *messages: Any) -> None:
+    async def _send(self, *messages: Any, deadline: float | None = None) -> None:
         """Send messages back to back, never interleaved with another task's.
 
         The write is shielded so that ordinary cancellation (a stop, the end
         of the receive loop) never cuts a frame in half; only ``abort`` cancels
-        it, and then the socket is marked broken. The shield's own deadline is
-        the last resort against a peer that never reads.
+        it, and then the socket is marked broken. The shield's own deadline (an
+        absolute Trio time; by default the stall timeout from now) is the last
+        resort against a peer that never reads. A closed connection is a
+        disconnect, whichever send finds it.
         """
         async with self._send_lock:
             if self._broken:
-                await self._unwind()
-            with trio.CancelScope(
-                shield=True, deadline=trio.current_time() + self._config.stall_timeout
-            ) as scope:
+                await self._leave()
+            if deadline is None:
+                deadline = trio.current_time() + self._config.stall_timeout
+            closed = False
+            with trio.CancelScope(shield=True, deadline=deadline) as scope:
                 self._active_sends.add(scope)
                 try:
                     for message in messages:
                         data = message if isinstance(message, bytes) else message.to_json()
                         await self._ws.send_message(data)
+                except ConnectionClosed:
+                    closed = True
                 finally:
                     self._active_sends.discard(scope)
+            if closed:
+                self._disconnected()
+                await self._leave()
             if scope.cancelled_caught:
                 self._broken = True
-                await self._unwind()
+                if trio.current_time() >= deadline:
+                    self.abort(
+                        Outcome.STALLED,
+                        (
+                            ErrorCode.STALL_TIMEOUT,
+                            "Stall timeout: the client stopped reading",
+                        ),
+                    )  # a no-op for the outcome when the session already ended some other way
+                await self._leave()
 
-    async def _unwind(self) -> NoReturn:
-        """After an interrupted send: make sure the session is aborted, and leave."""
-        self.abort(
-            Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
-        )  # a no-op for the outcome when the session already ended some other way
+    async def _leave(self) -> NoReturn:
+        """After a send that cannot go on: the session is aborted; leave quietly."""
         await trio.lowlevel.checkpoint()  # raises Cancelled inside the session scope
         raise _SocketBroken  # outside it (while finishing), the caller gives up quietly
 
@@ -714,6 +854,15 @@ def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
+
+
+def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
+    """The first exception of a (possibly nested) group."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    assert isinstance(first, _Failure)
+    return first
 
 
 def _describe(exc: BaseException) -> str:

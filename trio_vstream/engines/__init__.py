@@ -21,6 +21,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    checkpoint_calling,
 )
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 
@@ -38,6 +39,7 @@ __all__ = [
     "InvalidRequestError",
     "PromptChange",
     "PromptSchedule",
+    "checkpoint_calling",
     "load_engine",
 ]
 

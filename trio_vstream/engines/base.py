@@ -6,12 +6,18 @@ event loop), so an engine is plain synchronous Python: no Trio, no sockets,
 no video encoding. Three rules keep the server's guarantees intact:
 
 * ``EngineStream.next_chunk`` calls ``checkpoint()`` before every unit of
-  heavy work (each denoising step, the decode). ``checkpoint`` raises when the
-  session is over (stop, disconnect, stall, error, shutdown), and that is how
-  a session stops within one step. Let that exception propagate: never catch
-  ``BaseException`` around a checkpoint. ``checkpoint`` is also where
-  concurrent sessions take turns on the engine's step slots
-  (``Engine.max_concurrent_steps``), so it may block for a while.
+  heavy work (each denoising step, the decode). ``checkpoint()`` raises when
+  the session is over (stop, disconnect, stall, error, shutdown), and that is
+  how a session stops within one step. Let that exception propagate: never
+  catch ``BaseException`` around a checkpoint. A ``checkpoint()`` call is
+  also the session's sign of progress (the stall guard aborts a session that
+  makes none for the stall timeout), and where concurrent sessions take turns
+  on the engine's step slots (``Engine.max_concurrent_steps``), so it may
+  block for a while. An engine that waits for something other sessions hold
+  (a lock on a shared pipeline) waits inside ``with checkpoint.waiting():``
+  and polls ``checkpoint.check_cancelled()``, which only raises: the session
+  is then not stalled while the engine makes progress for the others, and a
+  stop still reaches it at once. See `Checkpoint`.
 * The server never calls two methods of the same stream at once, except
   ``interact``, which arrives from another thread and must only queue the
   change (``PromptSchedule`` does that, with the reference's transition rules).
@@ -21,8 +27,9 @@ no video encoding. Three rules keep the server's guarantees intact:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -30,8 +37,60 @@ import numpy as np
 
 from trio_vstream.protocol import VideoDefaults
 
-Checkpoint = Callable[[], None]
-"""Called by the engine between steps; raises to abort the generation."""
+
+class Checkpoint:
+    """The engine's line to the server between steps, passed to ``next_chunk``.
+
+    Three calls, for three situations an engine meets:
+
+    * ``checkpoint()``: a unit of heavy work (a denoising step, the decode) is
+      about to start. Raises when the session is over; may block while
+      sessions take turns on the engine's step slots; counts as progress.
+    * ``checkpoint.check_cancelled()``: only raises when the session is over.
+      No turn is taken and no progress is claimed, so it suits polling loops:
+      waiting for a lock, or for an external worker.
+    * ``with checkpoint.waiting():``: the session is queued behind other
+      sessions (for example on a lock around a shared pipeline). While inside,
+      the stall guard counts the engine's progress for any session as this
+      session's too, so a long queue is not mistaken for a hang; an engine
+      that makes no progress at all is still caught.
+
+    This base class never cancels, never blocks and records nothing: use it to
+    run a stream directly (tests, evaluation scripts). The server passes its
+    own subclass; `checkpoint_calling` wraps a plain function.
+    """
+
+    def __call__(self) -> None:
+        self.check_cancelled()
+
+    def check_cancelled(self) -> None:
+        """Raise if the session is over; nothing else."""
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark the session as queued behind others while inside."""
+        yield
+
+
+class _FunctionCheckpoint(Checkpoint):
+    def __init__(self, step: Callable[[], None], check: Callable[[], None] | None) -> None:
+        self._step = step
+        self._check = check
+
+    def __call__(self) -> None:
+        self._step()
+
+    def check_cancelled(self) -> None:
+        if self._check is not None:
+            self._check()
+
+
+def checkpoint_calling(
+    step: Callable[[], None], check_cancelled: Callable[[], None] | None = None
+) -> Checkpoint:
+    """A `Checkpoint` whose steps call ``step`` (and whose probes ``check_cancelled``):
+    how a test counts an engine's steps or stops it at a chosen one."""
+    return _FunctionCheckpoint(step, check_cancelled)
 
 
 class EngineError(Exception):

@@ -23,9 +23,10 @@ the pipeline call, and neither the remaining steps nor the VAE decode run.
 Sharing. One pipeline serves every session, and its state (scheduler, LoRA
 adapters, per-call attributes) belongs to one call at a time, so whole
 segments are serialised under a lock, and ``max_concurrent_steps`` is 1.
-Sessions waiting for the lock keep calling ``checkpoint()`` (so they can be
-stopped while they wait, and so the server's step slot goes back to the
-segment that holds the lock), and segments of different sessions alternate.
+A session waiting for the lock waits inside ``checkpoint.waiting()`` and
+polls ``checkpoint.check_cancelled()``: it can be stopped while it waits, and
+the server does not take a long queue for a stall while the segment holding
+the lock makes progress. Segments of different sessions alternate.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes.
@@ -69,9 +70,8 @@ from trio_vstream.protocol import VideoDefaults
 logger = logging.getLogger(__name__)
 
 _LOCK_POLL_SECONDS = 0.05
-"""The longest a session waiting for the pipeline goes without a checkpoint
-(so a stop reaches it within this time, plus one step of the segment that
-holds the pipeline when the server's step slots are in use)."""
+"""The longest a session waiting for the pipeline goes without checking for a
+stop (so a stop reaches it within this time)."""
 
 _DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -459,14 +459,10 @@ def load_pipeline(
 class SegmentLock:
     """Serialises whole segments on the shared pipeline; waits cancellably.
 
-    A session waiting for the lock keeps calling its ``checkpoint()``, so it
-    can be stopped while it waits. With the server's step slots
-    (``max_concurrent_steps = 1``) that checkpoint also queues it for the
-    slot, and the segment holding the lock gives the slot up at each of its
-    steps; the waiter then finds the lock still taken, sees that the holder
-    is at a checkpoint (waiting for the slot back) and checkpoints again at
-    once, which hands the slot back. A waiter only blocks when the holder is
-    between checkpoints, until the holder reaches one or lets go.
+    A session waiting for the lock is queued behind the holder
+    (``checkpoint.waiting()``) and polls ``checkpoint.check_cancelled()``, so it
+    can be stopped while it waits, takes no step slot of the server's, and is
+    not taken for stalled while the holder makes progress.
 
     Work that must not run during a segment but must not wait for one
     (unloading the LoRA of a stream that closes while another session's
@@ -476,27 +472,15 @@ class SegmentLock:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._held = False
-        self._holder_at_checkpoint = False
         self._deferred: list[Callable[[], None]] = []
 
     @contextlib.contextmanager
-    def held(self, checkpoint: Checkpoint) -> Iterator[Checkpoint]:
-        """Hold the lock; yields the checkpoint the holder must use from then on."""
+    def held(self, checkpoint: Checkpoint) -> Iterator[None]:
+        """Hold the lock for a segment."""
         self._acquire(checkpoint)
         try:
             self._run_deferred()
-
-            def holder_checkpoint() -> None:
-                with self._cond:
-                    self._holder_at_checkpoint = True
-                    self._cond.notify_all()
-                try:
-                    checkpoint()
-                finally:
-                    with self._cond:
-                        self._holder_at_checkpoint = False
-
-            yield holder_checkpoint
+            yield
         finally:
             self._release()
 
@@ -509,14 +493,24 @@ class SegmentLock:
             self._held = True
         self._release()
 
+    def _try_take(self) -> bool:
+        with self._cond:
+            if self._held:
+                return False
+            self._held = True
+            return True
+
     def _acquire(self, checkpoint: Checkpoint) -> None:
-        while True:
-            checkpoint()
-            with self._cond:
-                if not self._held:
-                    self._held = True
-                    return
-                if not self._holder_at_checkpoint:
+        checkpoint.check_cancelled()
+        if self._try_take():
+            return
+        with checkpoint.waiting():
+            while True:
+                checkpoint.check_cancelled()
+                with self._cond:
+                    if not self._held:
+                        self._held = True
+                        return
                     self._cond.wait(timeout=_LOCK_POLL_SECONDS)
 
     def _release(self) -> None:
@@ -526,7 +520,6 @@ class SegmentLock:
             finally:
                 with self._cond:
                     self._held = False
-                    self._holder_at_checkpoint = False
                     self._cond.notify_all()
             with self._cond:
                 if not self._deferred or self._held:
@@ -758,7 +751,7 @@ class DiffusersStream:
 
     def _generate(
         self,
-        session_checkpoint: Checkpoint,
+        checkpoint: Checkpoint,
         info: PipelineInfo,
         conditioning: ChunkConditioning,
         count: int,
@@ -773,7 +766,7 @@ class DiffusersStream:
             kwargs["image"] = image
         if info.accepts("output_type"):
             kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk
-        with engine.lock.held(session_checkpoint) as checkpoint:
+        with engine.lock.held(checkpoint):
 
             def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
                 checkpoint()  # raises when the session is over: no more steps, no decode

@@ -7,7 +7,9 @@ chunks) but renders a cheap moving pattern whose colours follow the prompt,
 so an interaction visibly changes the picture. Faults can be injected to test
 the server: ``fail_at_chunk`` raises while generating that chunk,
 ``hang_at_chunk`` stops making progress there (while still honouring
-cancellation).
+cancellation). Both are engine args (every session) and ``extra_params`` of a
+``session.start`` (that session alone), so a soak can mix faulty sessions
+with healthy ones on one server.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from trio_vstream.engines.base import (
     Chunk,
     EngineError,
     GenerationRequest,
+    InvalidRequestError,
     PromptChange,
     parse_number_arg,
     reject_unknown_args,
@@ -71,6 +74,27 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
     return SyntheticSettings(**values)  # type: ignore[arg-type]
 
 
+_FAULTS = ("fail_at_chunk", "hang_at_chunk")
+"""The settings a session may override through ``extra_params``."""
+
+
+def session_settings(settings: SyntheticSettings, request: GenerationRequest) -> SyntheticSettings:
+    """The engine's settings with the request's fault injections applied.
+
+    Other ``extra_params`` are ignored: this engine stands in for any model, so a
+    request meant for another one still streams here.
+    """
+    faults: dict[str, int] = {}
+    for name in _FAULTS:
+        value = request.extra_params.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRequestError(f"extra_params.{name} must be an integer >= 0, got {value!r}")
+        faults[name] = value
+    return attrs.evolve(settings, **faults)  # type: ignore[arg-type]
+
+
 def prompt_colour(prompt: str) -> np.ndarray:
     """A stable, saturated RGB colour for a prompt (float32, 0..255)."""
     digest = hashlib.sha256(prompt.strip().lower().encode()).digest()
@@ -113,7 +137,7 @@ class SyntheticStream:
             checkpoint()
             if settings.hang_at_chunk == index:
                 while True:  # no progress, but still cancellable
-                    checkpoint()
+                    checkpoint.check_cancelled()
                     time.sleep(_HANG_POLL_SECONDS)
             if settings.fail_at_chunk == index and step == settings.steps - 1:
                 raise EngineError(f"synthetic engine failure at chunk {index} (fail_at_chunk)")
@@ -171,7 +195,7 @@ class SyntheticEngine:
     def open_stream(self, request: GenerationRequest) -> SyntheticStream:
         if request.image is not None:
             logger.info("synthetic engine ignores image_reference (request %s)", request.request_id)
-        return SyntheticStream(request, self.settings)
+        return SyntheticStream(request, session_settings(self.settings, request))
 
     def close(self) -> None:
         pass

@@ -410,7 +410,7 @@ def generate_clip(
     on_chunk: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Run one request through an engine object directly (no server, no codec)."""
-    from trio_vstream.engines.base import GenerationRequest, frames_to_uint8_array
+    from trio_vstream.engines.base import Checkpoint, GenerationRequest, frames_to_uint8_array
 
     request = GenerationRequest(
         request_id=f"eval-{seed}",
@@ -424,7 +424,7 @@ def generate_clip(
     stream = engine.open_stream(request)  # type: ignore[attr-defined]
     chunks = []
     try:
-        while (chunk := stream.next_chunk(lambda: None)) is not None:
+        while (chunk := stream.next_chunk(Checkpoint())) is not None:
             chunks.append(frames_to_uint8_array(chunk.frames, width=width, height=height))
             if on_chunk is not None:
                 on_chunk(chunk.index)
