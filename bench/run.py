@@ -11,7 +11,7 @@
 * ``concurrency``: N sessions at once: aggregate and per-session delivered fps, fairness,
   and ``session.ping`` round trips sampled every 50 ms while the sessions stream;
 * ``abort``: ``session.stop`` -> ``session.done``, and client disconnect -> engine stream
-  closed (from ``GET /metrics``), alone and with other sessions streaming;
+  closed (from ``GET /stats``), alone and with other sessions streaming;
 * ``resources``: server RSS per idle connection and per streaming session, and whether
   threads and engine streams return to their baseline;
 * ``encoder``: ``FragmentedMP4Encoder`` cost per frame, as a share of the chunk period;
@@ -19,8 +19,8 @@
   directory, served by ``--engine diffusers``: the server's time per segment (and TTFC,
   delivered fps) against the same pipeline calls made directly, in a process of their own.
 
-It talks to a server only through the WebSocket protocol and ``GET /metrics``, so it works
-against any server of the protocol; figures that need ``/metrics`` are reported as
+It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
+against any server of the protocol; figures that need ``/stats`` are reported as
 unavailable where a server has none. Results go to stdout (a markdown table and PASS/FAIL
 per target) and to ``bench/results/`` (JSON with the machine, the settings, and every
 figure with min/median/p99 and its per-run values). See ``bench/README.md``.
@@ -84,7 +84,7 @@ DEFAULT_SYNTHETIC_ARGS: Final = (("chunk_frames", "16"), ("steps", "4"), ("step_
 (a GPU step modelled as a sleep, which releases the GIL like a CUDA synchronise)."""
 
 now = time.monotonic
-"""CLOCK_MONOTONIC, like the server's /metrics timestamps: comparable on one Linux host."""
+"""CLOCK_MONOTONIC, like the server's /stats timestamps: comparable on one Linux host."""
 
 _START_TIME = now()
 
@@ -133,7 +133,7 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     "abort.{P}.stop_not_done": ("count", "stops not answered by session.done (stopped)"),
     "abort.{P}.disconnect_closed_ms": (
         "ms",
-        "client cuts TCP -> server's engine stream closed (stream_closed_at in /metrics)",
+        "client cuts TCP -> server's engine stream closed (stream_closed_at in /stats)",
     ),
     "abort.{P}.disconnect_ended_ms": ("ms", "client cuts TCP -> server's session handler ended"),
     "resources.rss_idle_connection_kib": ("KiB", "server RSS per idle WebSocket connection"),
@@ -376,7 +376,7 @@ class Settings:
 
 @attrs.frozen
 class Endpoint:
-    """A WebSocket URL taken apart; ``/metrics`` is plain HTTP on the same port."""
+    """A WebSocket URL taken apart; ``/stats`` is plain HTTP on the same port."""
 
     url: str
     secure: bool
@@ -483,7 +483,7 @@ def make_target(
 
 
 # --------------------------------------------------------------------------------------
-# The server process and its /metrics
+# The server process and its /stats
 # --------------------------------------------------------------------------------------
 
 _URL_PATTERN: Final = re.compile(r"(wss?://[^\s'\"]+)")
@@ -553,7 +553,7 @@ class ServerProcess:
 
 
 async def fetch_metrics(endpoint: Endpoint, timeout: float = 5.0) -> dict[str, Any] | None:
-    """``GET /metrics`` on the WebSocket's port; None where the server has none."""
+    """``GET /stats`` on the WebSocket's port; None where the server has none."""
     with trio.move_on_after(timeout):
         try:
             stream = await endpoint.open_stream()
@@ -562,7 +562,7 @@ async def fetch_metrics(endpoint: Endpoint, timeout: float = 5.0) -> dict[str, A
         data = bytearray()
         try:
             request = (
-                f"GET /metrics HTTP/1.1\r\nHost: {endpoint.host_header}\r\n"
+                f"GET /stats HTTP/1.1\r\nHost: {endpoint.host_header}\r\n"
                 "Accept: application/json\r\nConnection: close\r\n\r\n"
             )
             await stream.send_all(request.encode())
@@ -586,7 +586,7 @@ async def fetch_metrics(endpoint: Endpoint, timeout: float = 5.0) -> dict[str, A
 
 def os_threads(pid: int | None) -> int | None:
     """Native threads of a server the harness started: x264's and OpenBLAS's included,
-    which ``threading.active_count()`` in /metrics does not see."""
+    which ``threading.active_count()`` in /stats does not see."""
     if pid is None:
         return None
     try:
@@ -850,7 +850,7 @@ class RunContext:
         return await fetch_metrics(self.endpoint) if self.has_metrics else None
 
     async def settle(self, timeout: float = 10.0) -> tuple[dict[str, Any] | None, float]:
-        """Wait until the server has no session left (known only where it has /metrics)."""
+        """Wait until the server has no session left (known only where it has /stats)."""
         started = now()
         if not self.has_metrics:
             await trio.sleep(0.2)
@@ -1167,7 +1167,7 @@ async def scenario_abort(ctx: RunContext) -> None:
         ctx.add(f"abort.{phase}.stop_not_done", [len(stops) - len(stopped)])
         await ctx.settle()
         if not ctx.clock_comparable:
-            reason = "needs /metrics with a time.monotonic() comparable to the harness's"
+            reason = "needs /stats with a time.monotonic() comparable to the harness's"
             ctx.figures.mark_unavailable(f"abort.{phase}.disconnect_closed_ms", reason)
             continue
         metrics = await ctx.metrics()
@@ -1206,7 +1206,7 @@ async def scenario_resources(ctx: RunContext) -> None:
     s = ctx.settings
     if not ctx.has_metrics:
         for name in ("resources.rss_idle_connection_kib", "resources.rss_streaming_session_mib"):
-            ctx.figures.mark_unavailable(name, "the server has no /metrics")
+            ctx.figures.mark_unavailable(name, "the server has no /stats")
         return
     base = await _sample_metrics(ctx, 3, 0.05)
     idle = [SessionClient(ctx.endpoint, None) for _ in range(s.idle_connections)]
@@ -1978,7 +1978,7 @@ async def _wait_threads(ctx: RunContext, baseline: dict[str, Any]) -> dict[str, 
         "waited_s": 0.0,
     }
     if not ctx.has_metrics or baseline.get("threads_alive") is None:
-        ctx.figures.mark_unavailable("resources.threads_return_s", "the server has no /metrics")
+        ctx.figures.mark_unavailable("resources.threads_return_s", "the server has no /stats")
         return result
     started = now()
     metrics, _ = await ctx.settle()
@@ -2072,7 +2072,7 @@ def evaluate(
             },
             "threshold": None,
             "status": status,
-            "note": "needs /metrics" if unknown else "",
+            "note": "needs /stats" if unknown else "",
         }
     )
     return results

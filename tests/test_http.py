@@ -1,4 +1,4 @@
-"""The plain-HTTP side of the port: /health and /metrics beside the WebSocket endpoint."""
+"""The plain-HTTP side of the port: the page, /health, /v1/models, /stats and /metrics."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import Transcript, is_type, receive_into, receive_until
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
 
 
-async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+async def http_get_with_headers(
+    port: int, path: str, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
         await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
@@ -22,7 +26,17 @@ async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, byte
         while chunk := await stream.receive_some():
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers, body
+
+
+async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+    status, _, body = await http_get_with_headers(port, path, method)
+    return status, body
 
 
 async def test_health_and_status_codes(start_server: Any) -> None:
@@ -48,7 +62,7 @@ async def test_metrics_report_sessions_and_stream_close_times(start_server: Any)
     running = await start_server(SyntheticSettings(chunk_frames=2))
     await running.run_session(START)
     await running.wait_sessions_ended(1)
-    status, body = await http_get(running.server.port, "/metrics")
+    status, body = await http_get(running.server.port, "/stats")
     assert status == 200
     metrics = json.loads(body)
     assert metrics["sessions_total"] == 1
@@ -106,3 +120,97 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
             await trio.sleep(0.05)
     assert len(trims) == 1
     assert trims[0] - second_ended >= 0.4 and trims[0] - ended >= 0.4
+
+
+async def test_metrics_are_prometheus_text_with_the_model_label(start_server: Any) -> None:
+    running = await start_server(
+        SyntheticSettings(chunk_frames=2, steps=2, concurrency=1), served_model="demo"
+    )
+    await running.run_session(START)  # completes: 2 media chunks of 2 frames
+    transcript = Transcript()
+    async with running.connect() as ws:  # and one stopped after its first chunk
+        await ws.send_message(json.dumps({**START, "num_frames": 400}))
+        await receive_until(ws, transcript, is_type("video.chunk_metadata"))
+        await ws.send_message(json.dumps({"type": "session.stop"}))
+        await receive_into(ws, transcript)
+    await running.wait_sessions_ended(2)
+    status, headers, body = await http_get_with_headers(running.server.port, "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        matches = [
+            s.value
+            for s in families[family].samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        assert len(matches) == 1, (family, sample, labels, families[family].samples)
+        return matches[0]
+
+    for family in families.values():
+        if family.name.startswith("trio_vstream_"):
+            assert all(s.labels.get("model") == "demo" for s in family.samples), family
+    assert value("trio_vstream_sessions_active", "trio_vstream_sessions_active") == 0
+    ended = "trio_vstream_sessions_ended"
+    assert value(ended, ended + "_total", outcome="completed") == 1
+    assert value(ended, ended + "_total", outcome="stopped") == 1
+    frames = value("trio_vstream_frames_sent", "trio_vstream_frames_sent_total")
+    assert frames == 4 + sum(m["num_frames"] for m in transcript.of_type("video.chunk_metadata"))
+    sent_bytes = value("trio_vstream_bytes_sent", "trio_vstream_bytes_sent_total")
+    assert sent_bytes > len(transcript.video_bytes)
+    for name, count in (
+        ("trio_vstream_video_start_seconds", 2),
+        ("trio_vstream_first_chunk_seconds", 2),
+        ("trio_vstream_stop_to_done_seconds", 1),
+    ):
+        assert value(name, name + "_count") == count, name
+        assert families[name].type == "histogram"
+        assert value(name, name + "_bucket", le="0.01") <= count  # buckets start in ms
+    chunks = value("trio_vstream_encode_seconds", "trio_vstream_encode_seconds_count")
+    assert chunks >= 3
+    for name in (
+        "trio_vstream_engine_chunk_seconds",
+        "trio_vstream_engine_queue_wait_seconds",
+        "trio_vstream_encode_queue_wait_seconds",
+    ):
+        assert value(name, name + "_count") >= 3, name
+    assert value(
+        "trio_vstream_video_start_seconds", "trio_vstream_video_start_seconds_sum"
+    ) <= value("trio_vstream_first_chunk_seconds", "trio_vstream_first_chunk_seconds_sum")
+
+
+async def test_models_lists_the_served_model_with_defaults_and_limits(start_server: Any) -> None:
+    running = await start_server(served_model="demo")
+    status, headers, body = await http_get_with_headers(running.server.port, "/v1/models")
+    assert status == 200 and headers["content-type"] == "application/json"
+    models = json.loads(body)
+    assert models["object"] == "list"
+    (model,) = models["data"]
+    assert model["id"] == "demo" and model["object"] == "model"
+    assert model["owned_by"] == "trio_vstream" and isinstance(model["created"], int)
+    extension = model["trio_vstream"]
+    assert extension["engine"] == "synthetic"
+    assert extension["endpoint"] == "/v1/realtime/video"
+    assert extension["video_defaults"] == {"width": 256, "height": 256, "fps": 24, "num_frames": 48}
+    assert extension["limits"]["max_width"] == 1920
+    assert extension["limits"]["max_control_bytes"] == 128 * 1024
+
+
+async def test_the_page_and_its_files_are_served_and_nothing_else(start_server: Any) -> None:
+    running = await start_server()
+    port = running.server.port
+    status, headers, body = await http_get_with_headers(port, "/")
+    assert status == 200 and headers["content-type"] == "text/html; charset=utf-8"
+    assert b"<html" in body.lower()
+    status, headers, _ = await http_get_with_headers(port, "/static/player.js")
+    assert status == 200 and headers["content-type"].startswith("text/javascript")
+    for path in (
+        "/static/../server.py",
+        "/static/..%2fserver.py",
+        "/static/.hidden.js",
+        "/static/__init__.py",
+        "/static/missing.js",
+        "/static/",
+    ):
+        assert (await http_get(port, path))[0] == 404, path

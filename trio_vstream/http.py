@@ -1,4 +1,4 @@
-"""The plain-HTTP side of the port: health and metrics beside the WebSocket endpoint.
+"""The plain-HTTP side of the port: the player page, health, models, stats and metrics.
 
 trio-websocket's own listener answers every non-WebSocket request with a bare
 400, so a load balancer's health check or a benchmark's metrics probe could
@@ -9,7 +9,9 @@ trio-websocket together with the bytes it already read (``ReplayStream``).
 
 from __future__ import annotations
 
+import importlib.resources
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,24 +83,56 @@ def is_websocket_upgrade(request: h11.Request) -> bool:
     return request.method == b"GET" and b"websocket" in headers.get(b"upgrade", b"")
 
 
+_STATIC_TYPES: Mapping[str, str] = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+}
+_STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def static_file(name: str) -> tuple[bytes, str] | None:
+    """A file of the player page shipped in the package, and its content type.
+
+    Only plain names in ``trio_vstream/static/`` (no folders, no dot files), so a
+    request can never reach another file of the machine.
+    """
+    suffix = "." + name.rpartition(".")[2] if "." in name else ""
+    if not _STATIC_NAME.fullmatch(name) or suffix not in _STATIC_TYPES:
+        return None
+    resource = importlib.resources.files("trio_vstream") / "static" / name
+    try:
+        return resource.read_bytes(), _STATIC_TYPES[suffix]
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
 async def respond(
     stream: trio.abc.Stream,
     status: int,
     body: bytes | str | Mapping[str, Any],
+    *,
+    content_type: str | None = None,
 ) -> None:
     """Send one complete HTTP/1.1 response and close the connection."""
     if isinstance(body, Mapping):
         payload = (json.dumps(body, indent=2) + "\n").encode()
-        content_type = b"application/json"
+        kind = "application/json"
     else:
         payload = body.encode() if isinstance(body, str) else body
-        content_type = b"text/plain; charset=utf-8"
+        kind = "text/plain; charset=utf-8"
+    if content_type is not None:
+        kind = content_type
     connection = h11.Connection(h11.SERVER)
     # h11 needs to have seen a request before it will serialise a response.
     connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     connection.next_event()
     headers = [
-        (b"content-type", content_type),
+        (b"content-type", kind.encode()),
+        (b"cache-control", b"no-cache"),
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),
     ]

@@ -262,6 +262,24 @@ class ImageInput:
 
 
 @attrs.frozen
+class Pacing:
+    """vllm-omni's opt-in pacing: chunks go out at the pace of the video, not faster.
+
+    A chunk is not sent before its media time minus ``lead_seconds``, counted from
+    the first chunk's send. When delivery falls more than ``max_lag_seconds`` behind
+    the media clock (the model is slower than real time), the clock is moved up, so
+    that a recovered model does not then burst to catch up.
+    """
+
+    lead_seconds: float = 0.5
+    max_lag_seconds: float = 2.0
+
+
+PACING_PARAMS: Final = ("pace_to_media_time", "pacing_lead_seconds", "pacing_max_lag_seconds")
+"""The ``extra_params`` keys the server applies itself (never passed to an engine)."""
+
+
+@attrs.frozen
 class SessionStart:
     """A fully validated ``session.start``: everything the server needs to begin."""
 
@@ -270,6 +288,8 @@ class SessionStart:
     format: str
     image: ImageInput | None
     config: dict[str, Any]
+    pacing: Pacing | None = None
+    """Set when the client asked for ``extra_params.pace_to_media_time``."""
 
 
 # --------------------------------------------------------------------------------------
@@ -575,6 +595,33 @@ def _decode_image_url(url: str) -> tuple[ImageInput | None, str | None]:
     return ImageInput(mime_type=mime_type, data=data), None
 
 
+def _pacing_of(extra_params: dict[str, Any] | None, problems: list[str]) -> Pacing | None:
+    """The pacing a request asks for (None: send chunks as soon as they are ready)."""
+    extra = extra_params or {}
+    enabled = extra.get("pace_to_media_time", False)
+    if not isinstance(enabled, bool):
+        problems.append(f"extra_params.pace_to_media_time must be a boolean, got {_show(enabled)}")
+        return None
+    values: dict[str, float] = {}
+    for key, field in (
+        ("pacing_lead_seconds", "lead_seconds"),
+        ("pacing_max_lag_seconds", "max_lag_seconds"),
+    ):
+        if key not in extra:
+            continue
+        value = extra[key]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 <= value <= 3600
+        ):
+            problems.append(f"extra_params.{key} must be a number of seconds in 0..3600")
+            continue
+        values[field] = float(value)
+    return Pacing(**values) if enabled else None
+
+
 def _codec_options_problem(extra_params: dict[str, Any] | None) -> str | None:
     if not extra_params or "video_codec_options" not in extra_params:
         return None
@@ -769,6 +816,7 @@ def parse_start(
     codec_problem = _codec_options_problem(request.extra_params)
     if codec_problem is not None:
         problems.append(codec_problem)
+    pacing = _pacing_of(request.extra_params, problems)
 
     video = _resolve_video(request, limits, defaults, problems)
     if problems or video is None:
@@ -781,6 +829,7 @@ def parse_start(
         format=output_format,
         image=image,
         config=_config_of(request),
+        pacing=pacing,
     )
 
 

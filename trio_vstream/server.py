@@ -28,7 +28,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import _websocket_compat, http, memory, protocol
+from trio_vstream import _websocket_compat, http, memory, metrics, protocol
 from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -46,7 +46,7 @@ _websocket_compat.patch_ping_during_close()  # trio-websocket #184; see that mod
 
 VIDEO_PATH = "/v1/realtime/video"
 RECENT_SESSIONS = 256
-"""Finished sessions kept for /metrics."""
+"""Finished sessions kept for /stats."""
 IDLE_BEFORE_TRIM = 10.0
 """Seconds without sessions before freed memory is given back to the system."""
 
@@ -92,6 +92,8 @@ class VideoServer:
         self._shutdown_requested = trio.Event()
         self._closing = False
         steps = engine.max_concurrent_steps
+        self.metrics = metrics.ServerMetrics(self.served_model)
+        self._started_at = int(time.time())
         self._resources = ServerResources(
             engine=engine,
             config=config.session,
@@ -100,7 +102,13 @@ class VideoServer:
             # Each session runs at most two blocking calls at once (engine, encoder).
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
+            metrics=self.metrics,
         )
+
+    @property
+    def served_model(self) -> str:
+        """The name clients ask for in ``session.start.model`` and find in ``/v1/models``."""
+        return self.config.session.served_model or self.engine.name
 
     @property
     def url(self) -> str:
@@ -229,15 +237,53 @@ class VideoServer:
         elif path == "/health":
             await http.respond(stream, 200, "ok\n")
         elif path == "/metrics":
-            await http.respond(stream, 200, self.metrics())
+            await http.respond(
+                stream, 200, self.metrics.exposition(), content_type=metrics.CONTENT_TYPE
+            )
+        elif path == "/stats":
+            await http.respond(stream, 200, self.stats_snapshot())
+        elif path == "/v1/models":
+            await http.respond(stream, 200, self.models())
+        elif path == "/" or path.startswith("/static/"):
+            found = http.static_file("index.html" if path == "/" else path[len("/static/") :])
+            if found is None:
+                await http.respond(stream, 404, f"nothing at {path}\n")
+            else:
+                await http.respond(stream, 200, found[0], content_type=found[1])
         elif path == VIDEO_PATH:
             await http.respond(stream, 426, f"{VIDEO_PATH} is a WebSocket endpoint\n")
         else:
             await http.respond(stream, 404, f"nothing at {path}\n")
 
-    def metrics(self) -> dict[str, Any]:
-        """Counters for dashboards and benchmarks. Times are ``time.monotonic()``
-        seconds, which other processes on the same host can compare with their own."""
+    def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.
+
+        The ``trio_vstream`` key is this server's extension: what a page or a client
+        may ask for (the engine's defaults, the server's limits) without trial and error.
+        """
+        defaults = self.engine.video_defaults
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model,
+                    "object": "model",
+                    "created": self._started_at,
+                    "owned_by": "trio_vstream",
+                    "trio_vstream": {
+                        "engine": self.engine.name,
+                        "endpoint": VIDEO_PATH,
+                        "video_defaults": attrs.asdict(defaults),
+                        "limits": attrs.asdict(self.config.session.limits),
+                    },
+                }
+            ],
+        }
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """``GET /stats``: counters for dashboards and benchmarks, as JSON. Times are
+        ``time.monotonic()`` seconds, which other processes on the same host can compare
+        with their own."""
         stats = self.stats
         return {
             "engine": self.engine.name,

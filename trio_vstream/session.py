@@ -65,6 +65,7 @@ from trio_vstream.engines.base import (
     PromptChange,
     frames_to_uint8_array,
 )
+from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,13 @@ class _SessionCheckpoint(Checkpoint):
         self._progress = progress
         self._on_progress = on_progress
         self._holding = False
+        self._waited = 0.0
+        self._waiting_since: float | None = None
+
+    def take_waited(self) -> float:
+        """Seconds spent queued (step slots, ``waiting()``) since the last call."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
     def __call__(self) -> None:
         trio.from_thread.check_cancelled()
@@ -192,11 +200,21 @@ class _SessionCheckpoint(Checkpoint):
     def waiting(self) -> Iterator[None]:
         trio.from_thread.check_cancelled()
         queued = self._progress.queued(self, self._on_progress)
-        trio.from_thread.run_sync(queued.__enter__)
+        trio.from_thread.run_sync(self._enter_queue, queued)
         try:
             yield
         finally:
-            trio.from_thread.run_sync(queued.__exit__, None, None, None)
+            trio.from_thread.run_sync(self._leave_queue, queued)
+
+    def _enter_queue(self, queued: contextlib.AbstractContextManager[None]) -> None:
+        queued.__enter__()
+        self._waiting_since = trio.current_time()
+
+    def _leave_queue(self, queued: contextlib.AbstractContextManager[None]) -> None:
+        queued.__exit__(None, None, None)
+        if self._waiting_since is not None:
+            self._waited += trio.current_time() - self._waiting_since
+            self._waiting_since = None
 
     async def _step(self) -> None:
         limiter = self._limiter
@@ -206,8 +224,10 @@ class _SessionCheckpoint(Checkpoint):
                 limiter.release_on_behalf_of(self)
                 self._holding = False
             if not self._holding:
+                began = trio.current_time()
                 with self._progress.queued(self, self._on_progress):
                     await limiter.acquire_on_behalf_of(self)
+                self._waited += trio.current_time() - began
                 self._holding = True
         self._on_progress()
         self._progress.step_taken()
@@ -243,6 +263,7 @@ class ServerResources:
     thread_limiter: trio.CapacityLimiter
     encode_limiter: trio.CapacityLimiter
     engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
+    metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
 
 
 class Session:
@@ -278,7 +299,14 @@ class Session:
         self._frames_generated = 0
         self._started_at = time.monotonic()
         self._size = (0, 0)
+        self._fps = 1
         self._stream_closed_at: float | None = None
+        self._metrics = resources.metrics
+        self._start_received_at = 0.0
+        self._stop_requested_at: float | None = None
+        self._pacing: protocol.Pacing | None = None
+        self._media_clock: float | None = None
+        """Trio time at which the video's media time 0 was (or would have been) sent."""
 
     # ----------------------------------------------------------------- entry
 
@@ -287,6 +315,7 @@ class Session:
         stats = self._res.stats
         stats.sessions_active += 1
         stats.sessions_total += 1
+        self._metrics.session_started()
         try:
             with self._session_scope:
                 try:
@@ -311,6 +340,7 @@ class Session:
                 if encoder is not None:
                     await self._in_thread(_close_quietly, encoder)
             stats.sessions_active -= 1
+            self._metrics.session_ended((self.outcome or Outcome.FAILED).value)
         return self.summary()
 
     def summary(self) -> SessionSummary:
@@ -392,6 +422,7 @@ class Session:
         await self._send(
             protocol.VideoStart(self.request_id, start.format, self._config_echo(start))
         )
+        self._metrics.video_started(trio.current_time() - self._start_received_at)
         self._touch()
         logger.info(
             "session %s started: %dx%d, %d frames at %d fps",
@@ -416,6 +447,7 @@ class Session:
             except ConnectionClosed:
                 self._end(Outcome.DISCONNECTED)
                 return None
+            self._start_received_at = trio.current_time()
         if timeout.cancelled_caught:
             raise _Failure(ErrorCode.START_TIMEOUT, "Timeout waiting for session.start")
         try:
@@ -442,8 +474,12 @@ class Session:
         request = start.request
         video = start.video
         self._size = (video.width, video.height)
+        self._fps = video.fps
+        self._pacing = start.pacing
         extra = dict(request.extra_params or {})
         codec_options = extra.pop("video_codec_options", None)
+        for key in protocol.PACING_PARAMS:  # the server paces, never the engine
+            extra.pop(key, None)
         image: np.ndarray | None = None
         if start.image is not None:
             try:
@@ -511,6 +547,8 @@ class Session:
                 continue
             if isinstance(message, protocol.Stop):
                 logger.info("session %s: stop requested", self.request_id)
+                if self._stop_requested_at is None:
+                    self._stop_requested_at = trio.current_time()
                 self.stop()
                 # Keep reading: a client may still ping while the stream winds down.
             elif isinstance(message, protocol.Ping):
@@ -593,6 +631,7 @@ class Session:
         self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
     ) -> None:
         while True:
+            began = trio.current_time()
             try:
                 chunk = await self._in_thread(stream.next_chunk, self._checkpoint)
             except trio.Cancelled:
@@ -608,6 +647,8 @@ class Session:
                 # shutdown no longer interrupts.
                 self._generated_all = True
                 return
+            waited = self._checkpoint.take_waited()
+            self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
             await send_chunks.send(chunk)
 
@@ -617,7 +658,8 @@ class Session:
         width, height = self._size
         async with receive_chunks:
             async for chunk in receive_chunks:
-                if not await self._take_encode_slot():
+                waiting_since = trio.current_time()
+                if not await self._take_encode_slot(self._frames_generated):
                     logger.info(
                         "session %s: dropping generated chunk %d after %s",
                         self.request_id,
@@ -625,6 +667,7 @@ class Session:
                         self.outcome.value if self.outcome else "the end",
                     )
                     continue
+                encoding_since = trio.current_time()
                 try:
                     frames, data = await self._in_thread(
                         _encode_chunk, encoder, chunk, width, height
@@ -640,21 +683,25 @@ class Session:
                     continue
                 finally:
                     self._res.encode_limiter.release_on_behalf_of(self)
+                now = trio.current_time()
+                self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
                 self._frames_generated += frames
                 await self._send_chunk("media", frames, data, chunk)
                 self._touch()
 
-    async def _take_encode_slot(self) -> bool:
+    async def _take_encode_slot(self, first_frame: int) -> bool:
         """Wait for a turn to encode; False, holding nothing, if the session ended meanwhile.
 
         Encoders share the CPU through a server-wide limiter: unbounded, every session's
-        x264 would fight for the cores, and the event loop with them. A stop ends the
-        wait, so a chunk whose encoding has not started is dropped at once.
+        x264 would fight for the cores, and the event loop with them. A paced session
+        first waits for its chunk's media time. A stop ends either wait, so a chunk
+        whose encoding has not started is dropped at once.
         """
         if self.outcome is not None:
             return False
         limiter = self._res.encode_limiter
         with trio.CancelScope() as self._encode_wait:
+            await self._pace(first_frame)
             await limiter.acquire_on_behalf_of(self)
         if self._encode_wait.cancelled_caught:
             return False
@@ -662,6 +709,25 @@ class Session:
             limiter.release_on_behalf_of(self)
             return False
         return True
+
+    async def _pace(self, first_frame: int) -> None:
+        """With pacing, hold a chunk until its media time (from the first chunk) less the
+        lead. The wait is deliberate, so it counts as progress for the stall guard."""
+        pacing = self._pacing
+        if pacing is None:
+            return
+        now = trio.current_time()
+        media_time = first_frame / self._fps
+        if self._media_clock is None or now > self._media_clock + media_time + (
+            pacing.max_lag_seconds
+        ):
+            self._media_clock = now - media_time  # the first chunk, or fallen too far behind
+            return
+        due = self._media_clock + media_time - pacing.lead_seconds
+        while (now := trio.current_time()) < due:
+            self._touch()
+            await trio.sleep_until(min(due, now + self._config.stall_timeout / 2))
+        self._touch()
 
     async def _send_chunk(
         self,
@@ -685,6 +751,9 @@ class Session:
             transport_chunk_index=self._chunks_sent,
         )
         await self._send(metadata, data, deadline=deadline)
+        if kind == "media" and self._chunks_sent == 0:
+            self._metrics.first_chunk_sent(trio.current_time() - self._start_received_at)
+        self._metrics.chunk_sent(frames, len(data))
         self._chunks_sent += 1
         self._res.stats.chunks_sent += 1
 
@@ -735,6 +804,8 @@ class Session:
                 self.request_id, self._chunks_sent, outcome is Outcome.STOPPED
             )
             await self._send(done, deadline=deadline)
+            if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
+                self._metrics.stopped(trio.current_time() - self._stop_requested_at)
         else:
             code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
             await self._send_error(code, message, deadline=deadline)

@@ -1,0 +1,149 @@
+"""Prometheus figures of one server, served as text at ``GET /metrics``.
+
+Each server has its own registry (not the library's global one), so that
+several servers in one process (tests, benchmarks) never mix their figures.
+Every figure carries a ``model`` label: a scrape that federates several
+servers, one per GPU, can still tell them apart. Durations are seconds on
+Trio's clock, measured where the work happens (the session).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""From a millisecond (a free slot, a small encode) to a minute (a large model's chunk)."""
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The figures a server records; ``exposition()`` is the ``/metrics`` body."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model = model
+        registry = self.registry
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(
+                name,
+                documentation,
+                ["model"],
+                registry=registry,
+                buckets=LATENCY_BUCKETS,
+            )
+
+        self._sessions_active = Gauge(
+            "trio_vstream_sessions_active",
+            "Sessions running now (from the first message to the close).",
+            ["model"],
+            registry=registry,
+        )
+        self._sessions_ended = Counter(
+            "trio_vstream_sessions_ended",
+            "Sessions ended, by how they ended.",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self._video_start = histogram(
+            "trio_vstream_video_start_seconds",
+            "session.start received to video.start sent (validation, encoder, engine stream).",
+        )
+        self._first_chunk = histogram(
+            "trio_vstream_first_chunk_seconds",
+            "session.start received to the first media chunk sent.",
+        )
+        self._stop_to_done = histogram(
+            "trio_vstream_stop_to_done_seconds",
+            "session.stop received to session.done sent.",
+        )
+        self._encode = histogram(
+            "trio_vstream_encode_seconds", "Encoding one chunk (array conversion and H.264)."
+        )
+        self._engine = histogram(
+            "trio_vstream_engine_chunk_seconds",
+            "The engine making one chunk, not counting its waits for engine slots.",
+        )
+        self._encode_wait = histogram(
+            "trio_vstream_encode_queue_wait_seconds",
+            "Waiting for a server-wide encode slot, per chunk.",
+        )
+        self._engine_wait = histogram(
+            "trio_vstream_engine_queue_wait_seconds",
+            "Waiting for the engine (step slots, or its own lock), per chunk.",
+        )
+        self._frames_sent = Counter(
+            "trio_vstream_frames_sent",
+            "Video frames sent to clients.",
+            ["model"],
+            registry=registry,
+        )
+        self._bytes_sent = Counter(
+            "trio_vstream_bytes_sent",
+            "Video bytes (fragmented MP4) sent to clients.",
+            ["model"],
+            registry=registry,
+        )
+        # Labelled children exist from the start, so a fresh server exposes zeros
+        # rather than nothing.
+        for metric in (self._sessions_active, self._frames_sent, self._bytes_sent):
+            metric.labels(model)
+        for metric in (
+            self._video_start,
+            self._first_chunk,
+            self._stop_to_done,
+            self._encode,
+            self._engine,
+            self._encode_wait,
+            self._engine_wait,
+        ):
+            metric.labels(model)
+
+    def session_started(self) -> None:
+        self._sessions_active.labels(self.model).inc()
+
+    def session_ended(self, outcome: str) -> None:
+        self._sessions_active.labels(self.model).dec()
+        self._sessions_ended.labels(self.model, outcome).inc()
+
+    def video_started(self, seconds: float) -> None:
+        self._video_start.labels(self.model).observe(seconds)
+
+    def first_chunk_sent(self, seconds: float) -> None:
+        self._first_chunk.labels(self.model).observe(seconds)
+
+    def stopped(self, seconds: float) -> None:
+        self._stop_to_done.labels(self.model).observe(seconds)
+
+    def chunk_encoded(self, seconds: float, waited: float) -> None:
+        self._encode.labels(self.model).observe(seconds)
+        self._encode_wait.labels(self.model).observe(waited)
+
+    def chunk_generated(self, seconds: float, waited: float) -> None:
+        self._engine.labels(self.model).observe(seconds)
+        self._engine_wait.labels(self.model).observe(waited)
+
+    def chunk_sent(self, frames: int, size: int) -> None:
+        self._frames_sent.labels(self.model).inc(frames)
+        self._bytes_sent.labels(self.model).inc(size)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
