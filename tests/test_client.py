@@ -4,6 +4,7 @@ scripted peer that behaves like other servers of the protocol (the reference, a 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -27,6 +28,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
 
+from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream import cli
 from trio_vstream.client import (
     MAX_MESSAGE_SIZE,
@@ -35,10 +37,12 @@ from trio_vstream.client import (
     ScheduledInteraction,
     StreamConnectError,
     StreamResult,
+    _finish,
     remux_to_mp4,
     stream_video,
 )
 from trio_vstream.encoding import FragmentedMP4Encoder
+from trio_vstream.engines.base import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"prompt": "a red circle moving left", "size": "64x48", "fps": 8}
@@ -186,6 +190,37 @@ VIDEO_START_REF = json.dumps(
 )
 
 
+async def send_session_done(ws: WebSocketConnection, chunks: int, stopped: bool = False) -> None:
+    await ws.send_message(
+        json.dumps(
+            {"type": "session.done", "request_id": "ref-1", "chunks": chunks, "stopped": stopped}
+        )
+    )
+
+
+def sent_interactions(peer: Peer) -> list[tuple[str, str]]:
+    """(event_id, prompt) of each session.interaction the peer received, in order."""
+    return [
+        (m["interaction"]["event_id"], m["interaction"]["event"]["prompt"])
+        for m in peer.received
+        if m["type"] == "session.interaction"
+    ]
+
+
+def finish(result: StreamResult, **args: Any) -> tuple[int, str, str]:
+    """The CLI's reporting (`_finish`) on a result: exit status, stdout, stderr.
+
+    In process, so the CLI's output can be checked against a scripted server without a
+    subprocess; nothing is written unless ``output``/``raw`` are given.
+    """
+    namespace = argparse.Namespace(
+        **{"output": None, "raw": None, "json": False, "stop_timeout": 10.0, **args}
+    )
+    out, err = io.StringIO(), io.StringIO()
+    status = _finish(namespace, result, out, err)
+    return status, out.getvalue(), err.getvalue()
+
+
 @attrs.frozen
 class CliRun:
     returncode: int
@@ -278,7 +313,7 @@ def test_remux_keeps_what_arrived_and_refuses_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.mp4"]  # no leftovers
 
 
-async def test_interactions_are_sent_on_time_acknowledged_and_reach_the_chunks(
+async def test_interactions_are_sent_at_their_media_time_and_reach_the_chunks(
     start_server: Any,
 ) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
@@ -294,14 +329,13 @@ async def test_interactions_are_sent_on_time_acknowledged_and_reach_the_chunks(
     records = result.interactions
     assert [r.interaction.prompt for r in records] == ["a green circle", "a blue square"]
     assert [r.event_id for r in records] == ["interaction-1", "interaction-2"]
-    assert result.video_start_at is not None
+    # 2 frames at 8 fps: 0.25 s a chunk, so 0.15 s is reached by the first, 0.3 s by the second.
+    assert [r.sent_media_time for r in records] == [0.25, 0.5]
     for record in records:
         assert record.sent_at is not None and record.queued_at is not None
-        delay = record.sent_at - result.video_start_at
-        assert record.interaction.at <= delay < record.interaction.at + 0.25
-        assert record.queued_at >= record.sent_at
+        assert record.queued_at >= record.sent_at and record.not_sent is None
     first, second = (r.started_in_chunk for r in records)
-    assert first is not None and second is not None and first < second
+    assert first is not None and second is not None and first <= second
     changes = running.engine.streams[0].changes
     assert [(c.event_id, c.prompt, c.transition_chunks) for c in changes] == [
         ("interaction-1", "a green circle", 1),
@@ -387,6 +421,52 @@ async def test_server_error_is_the_outcome(start_server: Any) -> None:
     assert "someone-else" in result.error.message
     assert result.chunks == [] and result.video == b""
     assert result.close_code == 1000
+
+
+async def test_a_rejected_request_prints_only_the_servers_error(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server()
+    result = await stream_video(
+        running.url,
+        {**START, "model": "someone-else"},
+        interactions=[ScheduledInteraction(at=1.0, prompt="blue")],
+    )
+    assert result.outcome is Outcome.ERROR and result.error is not None
+    status, out, err = finish(result, output=tmp_path / "never.mp4")
+    assert status == 1
+    assert out == ""  # no summary of dashes
+    assert err.splitlines() == [f"error: server error model_mismatch: {result.error.message}"]
+    assert list(tmp_path.iterdir()) == []
+    assert result.rejected
+    # --json is for programs: they still get the whole object.
+    status, out, _ = finish(result, json=True)
+    summary = json.loads(out)
+    assert status == 1 and summary["outcome"] == "error" and summary["seed"] is None
+    assert summary["interactions"][0]["not_sent"] == "the server rejected the session"
+
+
+class SeedReportingEngine(InstrumentedEngine):
+    """Streams that tell the server their seed, as the diffusers engine's do."""
+
+    def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
+        stream = super().open_stream(request)
+        stream.seed = stream._inner.seed  # type: ignore[attr-defined]
+        return stream
+
+
+@pytest.mark.parametrize(("start", "seed"), [({}, 0), ({"seed": 7}, 7)])
+async def test_the_seed_the_server_used_is_in_the_summary(
+    start_server: Any, start: dict[str, Any], seed: int
+) -> None:
+    running = await start_server(
+        SyntheticSettings(chunk_frames=4), engine_class=SeedReportingEngine
+    )
+    result = await stream_video(running.url, {**START, "num_frames": 4, **start})
+    assert result.seed == seed  # with no seed asked for, the one the engine chose (0)
+    assert result.summary()["seed"] == seed
+    status, out, _ = finish(result)
+    assert status == 0 and re.search(rf"^seed +{seed}$", out, re.MULTILINE), out
 
 
 async def test_a_full_server_is_a_server_error(start_server: Any) -> None:
@@ -498,6 +578,179 @@ async def test_connection_lost_midstream_is_disconnected(nursery: trio.Nursery) 
     assert result.close_code == 1011 and result.frames == 4
 
 
+async def test_interactions_wait_for_media_time_when_generation_beats_real_time(
+    nursery: trio.Nursery,
+) -> None:
+    # 4 chunks of 2 frames at 8 fps, all sent at once: a 1 s video delivered in no time.
+    # Wall-clock timing sent only the 0 s interaction; media time sends each as soon as
+    # the video has reached it, and the one past the end is reported as never sent.
+    blobs = encode_clip(gradient_chunks(4, 2), fps=8)
+
+    async def fast(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)  # no fps in config: read from the stream
+        for index, blob in enumerate(blobs[:-1]):
+            await send_reference_chunk(ws, blob, index, 2)
+        await send_reference_chunk(ws, blobs[-1], 0, 0)
+        await send_session_done(ws, chunks=5)
+        for _ in range(3):
+            await receive_json(ws, peer)
+        await ws.aclose()
+
+    peer = await start_peer(nursery, fast)
+    result = await stream_video(
+        peer.url,
+        START,
+        interactions=[
+            ScheduledInteraction(at=2.0, prompt="never"),
+            ScheduledInteraction(at=0.6, prompt="blue"),
+            ScheduledInteraction(at=0.5, prompt="green"),
+            ScheduledInteraction(at=0.0, prompt="at once"),
+        ],
+    )
+    assert sent_interactions(peer) == [
+        ("interaction-1", "at once"),
+        ("interaction-2", "green"),
+        ("interaction-3", "blue"),
+    ]
+    assert result.outcome is Outcome.COMPLETED and result.frame_rate == 8
+    assert result.media_time == 1.0
+    # Sent at the first chunk boundary at or after their time: 0, 0.5, then 0.75 for 0.6.
+    assert [r.sent_media_time for r in result.interactions] == [0.0, 0.5, 0.75, None]
+    assert [r.not_sent for r in result.interactions] == [None, None, None, "the video ended at 1 s"]
+
+    status, out, err = finish(result)
+    assert status == 0
+    assert err.splitlines() == [
+        'warning: interaction-4 "never" (at 2 s) not sent: the video ended at 1 s'
+    ]
+    assert re.search(r"^interactions +4 planned, 3 sent, 0 queued$", out, re.MULTILINE), out
+    assert re.search(r"^seed +unknown$", out, re.MULTILINE), out  # the reference's echo
+    status, out, _ = finish(result, json=True)
+    summary = json.loads(out)
+    assert summary["seed"] is None
+    assert [(i["sent_media_s"], i["not_sent"]) for i in summary["interactions"]] == [
+        (0.0, None),
+        (0.5, None),
+        (0.75, None),
+        (None, "the video ended at 1 s"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config_fps", "request_fps", "sent_media_time", "not_sent"),
+    [
+        (4, None, 0.5, None),
+        (None, 4, 0.5, None),
+        (None, None, None, "the frame rate is unknown"),
+    ],
+)
+async def test_media_time_without_stream_timing_uses_the_announced_fps(
+    nursery: trio.Nursery,
+    config_fps: int | None,
+    request_fps: int | None,
+    sent_media_time: float | None,
+    not_sent: str | None,
+) -> None:
+    config: dict[str, Any] = {"prompt": "x"} if config_fps is None else {"fps": config_fps}
+    opaque = b"not an MP4 the client can read timing from"
+
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(
+            json.dumps(
+                {"type": "video.start", "request_id": "ref-1", "format": "m4s", "config": config}
+            )
+        )
+        await send_reference_chunk(ws, opaque, 0, 2)
+        if sent_media_time is not None:
+            await receive_json(ws, peer)  # the interaction, sent before anything else
+        await send_session_done(ws, chunks=1)
+        await ws.aclose()
+
+    peer = await start_peer(nursery, reference)
+    start = {"prompt": "x"} if request_fps is None else {"prompt": "x", "fps": request_fps}
+    result = await stream_video(
+        peer.url, start, interactions=[ScheduledInteraction(at=0.5, prompt="blue")]
+    )
+    assert result.outcome is Outcome.COMPLETED
+    (record,) = result.interactions
+    assert record.sent_media_time == sent_media_time
+    assert len(sent_interactions(peer)) == (sent_media_time is not None)
+    if not_sent is None:
+        assert record.not_sent is None
+    else:
+        assert record.not_sent is not None and record.not_sent.startswith(not_sent)
+        assert f"not sent: {not_sent}" in finish(result)[2]
+
+
+async def test_an_interaction_the_server_rejects_is_a_warning_with_its_code(
+    nursery: trio.Nursery,
+) -> None:
+    blobs = encode_clip(gradient_chunks(1, 2))
+
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await receive_json(ws, peer)  # interaction-1, due at 0 s
+        # The reference's wording, without a code: the client maps it.
+        await ws.send_message(
+            json.dumps(
+                {
+                    "type": "error",
+                    "message": "Failed to apply interaction: bad prompt",
+                    "event_id": "interaction-1",
+                }
+            )
+        )
+        await send_reference_chunk(ws, blobs[0], 0, 2)
+        await send_reference_chunk(ws, blobs[1], 0, 0)
+        await send_session_done(ws, chunks=2)
+        await ws.aclose()
+
+    peer = await start_peer(nursery, reference)
+    result = await stream_video(
+        peer.url, START, interactions=[ScheduledInteraction(at=0, prompt="blue")]
+    )
+    assert result.outcome is Outcome.COMPLETED and result.error is None
+    (record,) = result.interactions
+    assert record.error is not None and record.error.code == "interaction_failed"
+    status, _, err = finish(result)
+    assert status == 0
+    assert err.splitlines() == [
+        'warning: interaction-1 "blue" (at 0 s) rejected by the server: '
+        "interaction_failed: Failed to apply interaction: bad prompt"
+    ]
+
+
+async def test_interactions_after_a_stop_are_reported_as_not_sent(nursery: trio.Nursery) -> None:
+    blobs = encode_clip(gradient_chunks(1, 2), fps=8)
+
+    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_REF)
+        await send_reference_chunk(ws, blobs[0], 0, 2)
+        assert (await receive_json(ws, peer))["type"] == "session.stop"
+        await send_reference_chunk(ws, blobs[1], 0, 0)
+        await send_session_done(ws, chunks=2, stopped=True)
+        await ws.aclose()
+
+    peer = await start_peer(nursery, reference)
+    stop = trio.Event()
+    result = await stream_video(
+        peer.url,
+        START,
+        interactions=[ScheduledInteraction(at=3, prompt="later")],
+        on_chunk=lambda chunk, result: stop.set(),
+        stop_event=stop,
+    )
+    assert result.outcome is Outcome.STOPPED
+    assert finish(result)[2].splitlines() == [
+        'warning: interaction-1 "later" (at 3 s) not sent: the session was stopped at 0.25 s'
+    ]
+    assert result.interactions[0].not_sent == "the session was stopped at 0.25 s"
+
+
 # ------------------------------------------------------------ the command line
 
 
@@ -549,8 +802,9 @@ async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
             "--param", 'num_frames="30"',
         )  # fmt: skip
         assert bad.returncode == 1
-        assert "invalid_request" in bad.stderr and "num_frames" in bad.stderr
-        assert "outcome" in bad.stdout and "error (invalid_request)" in bad.stdout
+        assert bad.stderr.startswith("error: server error invalid_request: ")
+        assert "num_frames" in bad.stderr and len(bad.stderr.splitlines()) == 1
+        assert bad.stdout == ""  # only the server's error: no summary of dashes
         assert not (tmp_path / "bad.mp4").exists()
 
         mismatch = await run_cli(tmp_path, "x", "--url", url, "--raw", str(raw), "--model", "m")
@@ -609,6 +863,7 @@ async def test_cli_sends_every_flag_as_a_start_field(start_server: Any, tmp_path
         "--image", str(png), "--param", "user=alice", "--param", 'extra_params={"knob": 1}',
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
+    assert run.summary["seed"] == 7  # as echoed in video.start
     request = running.engine.streams[0].request
     assert (request.width, request.height, request.fps, request.num_frames) == (32, 16, 6, 6)
     assert (request.seed, request.num_inference_steps, request.guidance_scale) == (7, 3, 2.5)
@@ -630,7 +885,9 @@ async def test_cli_interactions(start_server: Any, tmp_path: Path) -> None:
         ("a green circle", True),
         ("a blue one", True),
     ]
-    assert all(i["started_in_chunk"] is not None and i["sent_s"] >= i["at_s"] for i in interactions)
+    # The server's default 24 fps, read from the stream: 2-frame chunks end at 1/12 s steps.
+    assert [i["sent_media_s"] for i in interactions] == [0.1667, 0.25]
+    assert all(i["started_in_chunk"] is not None for i in interactions)
     changes = running.engine.streams[0].changes
     assert [(c.prompt, c.transition_chunks) for c in changes] == [
         ("a green circle", 1),

@@ -25,8 +25,10 @@ import mimetypes
 import os
 import re
 import signal
+import struct
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Final, TextIO
 from urllib.parse import urlsplit
@@ -131,10 +133,14 @@ class StreamConnectError(Exception):
 
 @attrs.frozen(kw_only=True)
 class ScheduledInteraction:
-    """A prompt change to send ``at`` seconds after ``video.start``.
+    """A prompt change to send once the video has reached ``at`` seconds of media time.
 
-    Timed from ``video.start`` rather than from connecting so that a script means the
-    same thing whatever the server's start-up latency is.
+    Media time (frames received / fps), not wall time: a script then means the same
+    thing however fast the server generates. Against a server faster than real time a
+    wall-clock schedule fired after the video had ended; against a slow one, too early.
+    The interaction is sent right after the first media chunk that brings the delivered
+    media time to ``at`` or past it (``at=0``: right after ``video.start``), so it lands
+    at the next chunk boundary after that point.
     """
 
     at: float
@@ -151,6 +157,10 @@ class InteractionRecord:
     interaction: ScheduledInteraction
     event_id: str
     sent_at: float | None = None
+    sent_media_time: float | None = None
+    """The delivered media time (seconds) when it was sent: ``at`` rounded up to a chunk."""
+    not_sent: str | None = None
+    """Why it was never sent (set when the session ends), for warnings and ``--json``."""
     queued_at: float | None = None
     error: protocol.Error | None = None
     started_in_chunk: int | None = None
@@ -205,10 +215,46 @@ class StreamResult:
     close_code: int | None = None
     problems: list[str] = attrs.field(factory=list)
     """Protocol violations noticed; kept rather than raised, the data may still be good."""
+    frame_rate: Fraction | None = None
+    """Frames per second that `media_time` uses: the stream's own timing when it can be
+    read, else ``video.start``'s ``config.fps``, else the ``fps`` that was requested."""
 
     @property
     def request_id(self) -> str | None:
         return self.video_start.request_id if self.video_start is not None else None
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the server reports in ``video.start``'s ``config.seed``.
+
+        Only the server's word counts: the point is to reproduce a video, and a seed the
+        server did not confirm (the reference echoes only what the client sent) may not
+        be the one it used. None when it was not reported.
+        """
+        if self.video_start is None:
+            return None
+        seed = self.video_start.config.get("seed")
+        return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+    @property
+    def rejected(self) -> bool:
+        """The server refused the session: it ended with an error before ``video.start``."""
+        return self.outcome is Outcome.ERROR and self.video_start is None
+
+    @property
+    def media_time(self) -> float | None:
+        """Seconds of video delivered: frames / `frame_rate`; None if the rate is unknown.
+
+        Computed as one division of integers, so it is the correctly rounded value and
+        compares equal to a decimal time like ``0.3`` that it exactly reaches.
+        """
+        frames = self.frames
+        if frames == 0:
+            return 0.0
+        rate = self.frame_rate
+        if rate is None:
+            return None
+        return frames * rate.denominator / rate.numerator
 
     @property
     def video(self) -> bytes:
@@ -258,6 +304,7 @@ class StreamResult:
             "url": self.url,
             "outcome": self.outcome.value if self.outcome is not None else None,
             "request_id": self.request_id,
+            "seed": self.seed,
             "stopped": self.done.stopped if self.done is not None else None,
             "error": None if error is None else {"code": str(error.code), "message": error.message},
             "connect_s": _round(self.connect_time),
@@ -275,6 +322,8 @@ class StreamResult:
                     "prompt": record.interaction.prompt,
                     "at_s": record.interaction.at,
                     "sent_s": _round(_since(self.video_start_at, record.sent_at)),
+                    "sent_media_s": _round(record.sent_media_time),
+                    "not_sent": record.not_sent,
                     "queued": record.queued_at is not None,
                     "started_in_chunk": record.started_in_chunk,
                     "error": None
@@ -371,6 +420,7 @@ async def stream_video(
     if session.connect_failure is not None and not session.aborted:
         raise StreamConnectError(url, session.connect_failure)
     result.outcome = session.outcome()
+    session.explain_unsent()
     return result
 
 
@@ -393,10 +443,13 @@ class _Session:
         self.on_message = on_message
         self.aborted = False
         self.connect_failure: str | None = None
-        self.video_started = trio.Event()
         self.finished = trio.Event()  # a terminal message arrived
         self.pending: protocol.ChunkMetadata | None = None
         self.records = {record.event_id: record for record in result.interactions}
+        self.next_interaction = 0  # index into result.interactions (sorted by time)
+        self.send_failed = False  # the connection refused an interaction
+        self.timing = _StreamTiming()
+        self.announced_rate: Fraction | None = None  # config.fps, else the requested fps
 
     def outcome(self) -> Outcome:
         result = self.result
@@ -412,6 +465,39 @@ class _Session:
             result.error = result.errors[-1]
             return Outcome.ERROR
         return Outcome.DISCONNECTED
+
+    def explain_unsent(self) -> None:
+        """Say, on each interaction that was never sent, why: the warnings show it.
+
+        Runs once the outcome is known, because that is what decides the reason.
+        """
+        result = self.result
+        media = result.media_time
+        reached = "" if media is None else f" at {_seconds(media)} s"
+        if result.rejected:
+            reason = "the server rejected the session"
+        elif result.video_start is None:
+            reason = "the session never started"
+        elif media is None:
+            reason = (
+                "the frame rate is unknown (not readable from the stream, and no fps in "
+                "video.start's config or in the request), so media time is unknown"
+            )
+        elif self.send_failed:
+            reason = f"the connection closed{reached}"
+        elif result.outcome is Outcome.COMPLETED:
+            reason = f"the video ended{reached}"
+        elif result.outcome is Outcome.STOPPED:
+            reason = f"the session was stopped{reached}"
+        elif result.outcome is Outcome.ERROR:
+            reason = f"the session ended with an error{reached}"
+        elif result.outcome is Outcome.DISCONNECTED:
+            reason = f"the connection ended{reached}"
+        else:
+            reason = f"the client gave up{reached}"
+        for record in result.interactions:
+            if record.sent_at is None:
+                record.not_sent = reason
 
     async def watch_abort(self, abort_event: trio.Event, scope: trio.CancelScope) -> None:
         """Cancel everything on abort, or on a stop before the session exists."""
@@ -435,7 +521,6 @@ class _Session:
         self.result.start_sent_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_asked, ws, nursery.cancel_scope)
-            nursery.start_soon(self._send_interactions, ws)
             await self._receive(ws)
             nursery.cancel_scope.cancel()
 
@@ -445,6 +530,9 @@ class _Session:
         try:
             while not self.finished.is_set():
                 self._handle(await ws.get_message())
+                # Here rather than in a task of its own: an interaction is then sent
+                # before the next message is read, exactly at its chunk boundary.
+                await self._send_due_interactions(ws)
             # The server closes after its terminal message; give it the chance, so the
             # close is its normal one and we learn the close code.
             with trio.move_on_after(_CLOSE_WAIT):
@@ -474,7 +562,9 @@ class _Session:
         if isinstance(message, protocol.VideoStart):
             result.video_start = message
             result.video_start_at = now
-            self.video_started.set()
+            echoed = _announced_rate(message.config.get("fps"))
+            self.announced_rate = echoed or _announced_rate(result.request.get("fps"))
+            result.frame_rate = self.timing.frame_rate or self.announced_rate
         elif isinstance(message, protocol.ChunkMetadata):
             self.pending = message
         elif isinstance(message, protocol.InteractionQueued):
@@ -506,6 +596,9 @@ class _Session:
                 f"chunk announced {metadata.byte_length} bytes but carried {len(data)}"
             )
         chunk = ReceivedChunk(metadata=metadata, size=len(data), received_at=now)
+        if self.timing.frame_rate is None:
+            self.timing.feed(data)
+            result.frame_rate = self.timing.frame_rate or self.announced_rate
         result.binary_messages.append(data)
         result.chunks.append(chunk)
         if result.first_chunk_at is None:
@@ -536,14 +629,23 @@ class _Session:
         self.aborted = True
         scope.cancel()
 
-    async def _send_interactions(self, ws: WebSocketConnection) -> None:
-        await self.video_started.wait()
-        assert self.result.video_start_at is not None
-        origin = self.result.video_start_at
-        for record in self.result.interactions:
+    async def _send_due_interactions(self, ws: WebSocketConnection) -> None:
+        """Send every interaction whose media time the delivered video has reached."""
+        result = self.result
+        records = result.interactions
+        if (
+            self.next_interaction >= len(records)
+            or result.video_start_at is None
+            or self.send_failed
+            or self.stop_event.is_set()
+            or self.finished.is_set()
+        ):
+            return
+        media = result.media_time
+        while media is not None and self.next_interaction < len(records):
+            record = records[self.next_interaction]
             item = record.interaction
-            await trio.sleep_until(origin + max(item.at, 0.0))
-            if self.stop_event.is_set() or self.finished.is_set():
+            if media < item.at:
                 return
             message = protocol.interaction_message(
                 item.prompt, event_id=record.event_id, transition_chunks=item.transition_chunks
@@ -551,8 +653,114 @@ class _Session:
             try:
                 await ws.send_message(message)
             except ConnectionClosed:
+                # Keep reading: what the server said before closing is still queued.
+                self.send_failed = True
                 return
             record.sent_at = trio.current_time()
+            record.sent_media_time = media
+            self.next_interaction += 1
+
+
+def _announced_rate(value: object) -> Fraction | None:
+    """An fps from JSON (``config.fps`` or the request), if it is a usable number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return Fraction(value)
+
+
+def _seconds(value: float) -> str:
+    """``2``, ``0.25``, ``1.333``: short, and never ``2.0000000000000004``."""
+    return f"{round(value, 3):g}"
+
+
+class _StreamTiming:
+    """The frame rate written in the fragmented MP4 itself: timescale / sample duration.
+
+    Needed because the rate is often nowhere else: a server echoes ``fps`` in
+    ``video.start`` only when the client sent one, and its default is not announced.
+    Reads the track timescale (``moov/trak/mdia/mdhd``) and the first fragment's sample
+    duration (``trun``, else ``tfhd``, else ``moov/mvex/trex``). Only the first track is
+    read: servers of this protocol send one video track. Anything unreadable leaves the
+    rate unknown rather than raising, since the video itself may still be fine.
+    """
+
+    def __init__(self) -> None:
+        self.timescale: int | None = None
+        self.trex_duration: int | None = None
+        self.frame_rate: Fraction | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Read one binary message; call until `frame_rate` is known."""
+        try:
+            for kind, payload in _mp4_boxes(data):
+                if kind == b"moov":
+                    self._read_moov(payload)
+                elif kind == b"moof" and self.timescale:
+                    duration = self._fragment_duration(payload) or self.trex_duration
+                    if duration:
+                        self.frame_rate = Fraction(self.timescale, duration)
+                        return
+        except (struct.error, ValueError):
+            return
+
+    def _read_moov(self, moov: bytes) -> None:
+        trak = _mp4_child(moov, b"trak")
+        mdia = _mp4_child(trak, b"mdia") if trak is not None else None
+        mdhd = _mp4_child(mdia, b"mdhd") if mdia is not None else None
+        if mdhd is not None:
+            # Full box: version, flags, then creation and modification times (4 bytes
+            # each in version 0, 8 in version 1), then the timescale.
+            offset = 4 + (16 if mdhd[0] == 1 else 8)
+            (self.timescale,) = struct.unpack_from(">I", mdhd, offset)
+        mvex = _mp4_child(moov, b"mvex")
+        trex = _mp4_child(mvex, b"trex") if mvex is not None else None
+        if trex is not None:
+            # version/flags, track_ID, default_sample_description_index, default duration
+            (self.trex_duration,) = struct.unpack_from(">I", trex, 12)
+
+    @staticmethod
+    def _fragment_duration(moof: bytes) -> int | None:
+        traf = _mp4_child(moof, b"traf")
+        if traf is None:
+            return None
+        trun = _mp4_child(traf, b"trun")
+        if trun is not None:
+            flags = int.from_bytes(trun[1:4], "big")
+            if flags & 0x100:  # sample-duration-present
+                offset = 8 + (4 if flags & 0x01 else 0) + (4 if flags & 0x04 else 0)
+                (duration,) = struct.unpack_from(">I", trun, offset)
+                return duration
+        tfhd = _mp4_child(traf, b"tfhd")
+        if tfhd is not None:
+            flags = int.from_bytes(tfhd[1:4], "big")
+            if flags & 0x08:  # default-sample-duration-present
+                offset = 8 + (8 if flags & 0x01 else 0) + (4 if flags & 0x02 else 0)
+                (duration,) = struct.unpack_from(">I", tfhd, offset)
+                return duration
+        return None
+
+
+def _mp4_boxes(data: bytes) -> Iterable[tuple[bytes, bytes]]:
+    """The (type, payload) of each top-level ISO BMFF box; stops at a malformed one."""
+    pos = 0
+    while pos + 8 <= len(data):
+        size, kind = struct.unpack_from(">I4s", data, pos)
+        header = 8
+        if size == 1:
+            (size,) = struct.unpack_from(">Q", data, pos + 8)
+            header = 16
+        elif size == 0:
+            size = len(data) - pos
+        if size < header or pos + size > len(data):
+            return
+        yield kind, data[pos + header : pos + size]
+        pos += size
+
+
+def _mp4_child(payload: bytes, kind: bytes) -> bytes | None:
+    return next((body for k, body in _mp4_boxes(payload) if k == kind), None)
 
 
 def _describe_handshake(exc: HandshakeError) -> str:
@@ -779,7 +987,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECONDS:PROMPT",
-        help="change the prompt this many seconds after video.start (repeatable)",
+        help="change the prompt once the video reaches SECONDS of media time (repeatable)",
     )
     steering.add_argument(
         "--transition-chunks",
@@ -1039,11 +1247,36 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
 
 
 def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: TextIO) -> int:
-    """Report errors, write the files, print the summary, pick the exit status."""
+    """Report errors, write the files, print the summary, pick the exit status.
+
+    A rejected session (an error before ``video.start``) gets only the server's error:
+    there is no video, no interaction could have been sent, and a summary of dashes
+    would only bury the one line that matters. ``--json`` still prints its object, for
+    the programs that read it.
+    """
+    answered = [record.error for record in result.interactions if record.error is not None]
     for error in result.errors:
+        if error is not result.error and any(error is e for e in answered):
+            continue  # reported below, with the interaction it refused
         where = f" (event {error.event_id})" if error.event_id else ""
         label = "error" if error is result.error else "warning"
         print(f"{label}: server error {error.code}{where}: {error.message}", file=err)
+    if not result.rejected:
+        for record in result.interactions:
+            what = (
+                f"{record.event_id} {json.dumps(record.interaction.prompt, ensure_ascii=False)}"
+                f" (at {_seconds(record.interaction.at)} s)"
+            )
+            if record.error is result.error and record.error is not None:
+                continue  # the error line above names its event already
+            if record.error is not None:
+                print(
+                    f"warning: {what} rejected by the server: "
+                    f"{record.error.code}: {record.error.message}",
+                    file=err,
+                )
+            elif record.not_sent is not None:
+                print(f"warning: {what} not sent: {record.not_sent}", file=err)
     for problem in result.problems:
         print(f"warning: {problem}", file=err)
     if result.outcome is Outcome.DISCONNECTED:
@@ -1070,7 +1303,8 @@ def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: Te
             written["raw"] = str(args.raw)
         if args.output is not None:
             if not result.binary_messages:
-                print(f"warning: no video arrived; {args.output} not written", file=err)
+                if not result.rejected:
+                    print(f"warning: no video arrived; {args.output} not written", file=err)
             else:
                 try:
                     written["output_frames"] = remux_to_mp4(result.video, args.output)
@@ -1089,7 +1323,7 @@ def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: Te
     try:
         if args.json:
             print(json.dumps(summary), file=out)
-        else:
+        elif not result.rejected:
             _print_summary(summary, out)
         out.flush()
     except BrokenPipeError:
@@ -1118,6 +1352,7 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
     rows = [
         ("outcome", outcome),
         ("request id", summary["request_id"] or "-"),
+        ("seed", "unknown" if summary["seed"] is None else str(summary["seed"])),
         ("time to video.start", seconds(summary["time_to_video_start_s"])),
         ("time to first chunk", seconds(summary["time_to_first_chunk_s"])),
         ("frames", str(summary["frames"])),
