@@ -1,0 +1,611 @@
+// trio_vstream player: sends session.start over the WebSocket and plays the fragmented
+// MP4 chunks with Media Source Extensions as they arrive. No framework, no build step:
+// this file is served as is from the package.
+
+const $ = (id) => document.getElementById(id);
+
+// Keep this much video behind the playhead (for a short rewind); trim down to
+// TRIM_KEEP_S when there is more. Bounded buffers never hit QuotaExceededError.
+const BACK_BUFFER_S = 10;
+const TRIM_KEEP_S = 4;
+// Live mode: jump forward when the playhead lags the newest frame by more than this...
+const LIVE_LAG_MAX_S = 1.5;
+// ...to this far behind it (a little slack so the next chunk arrives before we stall).
+const LIVE_LAG_TARGET_S = 0.3;
+const DEFAULT_ENDPOINT = "/v1/realtime/video";
+// An interaction's life, in order; "failed" can happen at any point.
+const EVENT_STATES = ["sent", "queued", "started", "active", "completed"];
+
+const server = { model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null };
+let session = null;
+
+// ---------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------
+
+function setStatus(text, phase) {
+  $("status").textContent = text;
+  $("status").dataset.phase = phase;
+}
+
+function showError(code, message) {
+  const item = document.createElement("li");
+  const codeEl = document.createElement("code");
+  codeEl.textContent = code;
+  item.append(codeEl, ": ", message);
+  $("errors").append(item);
+}
+
+function formatMs(ms) {
+  return ms == null ? "–" : `${Math.round(ms)} ms`;
+}
+
+function wsUrl(endpoint) {
+  // Same host as the page; wss:// when the page came over https://.
+  const url = new URL(endpoint, location.href);
+  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  return url.href;
+}
+
+// JSON.stringify with integers beyond 2^53 written exactly: a seed typed as digits is
+// sent as those digits (a JS number would round it and the clip could not be remade).
+function stringifyExact(message, exact) {
+  const marks = new Map();
+  const copy = { ...message };
+  for (const [key, digits] of Object.entries(exact)) {
+    const mark = `\u0000exact-${key}-${Math.random()}`;
+    marks.set(JSON.stringify(mark), digits);
+    copy[key] = mark;
+  }
+  let text = JSON.stringify(copy);
+  for (const [quoted, digits] of marks) text = text.replace(quoted, digits);
+  return text;
+}
+
+// The seed as the server wrote it: JSON.parse rounds 63-bit seeds, so take the digits
+// from the raw text (the occurrence that parses to the same number).
+function exactSeed(raw, parsed) {
+  if (typeof parsed !== "number" || Number.isSafeInteger(parsed)) return parsed;
+  for (const match of raw.matchAll(/"seed"\s*:\s*(-?\d+)/g)) {
+    if (Number(match[1]) === parsed) return match[1];
+  }
+  return parsed;
+}
+
+// ---------------------------------------------------------------------------------
+// The codec string, from the init segment's avcC box
+// ---------------------------------------------------------------------------------
+
+function* mp4Boxes(view, start, end) {
+  let pos = start;
+  while (pos + 8 <= end) {
+    let size = view.getUint32(pos);
+    const type = String.fromCharCode(
+      view.getUint8(pos + 4), view.getUint8(pos + 5), view.getUint8(pos + 6), view.getUint8(pos + 7),
+    );
+    let header = 8;
+    if (size === 1) {
+      size = Number(view.getBigUint64(pos + 8));
+      header = 16;
+    } else if (size === 0) {
+      size = end - pos;
+    }
+    if (size < header || pos + size > end) return;
+    yield { type, start: pos + header, end: pos + size };
+    pos += size;
+  }
+}
+
+function childBox(view, box, type) {
+  for (const child of mp4Boxes(view, box.start, box.end)) if (child.type === type) return child;
+  return null;
+}
+
+// "avc1.PPCCLL" (profile, constraint flags, level) for the first H.264 track, or null.
+export function codecFromInit(buffer) {
+  const view = new DataView(buffer);
+  const moov = childBox(view, { start: 0, end: view.byteLength }, "moov");
+  if (!moov) return null;
+  for (const trak of mp4Boxes(view, moov.start, moov.end)) {
+    if (trak.type !== "trak") continue;
+    let box = trak;
+    for (const type of ["mdia", "minf", "stbl", "stsd"]) {
+      box = box && childBox(view, box, type);
+    }
+    if (!box) continue;
+    // stsd: version/flags (4) and entry count (4), then the sample entries.
+    for (const entry of mp4Boxes(view, box.start + 8, box.end)) {
+      if (entry.type !== "avc1" && entry.type !== "avc3") continue;
+      // A visual sample entry has 78 bytes of fixed fields before its child boxes.
+      const avcC = childBox(view, { start: entry.start + 78, end: entry.end }, "avcC");
+      if (!avcC || avcC.end - avcC.start < 4) continue;
+      const hex = (offset) => view.getUint8(avcC.start + offset).toString(16).padStart(2, "0");
+      return `${entry.type}.${hex(1)}${hex(2)}${hex(3)}`.toUpperCase().replace("AVC", "avc");
+    }
+  }
+  return null;
+}
+
+// ---------------------------------------------------------------------------------
+// One session: a WebSocket, a MediaSource and what arrived
+// ---------------------------------------------------------------------------------
+
+class Session {
+  constructor(request, exact, fps, expectedFrames, live) {
+    this.request = request;
+    this.fps = fps;
+    this.expectedFrames = expectedFrames;
+    this.live = live;
+    this.parts = [];          // every binary message, for Save
+    this.queue = [];          // media waiting for the SourceBuffer
+    this.pendingMeta = null;  // the chunk_metadata whose binary comes next
+    this.mediaFrames = 0;     // frames received so far (sets each chunk's media time)
+    this.chunks = 0;
+    this.events = new Map();  // event id -> {item, state}
+    this.nextEvent = 1;
+    this.terminal = null;     // "done" or "error"
+    this.closed = false;
+    this.ending = false;      // no more media: endOfStream once the queue drains
+    this.sourceBuffer = null;
+    this.codec = null;
+    this.times = { sent: null, videoStart: null, firstChunk: null, lastChunk: null };
+
+    this.video = $("video");
+    this.openMediaSource();
+
+    this.ws = new WebSocket(wsUrl(server.endpoint));
+    this.ws.binaryType = "arraybuffer";
+    this.ws.addEventListener("open", () => {
+      this.times.sent = performance.now();
+      this.ws.send(stringifyExact({ type: "session.start", ...request }, exact));
+      setStatus("Waiting for video.start…", "starting");
+    });
+    this.ws.addEventListener("message", (event) => {
+      if (typeof event.data === "string") this.onText(event.data);
+      else this.onBinary(event.data);
+    });
+    this.ws.addEventListener("close", (event) => this.onClose(event));
+    this.ticker = setInterval(() => this.render(), 250);
+  }
+
+  openMediaSource() {
+    // MediaSource where it exists; ManagedMediaSource on Safari for iOS, which has only that.
+    const Source = window.MediaSource ?? window.ManagedMediaSource;
+    if (!Source) {
+      showError("player", "this browser has no Media Source Extensions: nothing plays here, but Save still works");
+      return;
+    }
+    this.mediaSource = new Source();
+    if (Source !== window.MediaSource) {
+      // Safari only opens a ManagedMediaSource with remote playback off (or an AirPlay source).
+      this.video.disableRemotePlayback = true;
+    }
+    this.objectUrl = URL.createObjectURL(this.mediaSource);
+    this.video.src = this.objectUrl;
+    this.mediaSource.addEventListener("sourceopen", () => {
+      URL.revokeObjectURL(this.objectUrl);
+      this.addSourceBuffer();
+    }, { once: true });
+    // Trims and retries happen as the playhead moves, not only when data arrives.
+    this.onTimeUpdate = () => {
+      this.followLiveEdge();
+      this.pump();
+    };
+    this.video.addEventListener("timeupdate", this.onTimeUpdate);
+  }
+
+  addSourceBuffer() {
+    if (this.sourceBuffer || !this.codec || this.mediaSource?.readyState !== "open") return;
+    const type = `video/mp4; codecs="${this.codec}"`;
+    try {
+      this.sourceBuffer = this.mediaSource.addSourceBuffer(type);
+    } catch (error) {
+      showError("player", `cannot play ${type}: ${error.message}`);
+      return;
+    }
+    this.sourceBuffer.addEventListener("updateend", () => {
+      this.followLiveEdge();
+      this.pump();
+      this.render();
+    });
+    this.sourceBuffer.addEventListener("error", () => {
+      showError("player", `the browser could not decode the video${this.video.error ? `: ${this.video.error.message}` : ""}`);
+    });
+    this.pump();
+  }
+
+  // One SourceBuffer operation at a time: a trim first if needed, else the next append.
+  pump() {
+    const buffer = this.sourceBuffer;
+    if (!buffer || buffer.updating || this.mediaSource.readyState === "closed") return;
+    // Trimming goes on after endOfStream too (remove() reopens the source; it is ended
+    // again below), so a long video that arrived early does not stay in memory.
+    if (this.trim(false)) return;
+    if (this.queue.length === 0) {
+      if (this.ending && this.mediaSource.readyState === "open") this.mediaSource.endOfStream();
+      return;
+    }
+    try {
+      buffer.appendBuffer(this.queue[0]);
+      this.queue.shift();
+    } catch (error) {
+      if (error.name === "QuotaExceededError") {
+        // Full even after trimming: drop all but a second behind the playhead and
+        // retry on the next timeupdate, once playback has consumed some of the buffer.
+        this.trim(true);
+      } else {
+        showError("player", `appendBuffer failed: ${error.message}`);
+      }
+      return;
+    }
+    if (!this.playRequested) {
+      // Muted, so browsers let it start without another click.
+      this.playRequested = true;
+      this.video.play().catch(() => setStatus("Streaming: press play to watch.", "streaming"));
+    }
+  }
+
+  // Remove what lies far behind the playhead; true when a remove() was started.
+  trim(urgent) {
+    const ranges = this.sourceBuffer.buffered;
+    if (ranges.length === 0) return false;
+    const start = ranges.start(0);
+    const behind = this.video.currentTime - start;
+    const cut = this.video.currentTime - (urgent ? 1 : TRIM_KEEP_S);
+    if ((urgent || behind > BACK_BUFFER_S) && cut > start) {
+      this.sourceBuffer.remove(start, cut);
+      return true;
+    }
+    return false;
+  }
+
+  followLiveEdge() {
+    if (!this.live || !this.sourceBuffer || this.video.paused) return;
+    const ranges = this.sourceBuffer.buffered;
+    if (ranges.length === 0) return;
+    const end = ranges.end(ranges.length - 1);
+    if (end - this.video.currentTime > LIVE_LAG_MAX_S) {
+      this.video.currentTime = end - LIVE_LAG_TARGET_S;
+    }
+  }
+
+  onText(raw) {
+    let message;
+    try {
+      message = JSON.parse(raw);
+    } catch {
+      showError("player", "the server sent text that is not JSON");
+      return;
+    }
+    switch (message.type) {
+      case "video.start": {
+        this.times.videoStart = performance.now();
+        this.requestId = message.request_id;
+        const seed = message.config?.seed;
+        this.seed = seed == null ? null : exactSeed(raw, seed);
+        setStatus("Streaming.", "streaming");
+        break;
+      }
+      case "video.chunk_metadata":
+        this.pendingMeta = message;
+        this.onChunkEvents(message);
+        break;
+      case "session.interaction.queued":
+        this.setEventState(message.event_id, "queued");
+        break;
+      case "session.done":
+        this.terminal = "done";
+        setStatus(`session.done: ${message.chunks} chunks${message.stopped ? ", stopped" : ""}.`, "done");
+        this.finishMedia();
+        break;
+      case "error":
+        showError(message.code, message.message + (message.event_id ? ` (event ${message.event_id})` : ""));
+        if (message.event_id) {
+          this.setEventState(message.event_id, "failed");
+        } else {
+          this.terminal = "error";
+          setStatus(`Ended with error ${message.code}.`, "error");
+        }
+        break;
+      default:
+        break; // session.pong, and types from newer servers
+    }
+    this.render();
+  }
+
+  onBinary(data) {
+    const meta = this.pendingMeta;
+    this.pendingMeta = null;
+    this.parts.push(data);
+    $("save").disabled = false;
+    if (this.parts.length === 1) {
+      this.codec = codecFromInit(data);
+      if (!this.codec) {
+        this.codec = "avc1.42E01E";
+        showError("player", "no avcC box in the init segment; trying H.264 Baseline");
+      }
+      this.addSourceBuffer();
+    }
+    // The trailer is an mfra box: an index for files, no frames, nothing for MSE.
+    if (meta?.kind === "trailer") return;
+    const now = performance.now();
+    this.times.firstChunk ??= now;
+    this.times.lastChunk = now;
+    this.chunks += 1;
+    this.queue.push(data);
+    this.pump();
+  }
+
+  onClose(event) {
+    this.closed = true;
+    clearInterval(this.ticker);
+    const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
+    if (!this.terminal) {
+      showError("closed", `the connection closed before the session ended (${how})`);
+      setStatus(`Socket closed (${how}).`, "closed");
+    } else {
+      setStatus(`${$("status").textContent} Socket closed.`, this.terminal === "done" ? "done" : "error");
+    }
+    this.finishMedia();
+    setIdleControls();
+    this.render();
+  }
+
+  finishMedia() {
+    // Play out what arrived: endOfStream once every queued chunk is in.
+    this.ending = true;
+    this.pump();
+  }
+
+  stop() {
+    if (this.ws.readyState !== WebSocket.OPEN) return;
+    this.ws.send(JSON.stringify({ type: "session.stop" }));
+    setStatus("Stopping…", "stopping");
+  }
+
+  interact(prompt, transitionChunks) {
+    const eventId = `interaction-${this.nextEvent++}`;
+    const interaction = { event_id: eventId, event: { prompt } };
+    if (transitionChunks != null) interaction.transition_chunks = transitionChunks;
+    this.ws.send(JSON.stringify({ type: "session.interaction", interaction }));
+    this.addEvent(eventId, prompt);
+    this.setEventState(eventId, "sent");
+  }
+
+  // Chunk metadata says which events this chunk starts, blends and completes.
+  onChunkEvents(meta) {
+    const at = this.mediaFrames / this.fps;
+    for (const id of meta.started_event_ids ?? []) this.setEventState(id, "started", at);
+    for (const id of meta.active_event_ids ?? []) this.setEventState(id, "active", at);
+    for (const id of meta.completed_event_ids ?? []) this.setEventState(id, "completed", at);
+    if (meta.kind === "media") this.mediaFrames += meta.num_frames;
+  }
+
+  addEvent(eventId, prompt) {
+    const item = document.createElement("li");
+    item.dataset.eventId = eventId;
+    const id = document.createElement("code");
+    id.textContent = eventId;
+    const text = document.createElement("span");
+    text.className = "event-prompt";
+    text.textContent = prompt ?? "";
+    const state = document.createElement("span");
+    state.className = "event-state";
+    const at = document.createElement("span");
+    at.className = "event-at";
+    item.append(id, " ", text, " ", state, " ", at);
+    $("timeline").append(item);
+    const marker = document.createElement("span");
+    marker.className = "marker";
+    marker.title = eventId;
+    $("track").append(marker);
+    const record = { item, marker, state: null };
+    this.events.set(eventId, record);
+    return record;
+  }
+
+  setEventState(eventId, state, at) {
+    if (!eventId) return;
+    const record = this.events.get(eventId) ?? this.addEvent(eventId, null);
+    // States only move forward (a chunk can start and complete an event at once).
+    if (record.state === "failed") return;
+    if (state !== "failed" && EVENT_STATES.indexOf(state) <= EVENT_STATES.indexOf(record.state)) return;
+    record.state = state;
+    record.item.dataset.state = state;
+    record.item.querySelector(".event-state").textContent = state;
+    if (state === "started" && at != null) {
+      record.item.dataset.startTime = String(at);
+      record.item.querySelector(".event-at").textContent = `at ${at.toFixed(2)} s`;
+      const total = this.expectedFrames / this.fps;
+      record.marker.style.left = `${Math.min(100, (100 * at) / total)}%`;
+      record.marker.classList.add("placed");
+    }
+  }
+
+  render() {
+    const t = this.times;
+    $("fig-start").textContent = t.videoStart == null ? "–" : formatMs(t.videoStart - t.sent);
+    $("fig-first").textContent = t.firstChunk == null ? "–" : formatMs(t.firstChunk - t.sent);
+    // As the CLI client: frames / (last media chunk - video.start).
+    const span = (t.lastChunk - t.videoStart) / 1000;
+    $("fig-fps").textContent = t.lastChunk != null && span > 0 ? (this.mediaFrames / span).toFixed(1) : "–";
+    $("fig-chunks").textContent = String(this.chunks);
+    $("fig-seed").textContent = this.seed == null ? "–" : String(this.seed);
+    $("fig-codec").textContent = this.codec ?? "–";
+    $("fig-request").textContent = this.requestId ?? "–";
+    let ahead = null;
+    let end = 0;
+    const ranges = this.sourceBuffer?.buffered;
+    if (ranges && ranges.length > 0) {
+      end = ranges.end(ranges.length - 1);
+      ahead = Math.max(0, end - this.video.currentTime);
+    }
+    $("fig-buffered").textContent = ahead == null ? "–" : `${ahead.toFixed(2)} s`;
+    const total = this.expectedFrames / this.fps;
+    $("track-fill").style.width = `${Math.min(100, (100 * end) / total)}%`;
+  }
+
+  dispose() {
+    clearInterval(this.ticker);
+    this.video.removeEventListener("timeupdate", this.onTimeUpdate);
+    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// The form
+// ---------------------------------------------------------------------------------
+
+// A number field: undefined when empty, NaN when the browser could not read it.
+function numberField(id) {
+  const input = $(id);
+  if (input.validity.badInput) return NaN;
+  return input.value.trim() === "" ? undefined : Number(input.value);
+}
+
+function buildRequest() {
+  const request = { prompt: $("prompt").value };
+  const exact = {};
+  if (server.model) request.model = server.model;
+  const negative = $("negative-prompt").value;
+  if (negative.trim()) request.negative_prompt = negative;
+  // The server validates sizes; "640×480" and "640 x 480" are read as "640x480".
+  const size = $("size").value.replace(/\s+/g, "").replace(/[×X]/g, "x");
+  if (size) request.size = size;
+  const fields = { fps: "fps", seed: "seed", steps: "num_inference_steps", guidance: "guidance_scale" };
+  for (const [id, key] of Object.entries(fields)) {
+    const value = numberField(id);
+    if (Number.isNaN(value)) throw new Error(`${$(id).labels[0].textContent} is not a number`);
+    if (value !== undefined) request[key] = value;
+  }
+  const seedText = $("seed").value.trim();
+  if (/^-?\d+$/.test(seedText) && !Number.isSafeInteger(Number(seedText))) exact.seed = seedText;
+  const length = numberField("length");
+  if (Number.isNaN(length)) throw new Error("Length is not a number");
+  if (length !== undefined) {
+    // seconds is a string on the wire ("4"); num_frames a number.
+    if ($("length-unit").value === "seconds") request.seconds = $("length").value.trim();
+    else request.num_frames = length;
+  }
+  if ($("live").checked) request.extra_params = { pace_to_media_time: true };
+  return { request, exact };
+}
+
+// Frames and fps the request will get, for media times and the timeline's scale.
+function expectedShape(request) {
+  const d = server.defaults ?? { fps: 24, num_frames: 48 };
+  const fps = Number.isInteger(request.fps) && request.fps > 0 ? request.fps : d.fps;
+  let frames = d.num_frames;
+  if (Number.isInteger(request.num_frames) && request.num_frames > 0) frames = request.num_frames;
+  else if (request.seconds) frames = Number(request.seconds) * fps || frames;
+  return { fps, frames };
+}
+
+function start() {
+  let built;
+  try {
+    built = buildRequest();
+  } catch (error) {
+    showError("form", error.message);
+    return;
+  }
+  session?.dispose();
+  $("errors").replaceChildren();
+  $("timeline").replaceChildren();
+  $("track").querySelectorAll(".marker").forEach((m) => m.remove());
+  $("save").disabled = true;
+  const { fps, frames } = expectedShape(built.request);
+  // Reserve the video's shape before the first frame, so the page does not jump.
+  const [w, h] = (built.request.size ?? "").split("x").map(Number);
+  const d = server.defaults;
+  const ratio = w > 0 && h > 0 ? w / h : d ? d.width / d.height : 16 / 9;
+  $("video").style.aspectRatio = String(ratio);
+  setStatus("Connecting…", "connecting");
+  $("start").disabled = true;
+  $("stop").disabled = false;
+  $("send").disabled = false;
+  session = new Session(built.request, built.exact, fps, frames, $("live").checked);
+}
+
+function setIdleControls() {
+  $("start").disabled = false;
+  $("stop").disabled = true;
+  $("send").disabled = true;
+}
+
+function save() {
+  if (!session || session.parts.length === 0) return;
+  // The binary messages in order are one fragmented MP4 file.
+  const blob = new Blob(session.parts, { type: "video/mp4" });
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(blob);
+  link.download = `${session.requestId ?? "trio_vstream"}.mp4`;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  // Revoking at once can cancel the download in some browsers.
+  setTimeout(() => URL.revokeObjectURL(link.href), 60_000);
+}
+
+async function loadDefaults() {
+  try {
+    const response = await fetch("/v1/models", { cache: "no-store" });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const model = (await response.json()).data?.[0];
+    if (!model) throw new Error("no model listed");
+    const info = model.trio_vstream ?? {};
+    server.model = model.id;
+    server.engine = info.engine ?? null;
+    server.endpoint = info.endpoint ?? DEFAULT_ENDPOINT;
+    server.defaults = info.video_defaults ?? null;
+    const d = server.defaults;
+    if (d) {
+      $("size").value = `${d.width}x${d.height}`;
+      $("fps").value = d.fps;
+      // Whole seconds read better; frames when the default is not a whole number of them.
+      const seconds = d.num_frames / d.fps;
+      $("length-unit").value = Number.isInteger(seconds) ? "seconds" : "frames";
+      $("length").value = Number.isInteger(seconds) ? seconds : d.num_frames;
+    }
+    const limits = info.limits;
+    if (limits) {
+      $("size-hint").textContent =
+        `At most ${limits.max_width}×${limits.max_height} and ${limits.max_num_frames} frames.`;
+    }
+    $("model-info").textContent = `Model ${model.id}` + (server.engine ? ` (engine ${server.engine})` : "");
+  } catch (error) {
+    $("model-info").textContent = "Model: the server's default.";
+    showError("defaults", `could not read /v1/models (${error.message}); empty fields get the engine's defaults`);
+  }
+  document.body.dataset.ready = "true";
+}
+
+$("start-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  if (!$("start").disabled) start();
+});
+// Enter in the prompt starts, as in a one-line field; Shift+Enter is a new line.
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    $("start-form").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => session?.stop());
+$("save").addEventListener("click", save);
+$("interact-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const prompt = $("interact-prompt").value;
+  if (!session || session.closed || session.terminal || !prompt.trim()) return;
+  const transition = numberField("transition");
+  if (Number.isNaN(transition)) {
+    showError("form", "Transition chunks is not a number");
+    return;
+  }
+  session.interact(prompt, transition);
+});
+$("seed-use")?.addEventListener("click", () => {
+  if (session?.seed != null) $("seed").value = String(session.seed);
+});
+
+loadDefaults();
