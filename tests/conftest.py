@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from tests.instrumented import InstrumentedEngine
+from trio_vstream.access import AccessPolicy
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig, SessionSummary
@@ -124,6 +126,8 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         shutdown_grace: float = 5.0,
         encode_concurrency: int = 1,
         engine_class: type[InstrumentedEngine] = InstrumentedEngine,
+        access: AccessPolicy | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -143,6 +147,8 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
             shutdown_grace=shutdown_grace,
             encode_concurrency=encode_concurrency,
             session=SessionConfig(**session),
+            access=access or AccessPolicy(),
+            ssl_context=ssl_context,
         )
         server = VideoServer(engine, config, on_session_end=on_end)
         await nursery.start(server.run)

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.conftest import decode_video
 
@@ -47,33 +48,111 @@ def server_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
         yield process, url
 
 
-async def test_serves_and_shuts_down_gracefully_on_sigterm(
-    server_process: tuple[subprocess.Popen[str], str],
-) -> None:
-    process, url = server_process
-    received: list[dict[str, object]] = []
-    async with open_websocket_url(url, max_message_size=1 << 26) as ws:
-        await ws.send_message(
-            json.dumps({"type": "session.start", "prompt": "p", "size": "32x32", "num_frames": 500})
-        )
-        received.append(json.loads(await ws.get_message()))
-        process.send_signal(signal.SIGTERM)
-        while True:
-            message = await ws.get_message()
-            if isinstance(message, str):
-                received.append(json.loads(message))
-                if received[-1]["type"] in ("session.done", "error"):
-                    break
-    assert received[0]["type"] == "video.start"
-    assert received[-1]["type"] == "error" and received[-1]["code"] == "server_shutdown"
-    deadline = time.monotonic() + 10
+async def http_status(url: str, path: str) -> int:
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        data = b""
+        while chunk := await stream.receive_some():
+            data += chunk
+    return int(data.split()[1])
+
+
+async def read_to_terminal(ws: Any, received: list[dict[str, Any]]) -> bytes:
+    video = b""
+    while True:
+        message = await ws.get_message()
+        if isinstance(message, bytes):
+            video += message
+            continue
+        received.append(json.loads(message))
+        if received[-1]["type"] in ("session.done", "error"):
+            return video
+
+
+async def wait_exit(process: subprocess.Popen[str], seconds: float = 10) -> int | None:
+    deadline = time.monotonic() + seconds
     while process.poll() is None and time.monotonic() < deadline:
         await trio.sleep(0.05)
-    assert process.returncode == 0
+    return process.returncode
+
+
+async def test_sigterm_drains_running_sessions_lose_nothing(
+    server_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    """A rolling restart: after SIGTERM the running video completes, while /health and new
+    upgrades answer 503 (a balancer sends them elsewhere); then the process exits 0."""
+    process, url = server_process
+    received: list[dict[str, Any]] = []
+    async with open_websocket_url(url, max_message_size=1 << 26) as ws:
+        await ws.send_message(
+            json.dumps({"type": "session.start", "prompt": "p", "size": "32x32", "num_frames": 200})
+        )
+        received.append(json.loads(await ws.get_message()))
+        assert await http_status(url, "/health") == 200
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            while await http_status(url, "/health") != 503:
+                await trio.sleep(0.02)
+        with pytest.raises(ConnectionRejected) as rejected:
+            async with open_websocket_url(url):
+                pass
+        assert rejected.value.status_code == 503
+        video = await read_to_terminal(ws, received)
+    assert received[0]["type"] == "video.start"
+    assert received[-1] == {
+        "type": "session.done",
+        "request_id": received[0]["request_id"],
+        "chunks": received[-1]["chunks"],
+        "stopped": False,
+    }
+    assert len(decode_video(video)) == 200
+    assert await wait_exit(process) == 0
     assert process.stderr is not None
     log = process.stderr.read()
     assert "shutting down gracefully" in log
     assert "engine stream closed" in log
+
+
+async def test_sessions_still_running_when_the_grace_ends_get_server_shutdown() -> None:
+    with serving(
+        "--engine", "synthetic", "--engine-arg", "step_delay=0.02", "--shutdown-grace", "0.5"
+    ) as (process, url, _):
+        received: list[dict[str, Any]] = []
+        async with open_websocket_url(url, max_message_size=1 << 26) as ws:
+            await ws.send_message(
+                json.dumps(
+                    {"type": "session.start", "prompt": "p", "size": "32x32", "num_frames": 2000}
+                )
+            )
+            received.append(json.loads(await ws.get_message()))
+            process.send_signal(signal.SIGTERM)
+            await read_to_terminal(ws, received)
+        assert received[-1]["type"] == "error" and received[-1]["code"] == "server_shutdown"
+        assert await wait_exit(process) == 0
+
+
+async def test_a_second_signal_stops_at_once() -> None:
+    with serving("--engine", "synthetic", "--engine-arg", "step_delay=0.02") as (
+        process,
+        url,
+        _,
+    ):
+        async with open_websocket_url(url, max_message_size=1 << 26) as ws:
+            await ws.send_message(
+                json.dumps(
+                    {"type": "session.start", "prompt": "p", "size": "32x32", "num_frames": 2000}
+                )
+            )
+            await ws.get_message()
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                while await http_status(url, "/health") != 503:
+                    await trio.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            # 2000 frames would take ~20 s; the second signal does not wait for them.
+            assert await wait_exit(process, 10) == 0
 
 
 def test_sigint_with_no_sessions_exits_zero(

@@ -315,3 +315,10 @@ def test_decode_image_rejects_oversized_images() -> None:
     assert decode_image(png, max_pixels=2000).shape == (40, 50, 3)
     with pytest.raises(EncodingError, match="50x40"):
         decode_image(png, max_pixels=1999)
+
+
+def test_an_image_format_without_a_decoder_is_an_encoding_error() -> None:
+    """Found by bench/fuzz.py: FFmpeg probes an SVG but has no decoder for it here."""
+    svg = b"<svg xmlns='http://www.w3.org/2000/svg' width='2' height='2'/>"
+    with pytest.raises(EncodingError):
+        decode_image(svg)

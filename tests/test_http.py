@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
+from trio_websocket import ConnectionRejected
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from trio_vstream.engines.synthetic import SyntheticSettings
@@ -77,19 +79,33 @@ async def test_metrics_report_sessions_and_stream_close_times(start_server: Any)
     assert session["ended_at"] <= metrics["monotonic"]
 
 
-async def test_shutdown_stops_accepting_connections_at_once(start_server: Any) -> None:
-    running = await start_server(SyntheticSettings(hang_at_chunk=0), shutdown_grace=0.5)
+async def test_a_draining_server_answers_503_and_lets_running_sessions_finish(
+    start_server: Any,
+) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.01, chunk_frames=4))
+    transcript = Transcript()
     async with running.connect() as ws:
-        await ws.send_message(json.dumps(START))
-        await ws.get_message()  # video.start
+        await ws.send_message(json.dumps({**START, "num_frames": 40}))
+        await receive_until(ws, transcript, is_type("video.start"))
         running.server.shutdown()
-        await trio.sleep(0.05)
-        try:
-            await trio.open_tcp_stream("127.0.0.1", running.server.port)
-        except OSError:
-            pass
-        else:
-            raise AssertionError("still accepting connections during shutdown")
+        while not running.server.draining:
+            await trio.testing.wait_all_tasks_blocked()
+        assert await http_get(running.server.port, "/health") == (503, b"draining\n")
+        with pytest.raises(ConnectionRejected) as rejected:
+            async with running.connect():
+                pass
+        assert rejected.value.status_code == 503
+        await receive_into(ws, transcript)
+    assert transcript.terminal == [
+        {
+            "type": "session.done",
+            "request_id": transcript.json[0]["request_id"],
+            "chunks": 11,  # ten media chunks and the trailer
+            "stopped": False,
+        }
+    ]
+    await running.wait_sessions_ended(1)
+    assert len(running.summaries) == 1  # the refused upgrade never became a session
 
 
 async def test_freed_memory_goes_back_only_after_an_idle_while(

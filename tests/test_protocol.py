@@ -481,7 +481,7 @@ def test_long_values_are_truncated_in_messages() -> None:
         ("frame_interpolation_scale", 0, "frame_interpolation_scale must be > 0, got 0.0"),
         ("width", 0, "width must be >= 1, got 0"),
         ("height", -2, "height must be >= 1, got -2"),
-        ("fps", 0, "fps must be >= 1, got 0"),
+        ("fps", 0, "fps must be between 1 and 240, got 0"),
         ("num_frames", 0, "num_frames must be >= 1, got 0"),
     ],
 )
@@ -490,7 +490,10 @@ def test_range_checks(field: str, value: Any, expected: str) -> None:
 
 
 def test_video_params_range_checks() -> None:
-    assert invalid_request(video_params={"fps": 0}) == "video_params.fps must be >= 1, got 0"
+    assert (
+        invalid_request(video_params={"fps": 0})
+        == "video_params.fps must be between 1 and 240, got 0"
+    )
 
 
 @pytest.mark.parametrize(
@@ -1288,3 +1291,13 @@ def test_parse_control_never_crashes() -> None:
                 parse_control(json.dumps(body))
             except ProtocolError as err:
                 assert isinstance(err.code, ErrorCode)
+
+
+@pytest.mark.parametrize("where", ["top", "video_params"])
+def test_fps_is_bounded_before_it_reaches_the_encoder(where: str) -> None:
+    """Found by bench/fuzz.py: fps 2**31 overflowed the H.264 time base (internal_error)."""
+    fields = {"fps": 2**31} if where == "top" else {"video_params": {"fps": 2**31}}
+    error = start_error(start(**fields))
+    assert error.code is ErrorCode.INVALID_REQUEST
+    assert "fps must be between 1 and 240" in error.message
+    assert start_ok(start(fps=240)).video.fps == 240

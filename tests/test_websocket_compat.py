@@ -218,3 +218,62 @@ def test_patch_is_idempotent_and_reversible() -> None:
     first()
     # Back to what it was: the original, or still patched if the server patched at import.
     assert WebSocketConnection.__dict__["_handle_ping_event"] is before
+
+
+@pytest.fixture(params=["patched", "unpatched"])
+def message_handling(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """The same two ways for trio-websocket's message handler."""
+    if request.param == "patched":
+        undo = patch_ping_during_close()
+        yield "patched"
+        undo()
+        return
+    if not has_ping_during_close_bug():
+        pytest.skip("this trio-websocket release is not affected")
+    handler = WebSocketConnection._handle_message_event
+    monkeypatch.setattr(
+        WebSocketConnection, "_handle_message_event", getattr(handler, "__wrapped__", handler)
+    )
+    yield "unpatched"
+
+
+async def test_an_oversized_message_crossing_close_is_dropped(
+    message_handling: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The server closes while the client's too-large message is on its way: no second
+    Close (1009) is attempted, and the close handshake completes."""
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    client = RawClient(client_stream)
+    server_closed: list[WebSocketConnection] = []
+
+    async def serve_and_close(nursery: trio.Nursery) -> None:
+        request = await wrap_server_stream(nursery, server_stream, max_message_size=16)
+        ws = await request.accept()
+        await ws.aclose()
+        server_closed.append(ws)
+
+    async def run() -> CloseConnection:
+        with trio.fail_after(DEADLOCK_GUARD):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve_and_close, nursery)
+                await client.open("/")
+                oversized = client.ws.send(TextMessage("x" * 64))  # encoded while open
+                while not isinstance(event := await client.next_event(), CloseConnection):
+                    pass
+                await client.stream.send_all(oversized)
+                await client.send(event.response())
+                assert await client.stream.receive_some() == b""
+                return event
+
+    if message_handling == "unpatched":
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(LocalProtocolError, match=r"CloseConnection.*LOCAL_CLOSING")
+        ):
+            await run()
+        return
+    close = await run()
+    assert close.code == 1000
+    [ws] = server_closed
+    assert ws.closed is not None and ws.closed.code == 1000

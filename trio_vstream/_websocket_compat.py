@@ -19,6 +19,12 @@ answering pings: after Close it sends no further frames. So
 connection is no longer ``OPEN`` is dropped; every other ping goes to the
 original handler unchanged.
 
+The same mistake has a second door: a message over ``max_message_size`` that
+arrives after Close was sent makes trio-websocket send a second Close (1009),
+which wsproto refuses the same way (found by ``bench/soak.py``). The patch
+also wraps ``_handle_message_event``: once the connection is not ``OPEN``, an
+oversized message is dropped without a Close, since one has been sent already.
+
 Drop this module (and its call in ``trio_vstream.server``) once a
 trio-websocket release carries the fix, and raise the ``trio-websocket`` floor
 in ``pyproject.toml`` to that release.
@@ -34,7 +40,7 @@ from typing import Any
 
 from trio_websocket import WebSocketConnection
 from wsproto.connection import ConnectionState
-from wsproto.events import Ping
+from wsproto.events import BytesMessage, Ping, TextMessage
 
 __all__ = ["LAST_AFFECTED_VERSION", "has_ping_during_close_bug", "patch_ping_during_close"]
 
@@ -42,14 +48,17 @@ LAST_AFFECTED_VERSION: tuple[int, int, int] = (0, 12, 2)
 """The newest trio-websocket release known to answer pings after Close."""
 
 PingHandler = Callable[[WebSocketConnection, Ping], Coroutine[Any, Any, None]]
+MessageHandler = Callable[
+    [WebSocketConnection, BytesMessage | TextMessage], Coroutine[Any, Any, None]
+]
 
 
 class _Installed:
     """The patch's process-wide state: how many callers want it, and what it replaced."""
 
     users: int = 0
-    original: PingHandler | None = None
-    wrapper: PingHandler | None = None
+    originals: dict[str, Any] = {}  # noqa: RUF012 - process-wide on purpose
+    wrappers: dict[str, Any] = {}  # noqa: RUF012
 
 
 def has_ping_during_close_bug(version: str | None = None) -> bool:
@@ -84,6 +93,28 @@ def _skip_pings_after_close(original: PingHandler) -> PingHandler:
     return _handle_ping_event
 
 
+def _drop_oversized_after_close(original: MessageHandler) -> MessageHandler:
+    @functools.wraps(original)
+    async def _handle_message_event(
+        self: WebSocketConnection, event: BytesMessage | TextMessage
+    ) -> None:
+        too_large = self._message_size + len(event.data) > self._max_message_size
+        if too_large and self._wsproto.state is not ConnectionState.OPEN:
+            # A Close went out (or came in) already: a second one (1009) would be refused.
+            self._message_size = 0
+            self._message_parts = []
+            return
+        await original(self, event)
+
+    return _handle_message_event
+
+
+_WRAPPERS: dict[str, Callable[[Any], Any]] = {
+    "_handle_ping_event": _skip_pings_after_close,
+    "_handle_message_event": _drop_oversized_after_close,
+}
+
+
 def patch_ping_during_close() -> Callable[[], None]:
     """Stop trio-websocket from answering pings once the connection is not OPEN.
 
@@ -97,10 +128,11 @@ def patch_ping_during_close() -> Callable[[], None]:
     if not has_ping_during_close_bug():
         return _nothing_to_undo
     if _Installed.users == 0:
-        original: PingHandler = WebSocketConnection._handle_ping_event
-        wrapper = _skip_pings_after_close(original)
-        WebSocketConnection._handle_ping_event = wrapper  # type: ignore[method-assign]
-        _Installed.original, _Installed.wrapper = original, wrapper
+        for name, wrap in _WRAPPERS.items():
+            original = getattr(WebSocketConnection, name)
+            wrapper = wrap(original)
+            setattr(WebSocketConnection, name, wrapper)
+            _Installed.originals[name], _Installed.wrappers[name] = original, wrapper
     _Installed.users += 1
     undone = False
 
@@ -110,12 +142,14 @@ def patch_ping_during_close() -> Callable[[], None]:
             return
         undone = True
         _Installed.users -= 1
-        if _Installed.users > 0 or _Installed.original is None:
+        if _Installed.users > 0:
             return
-        # Put the original back only if nobody has replaced our wrapper since.
-        if WebSocketConnection.__dict__.get("_handle_ping_event") is _Installed.wrapper:
-            WebSocketConnection._handle_ping_event = _Installed.original  # type: ignore[method-assign]
-        _Installed.original = _Installed.wrapper = None
+        for name, original in _Installed.originals.items():
+            # Put the original back only if nobody has replaced our wrapper since.
+            if WebSocketConnection.__dict__.get(name) is _Installed.wrappers[name]:
+                setattr(WebSocketConnection, name, original)
+        _Installed.originals.clear()
+        _Installed.wrappers.clear()
 
     return undo
 

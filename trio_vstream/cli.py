@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
-from trio_vstream import memory, protocol
+from trio_vstream import access, memory, protocol
 from trio_vstream.client import add_client_arguments, run_client
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
@@ -19,6 +22,7 @@ from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
 
 DEFAULT_ENGINE = "shapes"
+API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
 _COMMANDS = ("serve", "client")
 
 logger = logging.getLogger("trio_vstream")
@@ -127,7 +131,41 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=_positive(float),
         default=defaults.shutdown_grace,
-        help="seconds running sessions get to finish on shutdown (default %(default)s)",
+        help="on SIGTERM, seconds running sessions get to finish their videos while no new "
+        "ones are admitted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"require this key (repeatable; also ${API_KEY_ENV}): 'Authorization: Bearer KEY', "
+        f"or from a browser the WebSocket subprotocol {access.KEY_SUBPROTOCOL_PREFIX}<base64url>",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="require the keys in this file (one a line; blank lines and # comments ignored)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="browser origins besides the server's own that may open sessions, comma-separated "
+        "(repeatable; '*' for any)",
+    )
+    parser.add_argument(
+        "--ssl-certfile", default=None, metavar="PATH", help="serve wss:// and https://"
+    )
+    parser.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        metavar="PATH",
+        help="the certificate's private key (if not in the certificate file)",
     )
     for name, help_text in (
         ("max_width", "largest width accepted"),
@@ -165,10 +203,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_serve(args)
 
 
+def access_policy(args: argparse.Namespace) -> access.AccessPolicy:
+    """Keys from the flags, the key file and the environment; origins from the flags.
+    Raises ``ValueError`` naming what is wrong (never the key itself)."""
+    keys = [key.strip() for key in args.api_keys]
+    if os.environ.get(API_KEY_ENV, "").strip():
+        keys.append(os.environ[API_KEY_ENV].strip())
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        if not any(line.strip() and not line.startswith("#") for line in lines):
+            raise ValueError(f"--api-key-file: no key in {args.api_key_file}")
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        raise ValueError("--api-key: a key must be non-empty and without spaces")
+    origins = [o.strip() for group in args.allowed_origins for o in group.split(",") if o.strip()]
+    for origin in origins:
+        if origin != "*" and access.normalise_origin(origin) is None:
+            raise ValueError(
+                f"--allowed-origins: {origin!r} is not an origin like https://example.org"
+            )
+    return access.AccessPolicy(api_keys=tuple(dict.fromkeys(keys)), allowed_origins=tuple(origins))
+
+
+def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if args.ssl_certfile is None:
+        if args.ssl_keyfile is not None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load: {exc}") from None
+    return context
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        policy = access_policy(args)
+        context = tls_context(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     memory.tune_allocator()  # before the engine starts any threads
     try:
         engine = load_engine(args.engine, dict(args.engine_args), device=args.device)
@@ -189,6 +271,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         encode_concurrency=args.encode_concurrency,
         shutdown_grace=args.shutdown_grace,
+        access=policy,
+        ssl_context=context,
         session=SessionConfig(
             start_timeout=args.start_timeout,
             stall_timeout=args.stall_timeout,
@@ -222,6 +306,8 @@ async def _serve_until_signalled(engine: Engine, config: ServerConfig) -> None:
 
             await nursery.start(serve)
             print(f"trio_vstream serving {server.url} (engine: {engine.name})", flush=True)
+            if config.access.needs_key:
+                logger.info("API keys required: %d configured", len(config.access.api_keys))
             async for signum in signals:
                 if server.shutting_down:
                     logger.warning("%s again: stopping now", signal.Signals(signum).name)

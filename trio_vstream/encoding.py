@@ -440,6 +440,8 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
             if not container.streams.video:
                 raise EncodingError("image data holds no picture")
             stream = container.streams.video[0]
+            if stream.codec_context is None:  # a format this FFmpeg has no decoder for
+                raise EncodingError("no decoder here for this image format")
             _check_image_size(stream.codec_context.width, stream.codec_context.height, max_pixels)
             for frame in container.decode(stream):
                 _check_image_size(frame.width, frame.height, max_pixels)

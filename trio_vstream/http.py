@@ -22,8 +22,20 @@ MAX_HEAD_BYTES = 64 * 1024
 """A request head larger than this is refused (431) rather than buffered."""
 
 
+LINGER_SECONDS = 1.0
+"""How long a closing WebSocket connection reads on after its last write (see below)."""
+
+
 class ReplayStream(trio.abc.Stream):
-    """A stream that first gives back bytes already read from it."""
+    """A stream that first gives back bytes already read from it, and closes lingering.
+
+    A lingering close (as web servers do): when trio-websocket closes the
+    connection, the write side is shut first and what the client still sends
+    is read and dropped until it closes too, for at most ``LINGER_SECONDS``.
+    Closing with unread bytes would make the kernel answer with a reset, and a
+    client still writing (an oversized message the server refused with close
+    code 1009) would lose the close frame and see 1006 instead.
+    """
 
     def __init__(self, stream: trio.abc.Stream, prefix: bytes) -> None:
         self._stream = stream
@@ -44,7 +56,17 @@ class ReplayStream(trio.abc.Stream):
         await self._stream.wait_send_all_might_not_block()
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        stream = self._stream
+        try:
+            if isinstance(stream, trio.abc.HalfCloseableStream):
+                with trio.move_on_after(LINGER_SECONDS):
+                    await stream.send_eof()
+                    while await stream.receive_some(65536):
+                        pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass  # gone already, or another task is reading: just close
+        finally:
+            await stream.aclose()
 
 
 class HeadTooLarge(Exception):
@@ -116,6 +138,7 @@ async def respond(
     body: bytes | str | Mapping[str, Any],
     *,
     content_type: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> None:
     """Send one complete HTTP/1.1 response and close the connection."""
     if isinstance(body, Mapping):
@@ -130,13 +153,14 @@ async def respond(
     # h11 needs to have seen a request before it will serialise a response.
     connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     connection.next_event()
-    headers = [
+    fields = [
         (b"content-type", kind.encode()),
         (b"cache-control", b"no-cache"),
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),
     ]
-    data = connection.send(h11.Response(status_code=status, headers=headers))
+    fields += [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
+    data = connection.send(h11.Response(status_code=status, headers=fields))
     data += connection.send(h11.Data(data=payload))
     data += connection.send(h11.EndOfMessage())
     try:

@@ -177,6 +177,9 @@ def _field(default: Any = None, **checks: Any) -> Any:
     return attrs.field(default=default, metadata={_CHECKS: _Checks(**checks)})
 
 
+MAX_FPS: Final = 240
+"""Beyond any display's rate; H.264 time bases overflow far above it."""
+
 # ASCII digits only: `\d` would also match e.g. Arabic-Indic digits.
 _SECONDS_PATTERN: Final = r"[1-9][0-9]*"
 _SIZE_PATTERN: Final = r"([0-9]+)x([0-9]+)"
@@ -189,7 +192,7 @@ class VideoParams:
     width: int | None = _field(ge=1)
     height: int | None = _field(ge=1)
     num_frames: int | None = _field(ge=1)
-    fps: int | None = _field(ge=1)
+    fps: int | None = _field(ge=1, le=MAX_FPS)
 
 
 @attrs.frozen(kw_only=True)
@@ -219,7 +222,7 @@ class VideoRequest:
     user: str | None = None
     width: int | None = _field(ge=1)
     height: int | None = _field(ge=1)
-    fps: int | None = _field(ge=1)
+    fps: int | None = _field(ge=1, le=MAX_FPS)
     num_frames: int | None = _field(ge=1)
     negative_prompt: str | None = None
     num_inference_steps: int | None = _field(ge=1, le=200)

@@ -1,4 +1,4 @@
-"""The WebSocket server: admission, one guarded task per connection, graceful shutdown.
+"""The WebSocket server: access, admission, one guarded task per connection, draining.
 
 trio-websocket runs each connection's handler in a shared nursery, so an
 exception escaping one handler would cancel every other connection and the
@@ -6,16 +6,20 @@ listener with it. ``_handle_tcp`` is therefore a firewall: whatever
 happens inside a session is logged with its request id and stays there; only
 cancellation passes through.
 
-Shutdown follows the hypercorn pattern: stop listening, ask every session to
-wind down (streaming sessions stop their engine and end with a terminal
-message), and after a grace period abort what is left.
+Shutdown is a drain, for rolling restarts behind a load balancer: no session
+is admitted any more (``/health`` and WebSocket upgrades answer 503 before
+anything is accepted, so the balancer retries elsewhere), running sessions
+finish their videos, and only those still running when the grace period ends
+are wound down with ``server_shutdown``; after that, what is left is aborted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
+import ssl
 import threading
 import time
 from collections import deque
@@ -28,7 +32,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import _websocket_compat, http, memory, metrics, protocol
+from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol
 from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -59,9 +63,13 @@ class ServerConfig:
     max_sessions: int = 16
     encode_concurrency: int = attrs.field(factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     """Chunks encoded at once, server-wide; by default one core is left to the rest."""
-    shutdown_grace: float = 10.0
-    """Seconds running sessions get to finish after a shutdown request."""
+    shutdown_grace: float = 30.0
+    """Seconds running sessions get to finish their videos after a shutdown request:
+    long enough for typical clips, so that a rolling restart loses nothing."""
     session: SessionConfig = attrs.field(factory=SessionConfig)
+    access: access.AccessPolicy = attrs.field(factory=access.AccessPolicy)
+    ssl_context: ssl.SSLContext | None = attrs.field(default=None, eq=False)
+    """Serve ``wss://`` and ``https://`` on the port."""
 
 
 class VideoServer:
@@ -90,7 +98,7 @@ class VideoServer:
         self._became_idle = trio.Event()
         self._last_idle = 0.0
         self._shutdown_requested = trio.Event()
-        self._closing = False
+        self._draining = False
         steps = engine.max_concurrent_steps
         self.metrics = metrics.ServerMetrics(self.served_model)
         self._started_at = int(time.time())
@@ -115,11 +123,16 @@ class VideoServer:
         host = self.config.host
         if ":" in host:
             host = f"[{host}]"
-        return f"ws://{host}:{self.port}{VIDEO_PATH}"
+        scheme = "wss" if self.config.ssl_context is not None else "ws"
+        return f"{scheme}://{host}:{self.port}{VIDEO_PATH}"
 
     def shutdown(self) -> None:
-        """Begin a graceful shutdown (idempotent)."""
+        """Begin a graceful shutdown, a drain (idempotent)."""
         self._shutdown_requested.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     @property
     def shutting_down(self) -> bool:
@@ -128,24 +141,25 @@ class VideoServer:
     async def run(
         self, *, task_status: trio.TaskStatus[VideoServer] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        async with trio.open_nursery() as handlers:
-            async with trio.open_nursery() as listener:
-                listeners = await listener.start(
-                    partial(
-                        trio.serve_tcp,
-                        self._handle_tcp,
-                        self.config.port,
-                        host=self.config.host,
-                        handler_nursery=handlers,
-                    )
+        async with trio.open_nursery() as handlers, trio.open_nursery() as listener:
+            listeners = await listener.start(
+                partial(
+                    trio.serve_tcp,
+                    self._handle_tcp,
+                    self.config.port,
+                    host=self.config.host,
+                    handler_nursery=handlers,
                 )
-                self.port = listeners[0].socket.getsockname()[1]
-                listener.start_soon(self._return_memory_when_idle)
-                logger.info("serving %s with engine %s", self.url, self.engine.name)
-                task_status.started(self)
-                await self._shutdown_requested.wait()
-                listener.cancel_scope.cancel()
+            )
+            self.port = listeners[0].socket.getsockname()[1]
+            listener.start_soon(self._return_memory_when_idle)
+            logger.info("serving %s with engine %s", self.url, self.engine.name)
+            task_status.started(self)
+            await self._shutdown_requested.wait()
+            # Still listening while draining: a balancer's health check and new
+            # upgrades get a 503, which sends them elsewhere at once.
             await self._drain(handlers)
+            listener.cancel_scope.cancel()
 
     async def _return_memory_when_idle(self) -> None:
         """Give freed memory back to the system once no session has run for a while.
@@ -163,17 +177,30 @@ class VideoServer:
                 memory.return_free_memory()
 
     async def _drain(self, handlers: trio.Nursery) -> None:
-        """Wind sessions down, then abort stragglers, then cancel what remains."""
-        self._closing = True
-        logger.info("shutting down: %d session(s) running", len(self._sessions))
-        for session in list(self._sessions):
-            session.shutdown()
-        with trio.move_on_after(self.config.shutdown_grace):
+        """Let running sessions finish within the grace; then wind down the rest, abort
+        stragglers, and cancel what remains."""
+        self._draining = True
+        grace = self.config.shutdown_grace
+        logger.info(
+            "draining: no new sessions; %d running get %g s to finish", len(self._sessions), grace
+        )
+        with trio.move_on_after(grace):
             await self._wait_no_sessions()
-        for session in list(self._sessions):
-            session.abort(Outcome.SHUTDOWN, (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down"))
-        with trio.move_on_after(self.config.session.close_timeout):
-            await self._wait_no_sessions()
+        if self._sessions:
+            logger.warning(
+                "grace over: %d session(s) still running end with server_shutdown",
+                len(self._sessions),
+            )
+            for session in list(self._sessions):
+                session.shutdown()
+            with trio.move_on_after(self.config.session.close_timeout):
+                await self._wait_no_sessions()
+            for session in list(self._sessions):
+                session.abort(
+                    Outcome.SHUTDOWN, (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
+                )
+            with trio.move_on_after(self.config.session.close_timeout):
+                await self._wait_no_sessions()
         # Connections still in their handshake, and anything left, go now.
         handlers.cancel_scope.cancel()
 
@@ -191,8 +218,15 @@ class VideoServer:
         """Sessions that count against ``max_sessions``: not those only closing their socket."""
         return sum(1 for session in self._sessions if not session.finishing)
 
-    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        """One TCP connection: a plain HTTP GET, or a WebSocket upgrade."""
+    async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
+        """One TCP connection: a plain HTTP GET, or a WebSocket upgrade (TLS first, if on)."""
+        stream: trio.abc.Stream = tcp
+        if self.config.ssl_context is not None:
+            # https_compatible: closing never waits on the peer (a half-done handshake
+            # would otherwise hold a shielded close open), as HTTPS servers do.
+            stream = trio.SSLStream(
+                tcp, self.config.ssl_context, server_side=True, https_compatible=True
+            )
         try:
             async with trio.open_nursery() as connection:
                 await self._route(stream, connection)
@@ -205,10 +239,14 @@ class VideoServer:
             if cancelled is not None:
                 raise cancelled from None
         finally:
-            with trio.CancelScope(shield=True):
+            # A TLS peer may vanish without its close_notify.
+            with (
+                trio.CancelScope(shield=True),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
                 await stream.aclose()
 
-    async def _route(self, stream: trio.SocketStream, connection: trio.Nursery) -> None:
+    async def _route(self, stream: trio.abc.Stream, connection: trio.Nursery) -> None:
         with trio.move_on_after(self.config.session.start_timeout) as too_slow:
             try:
                 head = await http.read_head(stream)
@@ -222,7 +260,26 @@ class VideoServer:
             await http.respond(stream, 400, "malformed HTTP request\n")
             return
         path = urlsplit(request.target.decode("latin-1")).path
+        policy = self.config.access
+        public = path in ("/", "/health") or path.startswith("/static/")
+        if not public and not policy.key_accepted(request.headers):
+            # Before anything else, upgrades included: no session starts without a key.
+            await http.respond(
+                stream,
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)\n",
+                headers={"www-authenticate": 'Bearer realm="trio_vstream"'},
+            )
+            return
         if http.is_websocket_upgrade(request):
+            if not policy.origin_allowed(
+                request.headers, secure=self.config.ssl_context is not None
+            ):
+                await http.respond(stream, 403, "this Origin may not open sessions here\n")
+                return
+            if self._draining:
+                await http.respond(stream, 503, "draining: try another server\n")
+                return
             limits = self.config.session.limits
             # Room to receive an oversized message and answer it with message_too_large;
             # beyond this, trio-websocket closes the connection with code 1009.
@@ -235,7 +292,10 @@ class VideoServer:
         elif request.method != b"GET":
             await http.respond(stream, 405, "only GET and WebSocket upgrades here\n")
         elif path == "/health":
-            await http.respond(stream, 200, "ok\n")
+            if self._draining:
+                await http.respond(stream, 503, "draining\n")
+            else:
+                await http.respond(stream, 200, "ok\n")
         elif path == "/metrics":
             await http.respond(
                 stream, 200, self.metrics.exposition(), content_type=metrics.CONTENT_TYPE
@@ -303,11 +363,14 @@ class VideoServer:
         if path != VIDEO_PATH:
             await request.reject(404, body=f"no WebSocket endpoint at {path}\n".encode())
             return
-        ws = await request.accept()
+        if self._draining:
+            await request.reject(503, body=b"draining: try another server\n")
+            return
+        ws = await request.accept(
+            subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
+        )
         refusal: protocol.Error | None = None
-        if self._closing:
-            refusal = protocol.Error(ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
-        elif self.running_sessions >= self.config.max_sessions:
+        if self.running_sessions >= self.config.max_sessions:
             refusal = protocol.Error(
                 ErrorCode.SERVER_BUSY,
                 f"Server busy: {self.config.max_sessions} sessions running; try again later",

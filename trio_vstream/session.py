@@ -402,7 +402,11 @@ class Session:
         return True
 
     def _disconnected(self) -> None:
-        """The client closed the connection: whichever task noticed, one line, no traceback."""
+        """The client closed the connection: whichever task noticed, one line, no traceback.
+
+        Its slot is free from here: what is left (one engine step, a close) is cleanup.
+        """
+        self.finishing = True
         if not self._disconnect_logged:
             self._disconnect_logged = True
             logger.info("session %s: client disconnected", self.request_id)
