@@ -552,7 +552,7 @@ class ServerProcess:
         return process.returncode
 
 
-async def fetch_metrics(endpoint: Endpoint, timeout: float = 5.0) -> dict[str, Any] | None:
+async def fetch_stats(endpoint: Endpoint, timeout: float = 5.0) -> dict[str, Any] | None:
     """``GET /stats`` on the WebSocket's port; None where the server has none."""
     with trio.move_on_after(timeout):
         try:
@@ -847,7 +847,7 @@ class RunContext:
         self.figures.add(self.run, name, values)
 
     async def metrics(self) -> dict[str, Any] | None:
-        return await fetch_metrics(self.endpoint) if self.has_metrics else None
+        return await fetch_stats(self.endpoint) if self.has_metrics else None
 
     async def settle(self, timeout: float = 10.0) -> tuple[dict[str, Any] | None, float]:
         """Wait until the server has no session left (known only where it has /stats)."""
@@ -858,7 +858,7 @@ class RunContext:
         metrics = None
         with trio.move_on_after(timeout):
             while True:
-                metrics = await fetch_metrics(self.endpoint)
+                metrics = await fetch_stats(self.endpoint)
                 if metrics is not None and metrics.get("sessions_active") == 0:
                     break
                 await trio.sleep(0.02)
@@ -1780,7 +1780,7 @@ class DiffusersScenario:
                 pid=server.pid,
                 rng=random.Random(s.seed * 1000 + run),
                 checks=self.checks,
-                has_metrics=await fetch_metrics(endpoint) is not None,
+                has_metrics=await fetch_stats(endpoint) is not None,
             )
             progress(f"{tag}: warm-up, one segment on each side")
             warm_up = SessionClient(
@@ -1930,7 +1930,7 @@ async def run_target(
             checks=checks,
         )
         before = now()
-        metrics = await fetch_metrics(ctx.endpoint)
+        metrics = await fetch_stats(ctx.endpoint)
         after = now()
         ctx.has_metrics = metrics is not None
         # Monotonic clocks compare only on one host; the server's reading must fall
