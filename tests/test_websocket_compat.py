@@ -46,23 +46,34 @@ DEADLOCK_GUARD = 60.0
 BUG_MESSAGE = r"Pong.*cannot be sent in state ConnectionState\.LOCAL_CLOSING"
 
 
-@pytest.fixture(params=["patched", "unpatched"])
-def ping_handling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run with the workaround in place, or with trio-websocket's own ping handler."""
-    if request.param == "patched":
+def handler_variant(
+    variant: str, handler_name: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """Run with the workaround in place, or with trio-websocket's own ``handler_name``."""
+    if variant == "patched":
         undo = patch_ping_during_close()
         yield "patched"
         undo()
         return
     if not has_ping_during_close_bug():
-        pytest.skip("this trio-websocket release answers pings after Close correctly")
+        pytest.skip("this trio-websocket release is not affected")
     # Whoever patched (the server at import, another test), the original is __wrapped__;
     # monkeypatch puts back exactly what was there.
-    handler = WebSocketConnection._handle_ping_event
-    monkeypatch.setattr(
-        WebSocketConnection, "_handle_ping_event", getattr(handler, "__wrapped__", handler)
-    )
+    handler = getattr(WebSocketConnection, handler_name)
+    monkeypatch.setattr(WebSocketConnection, handler_name, getattr(handler, "__wrapped__", handler))
     yield "unpatched"
+
+
+@pytest.fixture(params=["patched", "unpatched"])
+def ping_handling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    yield from handler_variant(request.param, "_handle_ping_event", monkeypatch)
+
+
+@pytest.fixture(params=["patched", "unpatched"])
+def message_handling(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    yield from handler_variant(request.param, "_handle_message_event", monkeypatch)
 
 
 class RawClient:
@@ -218,25 +229,6 @@ def test_patch_is_idempotent_and_reversible() -> None:
     first()
     # Back to what it was: the original, or still patched if the server patched at import.
     assert WebSocketConnection.__dict__["_handle_ping_event"] is before
-
-
-@pytest.fixture(params=["patched", "unpatched"])
-def message_handling(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[str]:
-    """The same two ways for trio-websocket's message handler."""
-    if request.param == "patched":
-        undo = patch_ping_during_close()
-        yield "patched"
-        undo()
-        return
-    if not has_ping_during_close_bug():
-        pytest.skip("this trio-websocket release is not affected")
-    handler = WebSocketConnection._handle_message_event
-    monkeypatch.setattr(
-        WebSocketConnection, "_handle_message_event", getattr(handler, "__wrapped__", handler)
-    )
-    yield "unpatched"
 
 
 async def test_an_oversized_message_crossing_close_is_dropped(
