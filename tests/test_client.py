@@ -30,13 +30,16 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream import cli
+from trio_vstream.access import AccessPolicy
 from trio_vstream.client import (
+    API_KEY_ENV,
     MAX_MESSAGE_SIZE,
     Outcome,
     RemuxError,
     ScheduledInteraction,
     StreamConnectError,
     StreamResult,
+    _connect_error_line,
     _finish,
     remux_to_mp4,
     stream_video,
@@ -237,15 +240,22 @@ async def run_cli(
     *args: str,
     while_running: Callable[[trio.Process], Awaitable[None]] | None = None,
     timeout: float = 20,
+    env: dict[str, str] | None = None,
 ) -> CliRun:
-    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files)."""
+    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files).
+
+    The environment is this one plus ``env``, less any API key of the developer's own:
+    a test gives the client a key only on purpose.
+    """
     out_path, err_path = tmp_path / "cli.stdout", tmp_path / "cli.stderr"
+    environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | (env or {})
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "trio_vstream", "client", *args],
             stdout=out,
             stderr=err,
             cwd=REPO,
+            env=environment,
         )
     try:
         with trio.fail_after(timeout):
@@ -487,6 +497,102 @@ async def test_connection_refused_raises_a_connect_error() -> None:
     with pytest.raises(StreamConnectError) as info:
         await stream_video(url, START, connect_timeout=5)
     assert url in str(info.value) and "refused" in str(info.value).lower()
+    assert info.value.status_code is None  # no HTTP answer at all
+
+
+# ------------------------------------------------------------------ API keys
+
+KEY = "k-3f9a"
+"""The key of the keyed servers below; never to be printed by the client."""
+REFUSED_401 = (
+    "the server refused the request: 401 \u2014 a valid API key is required "
+    f"(--api-key or {API_KEY_ENV})"
+)
+
+
+async def test_stream_video_sends_the_api_key_as_a_bearer_token(start_server: Any) -> None:
+    running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
+    result = await stream_video(running.url, {**START, "num_frames": 4}, api_key=KEY)
+    assert result.outcome is Outcome.COMPLETED and result.frames == 4
+    assert KEY not in json.dumps(result.summary())
+
+    for key in (None, "not-the-key"):
+        with pytest.raises(StreamConnectError) as info:
+            await stream_video(running.url, START, api_key=key)
+        assert info.value.status_code == 401
+        assert "401 \u2014 a valid API key is required" in str(info.value)
+        assert "not-the-key" not in str(info.value)
+    assert running.engine.streams[1:] == []  # no session started without the key
+
+
+@pytest.mark.parametrize("key", ["", "two words", "line\r\nX-Injected: 1", "cl\u00e9"])
+async def test_a_key_that_cannot_be_a_header_is_refused_before_connecting(key: str) -> None:
+    # Nothing listens at this port: the check must come before any connection attempt.
+    url = f"ws://127.0.0.1:{free_port()}/v1/realtime/video"
+    with pytest.raises(ValueError, match="the API key must be") as info:
+        await stream_video(url, START, api_key=key)
+    assert not key or key not in str(info.value)
+
+
+async def test_cli_api_key_from_the_flag_or_the_environment(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
+    base = ["a red circle", "--url", running.url, "-o", str(tmp_path / "o.mp4"), "--json"]
+    base += ["--size", "32x16", "--fps", "8", "--num-frames", "4"]
+
+    from_env = await run_cli(tmp_path, *base, env={API_KEY_ENV: KEY})
+    assert from_env.returncode == 0, from_env.stderr
+    assert from_env.summary["frames"] == 4
+    # The flag wins over the environment.
+    from_flag = await run_cli(tmp_path, *base, "--api-key", KEY, env={API_KEY_ENV: "stale"})
+    assert from_flag.returncode == 0, from_flag.stderr
+    assert KEY not in from_env.stdout + from_env.stderr + from_flag.stdout + from_flag.stderr
+    assert len(running.engine.streams) == 2
+
+
+async def test_cli_without_the_key_says_so_in_one_line_and_exits_3(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
+    output = tmp_path / "o.mp4"
+    for extra in ([], ["--api-key", "wrong-key-7c1e"]):
+        run = await run_cli(tmp_path, "x", "--url", running.url, "-o", str(output), *extra)
+        assert run.returncode == 3, run.stderr
+        assert run.stderr.splitlines() == [f"error: cannot connect to {running.url}: {REFUSED_401}"]
+        assert run.stdout == ""
+        assert "wrong-key-7c1e" not in run.stderr
+        assert not output.exists()
+    assert running.engine.streams == []
+
+
+@pytest.mark.parametrize(
+    ("status", "meaning"),
+    [
+        (403, "403 \u2014 forbidden (the server's Origin check, or a proxy's rule)"),
+        (503, "503 \u2014 the server is draining; try again or another server"),
+        (500, "the server rejected the WebSocket handshake with HTTP 500"),
+    ],
+    ids=["403", "503", "500"],
+)
+async def test_a_refused_handshake_is_one_line_naming_the_status(
+    nursery: trio.Nursery, status: int, meaning: str
+) -> None:
+    async def handler(request: WebSocketRequest) -> None:
+        await request.reject(status, body=b"no\n")
+
+    server = await nursery.start(
+        partial(serve_websocket, handler, "127.0.0.1", 0, ssl_context=None)
+    )
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime/video"
+    with pytest.raises(StreamConnectError) as info:
+        await stream_video(url, START)
+    assert info.value.status_code == status
+    line = _connect_error_line(info.value)
+    assert line == f"cannot connect to {url}: " + (
+        meaning if status == 500 else f"the server refused the request: {meaning}"
+    )
+    assert "--api-key" not in line  # the key hint is for 401 only
 
 
 # ------------------------------------------------------------ other servers
@@ -1016,6 +1122,7 @@ async def test_cli_progress_line_on_a_terminal(start_server: Any, tmp_path: Path
         (["x", "-o", "o.mp4", "--url", "http://127.0.0.1:8000/"], "ws://"),
         (["x", "-o", "no/such/dir/o.mp4"], "does not exist"),
         (["x", "-o", "o.mp4", "--transition-chunks", "-1"], ">= 0"),
+        (["x", "-o", "o.mp4", "--api-key", "my secret"], "--api-key: the API key must be"),
     ],
 )
 def test_cli_usage_errors_exit_2(
@@ -1029,7 +1136,9 @@ def test_cli_usage_errors_exit_2(
     with pytest.raises(SystemExit) as info:
         sys.exit(cli.main(["client", *args]))
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "my secret" not in err  # a refused key is never echoed
     assert list(tmp_path.iterdir()) == []
 
 

@@ -44,6 +44,7 @@ import pytest
 import trio
 
 from bench import run as bench
+from trio_vstream.access import key_subprotocol
 from trio_vstream.client import Outcome, StreamConnectError, StreamResult, stream_video
 from trio_vstream.server import VIDEO_PATH
 from trio_vstream.session import SessionConfig
@@ -235,7 +236,7 @@ class Cluster:
         return "\n".join(f"--- {b.address}\n{b.server.log_tail(15)}" for b in self.backends)
 
 
-def server_command() -> list[str]:
+def server_command(*extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -255,26 +256,34 @@ def server_command() -> list[str]:
         "1",
         "--shutdown-grace",
         str(SHUTDOWN_GRACE),
+        *extra,
     ]
 
 
 @contextlib.asynccontextmanager
-async def open_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+async def open_cluster(
+    tmp_path: Path, *, backends: int = BACKENDS, server_args: Sequence[str] = ()
+) -> AsyncIterator[Cluster]:
     """Three servers on ports of their own choosing, then nginx in front of them, rendered
     from the shipped configuration with those ports. Everything is stopped on the way out,
-    failures included."""
+    failures included.
+
+    ``backends=1`` starts one server and lists it on all three of the shipped ``server``
+    lines (nginx accepts repeats): for checks that are about what nginx passes through,
+    not about spreading, at a third of the cost. ``server_args`` go to every server."""
     servers = [
-        bench.ServerProcess(server_command(), tmp_path / f"server-{n}.log") for n in range(BACKENDS)
+        bench.ServerProcess(server_command(*server_args), tmp_path / f"server-{n}.log")
+        for n in range(backends)
     ]
     nginx: trio.Process | None = None
     try:
-        urls: list[str] = [""] * BACKENDS
+        urls: list[str] = [""] * backends
 
         async def start(n: int) -> None:
             urls[n] = await servers[n].start(timeout=SERVER_START)
 
         async with trio.open_nursery() as nursery:
-            for n in range(BACKENDS):
+            for n in range(backends):
                 nursery.start_soon(start, n)
         backends = [
             Backend(server, bench.Endpoint.parse(url).port)
@@ -289,7 +298,7 @@ async def open_cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
                 render_nginx_conf(
                     NGINX_CONF.read_text(),
                     listen_port=cluster.port,
-                    backend_ports=[b.port for b in backends],
+                    backend_ports=[backends[n % len(backends)].port for n in range(BACKENDS)],
                     prefix=prefix,
                 )
             )
@@ -348,21 +357,31 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-async def upgrade_status(port: int, origin: str) -> int:
-    """The status nginx answers to a browser's WebSocket upgrade from ``origin``; the
-    connection is dropped before any session starts."""
+async def upgrade_head(port: int, origin: str, *headers: str) -> tuple[int, str]:
+    """The status and response head nginx answers to a browser's WebSocket upgrade from
+    ``origin`` (plus ``headers``, ``"Name: value"``); the connection is dropped before
+    any session starts."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     head = bytearray()
     async with stream:
         request = (
             f"GET {VIDEO_PATH}?session=origin-check HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
             "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-            f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: {origin}\r\n\r\n"
+            f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: {origin}\r\n"
+            + "".join(f"{header}\r\n" for header in headers)
+            + "\r\n"
         )
         await stream.send_all(request.encode())
         while b"\r\n\r\n" not in head and (chunk := await stream.receive_some(4096)):
             head += chunk
-    return int(head.split(b" ", 2)[1])
+    text = bytes(head).partition(b"\r\n\r\n")[0].decode("latin-1")
+    return int(text.split(" ", 2)[1]), text
+
+
+async def upgrade_status(port: int, origin: str) -> int:
+    """The status nginx answers to a browser's WebSocket upgrade from ``origin``."""
+    status, _ = await upgrade_head(port, origin)
+    return status
 
 
 async def backend_stats(backend: Backend) -> dict[str, Any]:
@@ -659,6 +678,38 @@ async def test_sigkill_to_a_backend_drops_its_sessions_and_new_ones_succeed(
                 assert 0 < result.frames < session.frames, session.describe()
             else:
                 session.assert_completed()
+
+
+@needs_nginx
+@pytest.mark.timeout(60)
+async def test_api_keys_pass_through_nginx(tmp_path: Path) -> None:
+    """One server started with --api-key, behind the shipped config: nginx forwards the
+    client's ``Authorization`` header and a browser's ``Sec-WebSocket-Protocol`` key entry
+    unchanged, and the server's 401 (with its ``WWW-Authenticate``) back; it does not
+    retry a 401 on another backend as it does a 503."""
+    key = "nginx-key-91d0"
+    fields = {"prompt": "a key", "size": "32x32", "fps": FPS, "num_frames": 16}
+    async with open_cluster(tmp_path, backends=1, server_args=("--api-key", key)) as cluster:
+        with trio.fail_after(CONDITION):
+            with pytest.raises(StreamConnectError) as refused:
+                await stream_video(cluster.url("no-key"), fields)
+            result = await stream_video(cluster.url("keyed"), fields, api_key=key)
+            own = f"http://127.0.0.1:{cluster.port}"
+            status, head = await upgrade_head(cluster.port, own)
+            browser_status, browser_head = await upgrade_head(
+                cluster.port,
+                own,
+                f"Sec-WebSocket-Protocol: trio-vstream, {key_subprotocol(key)}",
+            )
+        assert refused.value.status_code == 401, refused.value
+        assert result.outcome is Outcome.COMPLETED and result.frames == 16, result.summary()
+        assert status == 401, head
+        assert 'www-authenticate: bearer realm="trio_vstream"' in head.lower(), head
+        assert browser_status == 101, browser_head
+        assert "sec-websocket-protocol: trio-vstream\r\n" in browser_head.lower() + "\r\n"
+        log = await cluster.logged(["no-key", "keyed"])
+        assert log["no-key"].status == 401 and log["no-key"].upstream_statuses == ("401",), log
+        assert log["keyed"].status == 101, log
 
 
 # --------------------------------------------------------------------------------------

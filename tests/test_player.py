@@ -9,7 +9,9 @@ browser is never downloaded (no ``playwright install``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +33,8 @@ CHUNK_FRAMES = 8
 # video arrives quickly (for the buffer-trimming test).
 STEP_DELAY = 0.02
 WAIT_MS = 30_000
+API_KEY = "player-key-5e2b"
+"""The key of the second server, started with ``--api-key``."""
 
 pytestmark = [
     pytest.mark.skipif(
@@ -41,10 +45,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def serve(log: Path, *extra: str) -> Iterator[str]:
     """A server with the synthetic engine on a free port; yields ``http://host:port``."""
-    log = tmp_path_factory.mktemp("player") / "server.log"
     command = [
         sys.executable,
         "-m",
@@ -59,9 +62,12 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         f"chunk_frames={CHUNK_FRAMES}",
         "--log-level",
         "WARNING",
+        *extra,
     ]
+    # Keys come from ``extra`` only, not from a TRIO_VSTREAM_API_KEY the shell may export.
+    env = {k: v for k, v in os.environ.items() if k != "TRIO_VSTREAM_API_KEY"}
     with log.open("w") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "trio_vstream serving ws://127.0.0.1:PORT/..."
@@ -75,6 +81,20 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve(tmp_path_factory.mktemp("player") / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second server that needs ``API_KEY``: started only if a test asks for it."""
+    log = tmp_path_factory.mktemp("player-keyed") / "server.log"
+    with serve(log, "--api-key", API_KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +287,67 @@ def test_a_bad_size_shows_the_servers_invalid_request(page: Page) -> None:
     expect(errors).to_contain_text("width must be even")
     expect(page.locator("#status")).to_contain_text("Socket closed")
     expect(page.locator("#fig-chunks")).to_have_text("0")
+
+
+def test_a_server_with_an_api_key_asks_for_it_and_plays_with_it(
+    browser: Browser, keyed_url: str
+) -> None:
+    context = browser.new_context(viewport={"width": 1000, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    script_errors: list[str] = []
+    page.on("pageerror", lambda error: script_errors.append(str(error)))
+    page.goto(f"{keyed_url}/")
+
+    # /v1/models answered 401: the page asks, with a labelled field and a note.
+    field = page.get_by_role("textbox", name="API key")
+    expect(field).to_be_visible()
+    expect(field).to_have_attribute("type", "password")
+    expect(field).to_be_focused()
+    expect(field).to_have_accessible_description(re.compile("needs an API key"))
+    expect(page.locator("#start")).to_be_disabled()
+
+    field.fill("not-the-key")
+    field.press("Enter")
+    refusal = page.locator("#key-error")
+    expect(refusal).to_contain_text("The server refused the key")
+    expect(field).to_have_attribute("aria-invalid", "true")
+    assert page.evaluate("sessionStorage.length") == 0  # a refused key is not kept
+
+    field.fill(API_KEY)
+    field.press("Enter")
+    defaults = SyntheticEngine.video_defaults
+    expect(page.locator("#size")).to_have_value(f"{defaults.width}x{defaults.height}")
+    expect(page.locator("#model-info")).to_contain_text("synthetic")
+    expect(page.locator("#key-form")).to_be_hidden()
+    expect(refusal).to_be_empty()
+    stored = page.evaluate("[sessionStorage.length, localStorage.length]")
+    assert stored == [1, 0], stored  # this tab only
+
+    start(page, seconds=10)
+    wait_playing(page, 0.5)  # the WebSocket got in: the key went as a subprotocol entry
+    page.click("#stop")
+    expect(page.locator("#status")).to_contain_text("session.done")
+    expect(page.locator("#errors")).to_be_empty()
+
+    # A reload in the same tab does not ask again.
+    page.reload()
+    page.wait_for_function("document.body.dataset.ready === 'true'")
+    expect(page.locator("#model-info")).to_contain_text("synthetic")
+    expect(page.locator("#key-form")).to_be_hidden()
+
+    # A key that stops working after the page loaded (revoked, say): the WebSocket is
+    # refused at the handshake, whose 401 browsers do not show the page.
+    page.evaluate("key => sessionStorage.setItem(sessionStorage.key(0), key)", "revoked")
+    start(page, seconds=2)
+    expect(page.locator("#errors")).to_contain_text(
+        "the server refused the connection (check the API key)"
+    )
+    expect(page.locator("#start")).to_be_enabled()
+
+    page.click("#key-forget")
+    expect(field).to_be_visible()
+    expect(refusal).to_be_empty()
+    assert page.evaluate("sessionStorage.length") == 0
+    context.close()
+    assert script_errors == [], "the page raised JavaScript errors"

@@ -50,6 +50,7 @@ from trio_vstream import protocol
 from trio_vstream.protocol import ErrorCode
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_URL",
     "MAX_MESSAGE_SIZE",
     "InteractionRecord",
@@ -66,6 +67,11 @@ __all__ = [
 ]
 
 DEFAULT_URL: Final = "ws://127.0.0.1:8000/v1/realtime/video"
+
+#: Where ``client`` reads its API key when ``--api-key`` is not given; the server reads
+#: the same variable (cli.py), so one exported key serves both on a workstation. The key
+#: stays out of ``ps`` output that way.
+API_KEY_ENV: Final = "TRIO_VSTREAM_API_KEY"
 
 #: trio-websocket's default (1 MiB) closes the connection with 1009 on the first big
 #: chunk; lossless or high-resolution chunks easily exceed that.
@@ -123,12 +129,16 @@ class StreamConnectError(Exception):
     """No session could be opened (refused, unreachable, handshake rejected, timeout).
 
     Raised rather than returned because nothing arrived that a caller could keep.
+    ``status_code`` is the HTTP status when the server answered the handshake with one
+    (401 no or wrong API key, 403 Origin refused, 503 draining), so a caller can act on
+    it (ask for a key, try another server) without parsing the message.
     """
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, status_code: int | None = None) -> None:
         super().__init__(f"cannot connect to {url}: {reason}")
         self.url = url
         self.reason = reason
+        self.status_code = status_code
 
 
 @attrs.frozen(kw_only=True)
@@ -366,6 +376,7 @@ async def stream_video(
     stop_timeout: float = 10.0,
     connect_timeout: float = 10.0,
     max_message_size: int = MAX_MESSAGE_SIZE,
+    api_key: str | None = None,
 ) -> StreamResult:
     """Run one session and return what arrived, however it ended.
 
@@ -374,7 +385,10 @@ async def stream_video(
     and waits up to ``stop_timeout`` for the server's ``session.done`` (before the
     connection is up, it abandons the attempt instead). Setting ``abort_event`` drops the
     connection at once. Callbacks run synchronously in the receive loop, so they must be
-    quick. Raises `StreamConnectError` when no connection could be made.
+    quick. ``api_key`` is sent as ``Authorization: Bearer KEY`` on the upgrade (servers
+    started with ``--api-key`` refuse the handshake with 401 without it); it is kept
+    nowhere in the result. Raises `StreamConnectError` when no connection could be made,
+    with ``status_code`` set when the server refused the handshake.
     """
     fields = dict(start_fields)
     if "type" in fields:
@@ -382,6 +396,7 @@ async def stream_video(
     if not isinstance(fields.get("prompt"), str):
         raise ValueError("start_fields needs a 'prompt' string")
     start_text = protocol.start_message(**fields)
+    extra_headers = [] if api_key is None else [(b"authorization", _bearer(api_key))]
 
     result = StreamResult(url=url, request=fields, started_at=trio.current_time())
     result.interactions = [
@@ -405,6 +420,7 @@ async def stream_video(
                 receive_buffer_size=_RECEIVE_BUFFER,
                 connect_timeout=connect_timeout,
                 disconnect_timeout=_CLOSE_WAIT,
+                extra_headers=extra_headers,
             ) as ws:
                 await session.run(ws, start_text)
         except HandshakeError as exc:
@@ -412,13 +428,15 @@ async def stream_video(
             # connect is fatal, since afterwards the data is in hand.
             if result.start_sent_at is None:
                 session.connect_failure = _describe_handshake(exc)
+                if isinstance(exc, ConnectionRejected):
+                    session.connect_status = exc.status_code
             else:
                 result.problems.append(f"closing the connection failed: {exc!r}")
         nursery.cancel_scope.cancel()
 
     result.ended_at = trio.current_time()
     if session.connect_failure is not None and not session.aborted:
-        raise StreamConnectError(url, session.connect_failure)
+        raise StreamConnectError(url, session.connect_failure, session.connect_status)
     result.outcome = session.outcome()
     session.explain_unsent()
     return result
@@ -443,6 +461,7 @@ class _Session:
         self.on_message = on_message
         self.aborted = False
         self.connect_failure: str | None = None
+        self.connect_status: int | None = None  # the HTTP status of a refused handshake
         self.finished = trio.Event()  # a terminal message arrived
         self.pending: protocol.ChunkMetadata | None = None
         self.records = {record.event_id: record for record in result.interactions}
@@ -763,8 +782,32 @@ def _mp4_child(payload: bytes, kind: bytes) -> bytes | None:
     return next((body for k, body in _mp4_boxes(payload) if k == kind), None)
 
 
+def _bearer(key: str) -> bytes:
+    """The Authorization value; refuses a key that would break or forge header lines.
+
+    The message never contains the key: it may end up in logs.
+    """
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise ValueError("the API key must be non-empty, without spaces or control characters")
+    try:
+        return b"Bearer " + key.encode("ascii")
+    except UnicodeEncodeError:
+        raise ValueError("the API key must be ASCII (it travels in an HTTP header)") from None
+
+
+#: What a refused handshake means, for the statuses our servers use to refuse one.
+_REFUSALS: Final = {
+    401: "a valid API key is required",
+    403: "forbidden (the server's Origin check, or a proxy's rule)",
+    503: "the server is draining; try again or another server",
+}
+
+
 def _describe_handshake(exc: HandshakeError) -> str:
     if isinstance(exc, ConnectionRejected):
+        meaning = _REFUSALS.get(exc.status_code)
+        if meaning is not None:
+            return f"the server refused the request: {exc.status_code} \u2014 {meaning}"
         return f"the server rejected the WebSocket handshake with HTTP {exc.status_code}"
     if isinstance(exc, ConnectionTimeout):
         return "timed out"
@@ -955,6 +998,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=DEFAULT_URL, metavar="URL", help="server endpoint (default %(default)s)"
     )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"send 'Authorization: Bearer KEY', for servers started with --api-key "
+        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)",
+    )
     request = parser.add_argument_group("session.start fields")
     request.add_argument("--size", type=_size, metavar="WxH", help="frame size, like 640x480")
     request.add_argument(
@@ -1084,6 +1133,23 @@ def _check_output(path: Path | None, flag: str) -> None:
         raise _UsageError(f"{flag} {path}: directory {parent} is not writable")
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else the environment's key; None when neither is set.
+
+    Checked here rather than by an argparse ``type``, whose error would echo the key.
+    """
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is None or (args.api_key is None and not key.strip()):
+        return None  # an empty variable is an unset one, as the server reads it
+    key = key.strip()
+    try:
+        _bearer(key)
+    except ValueError as exc:
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise _UsageError(f"{source}: {exc}") from None
+    return key
+
+
 def _check_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
@@ -1164,6 +1230,7 @@ class _Run:
 
 async def _run_async(
     args: argparse.Namespace,
+    api_key: str | None,
     fields: dict[str, Any],
     interactions: Sequence[ScheduledInteraction],
     progress: _Progress,
@@ -1201,6 +1268,7 @@ async def _run_async(
                     abort_event=abort_event,
                     stop_timeout=args.stop_timeout,
                     connect_timeout=args.connect_timeout,
+                    api_key=api_key,
                 )
             except StreamConnectError as exc:
                 run.connect_error = exc
@@ -1218,6 +1286,7 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         _check_output(args.output, "--output")
         _check_output(args.raw, "--raw")
         fields = _start_fields(args)
+        api_key = _api_key(args)
     except _UsageError as exc:
         print(f"python -m trio_vstream client: error: {exc}", file=err)
         return EXIT_USAGE
@@ -1229,7 +1298,7 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     run = _Run()
     progress = _Progress(err, enabled=err.isatty())
     try:
-        trio.run(_run_async, args, fields, interactions, progress, run)
+        trio.run(_run_async, args, api_key, fields, interactions, progress, run)
     except KeyboardInterrupt:
         # A signal outside the receiver's lifetime: before it was installed (nothing
         # received yet) or just after the stream ended (the result is in `run`).
@@ -1239,11 +1308,18 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     finally:
         progress.clear()
     if run.connect_error is not None:
-        print(f"error: {run.connect_error}", file=err)
+        print(f"error: {_connect_error_line(run.connect_error)}", file=err)
         return EXIT_CONNECTION
     result = run.result
     assert result is not None
     return _finish(args, result, out, err)
+
+
+def _connect_error_line(exc: StreamConnectError) -> str:
+    """The one line for a failed connection; a 401 also names the two ways to give the
+    key, since that is the whole fix (and never shows the key that was refused)."""
+    hint = f" (--api-key or {API_KEY_ENV})" if exc.status_code == 401 else ""
+    return f"{exc}{hint}"
 
 
 def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: TextIO) -> int:

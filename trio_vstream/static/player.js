@@ -16,8 +16,89 @@ const DEFAULT_ENDPOINT = "/v1/realtime/video";
 // An interaction's life, in order; "failed" can happen at any point.
 const EVENT_STATES = ["sent", "queued", "started", "active", "completed"];
 
-const server = { model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null };
+const server = {
+  model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
+  formFilled: false,
+};
 let session = null;
+
+// ---------------------------------------------------------------------------------
+// The API key (servers started with --api-key)
+// ---------------------------------------------------------------------------------
+
+// sessionStorage, not localStorage: a reload in this tab keeps the key, closing the tab
+// forgets it, and other tabs and later visits never see it.
+const KEY_STORAGE = "trio_vstream.api_key";
+// The protocol name the server selects, and the prefix of the entry that carries the key
+// (trio_vstream.access): browsers cannot set an Authorization header on a WebSocket.
+const SUBPROTOCOL = "trio-vstream";
+const KEY_SUBPROTOCOL_PREFIX = "trio-vstream.key.";
+let memoryKey = null; // where sessionStorage is unavailable (some privacy modes)
+
+function apiKey() {
+  try {
+    return sessionStorage.getItem(KEY_STORAGE) ?? memoryKey;
+  } catch {
+    return memoryKey;
+  }
+}
+
+function setApiKey(key) {
+  memoryKey = key;
+  try {
+    if (key == null) sessionStorage.removeItem(KEY_STORAGE);
+    else sessionStorage.setItem(KEY_STORAGE, key);
+  } catch {
+    // The key then lasts until a reload: still usable, only asked for again.
+  }
+}
+
+// The key as a Sec-WebSocket-Protocol entry: base64url of its UTF-8, without padding,
+// so any key fits the header's token characters.
+export function keySubprotocol(key) {
+  const bytes = new TextEncoder().encode(key);
+  let binary = "";
+  for (const byte of bytes) binary += String.fromCharCode(byte);
+  const base64 = btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  return KEY_SUBPROTOCOL_PREFIX + base64;
+}
+
+function authHeaders() {
+  const key = apiKey();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+// Ask for the key; `refused` when the one just tried was not accepted.
+function askForKey(refused) {
+  server.needsKey = true;
+  $("key-form").hidden = false;
+  $("key-state").hidden = true;
+  $("start").disabled = true;
+  const input = $("api-key");
+  if (refused) {
+    $("key-error").textContent = "The server refused the key (HTTP 401). Check it and try again.";
+    input.setAttribute("aria-invalid", "true");
+    input.select();
+  } else {
+    $("key-error").textContent = "";
+    input.removeAttribute("aria-invalid");
+  }
+  $("model-info").textContent = "This server needs an API key.";
+  setStatus("Waiting for the API key.", "key");
+  input.focus();
+}
+
+function keyAccepted() {
+  $("key-form").hidden = true;
+  $("key-error").textContent = "";
+  $("api-key").value = "";
+  $("api-key").removeAttribute("aria-invalid");
+  $("key-state").hidden = !apiKey();
+  if (!session || session.closed) {
+    setIdleControls();
+    setStatus("Idle.", "idle");
+  }
+}
 
 // ---------------------------------------------------------------------------------
 // Small helpers
@@ -153,14 +234,22 @@ class Session {
     this.video = $("video");
     this.openMediaSource();
 
-    this.ws = new WebSocket(wsUrl(server.endpoint));
+    this.opened = false;
+    this.received = 0;        // messages of any kind
+    const key = apiKey();
+    this.keyed = Boolean(key) || server.needsKey;
+    // Offered only with a key: the server then selects SUBPROTOCOL.
+    const protocols = key ? [SUBPROTOCOL, keySubprotocol(key)] : [];
+    this.ws = new WebSocket(wsUrl(server.endpoint), protocols);
     this.ws.binaryType = "arraybuffer";
     this.ws.addEventListener("open", () => {
+      this.opened = true;
       this.times.sent = performance.now();
       this.ws.send(stringifyExact({ type: "session.start", ...request }, exact));
       setStatus("Waiting for video.start…", "starting");
     });
     this.ws.addEventListener("message", (event) => {
+      this.received += 1;
       if (typeof event.data === "string") this.onText(event.data);
       else this.onBinary(event.data);
     });
@@ -340,7 +429,12 @@ class Session {
     this.closed = true;
     clearInterval(this.ticker);
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
-    if (!this.terminal) {
+    if (!this.terminal && !this.opened && this.received === 0) {
+      // A handshake answered with 401, 403 or 503: browsers hide the status (code 1006).
+      const why = this.keyed ? "check the API key" : "it may be down or draining, or refuse this page's origin";
+      showError("refused", `the server refused the connection (${why})`);
+      setStatus("The server refused the connection.", "closed");
+    } else if (!this.terminal) {
       showError("closed", `the connection closed before the session ended (${how})`);
       setStatus(`Socket closed (${how}).`, "closed");
     } else {
@@ -549,8 +643,19 @@ function save() {
 
 async function loadDefaults() {
   try {
-    const response = await fetch("/v1/models", { cache: "no-store" });
+    const key = apiKey();
+    const response = await fetch("/v1/models", { cache: "no-store", headers: authHeaders() });
+    if (response.status === 401) {
+      // A key that was refused is not kept: a reload would only be refused again.
+      if (key) setApiKey(null);
+      askForKey(Boolean(key));
+      return;
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    if (key) {
+      server.needsKey = true;
+      keyAccepted();
+    }
     const model = (await response.json()).data?.[0];
     if (!model) throw new Error("no model listed");
     const info = model.trio_vstream ?? {};
@@ -559,7 +664,10 @@ async function loadDefaults() {
     server.endpoint = info.endpoint ?? DEFAULT_ENDPOINT;
     server.defaults = info.video_defaults ?? null;
     const d = server.defaults;
-    if (d) {
+    // Once per page: a later reload of the defaults (after a key is entered or
+    // forgotten) must not undo what the user typed meanwhile.
+    if (d && !server.formFilled) {
+      server.formFilled = true;
       $("size").value = `${d.width}x${d.height}`;
       $("fps").value = d.fps;
       // Whole seconds read better; frames when the default is not a whole number of them.
@@ -576,8 +684,10 @@ async function loadDefaults() {
   } catch (error) {
     $("model-info").textContent = "Model: the server's default.";
     showError("defaults", `could not read /v1/models (${error.message}); empty fields get the engine's defaults`);
+  } finally {
+    // Settled: the defaults are in, or the page says why not, or it asks for a key.
+    document.body.dataset.ready = "true";
   }
-  document.body.dataset.ready = "true";
 }
 
 $("start-form").addEventListener("submit", (event) => {
@@ -603,6 +713,26 @@ $("interact-form").addEventListener("submit", (event) => {
     return;
   }
   session.interact(prompt, transition);
+});
+$("key-form").addEventListener("submit", (event) => {
+  // Enter in the field submits too (the form's implicit submission).
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  if (!key) {
+    $("key-error").textContent = "Enter the API key.";
+    $("api-key").focus();
+    return;
+  }
+  setApiKey(key);
+  $("key-error").textContent = "";
+  $("model-info").textContent = "Checking the key…";
+  loadDefaults();
+});
+$("key-forget").addEventListener("click", () => {
+  setApiKey(null);
+  $("key-state").hidden = true;
+  // Asks again if the server needs a key (it answers 401 without one).
+  loadDefaults();
 });
 $("seed-use")?.addEventListener("click", () => {
   if (session?.seed != null) $("seed").value = String(session.seed);
