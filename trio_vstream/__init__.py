@@ -2,15 +2,28 @@
 
 The public surface is small: run a ``VideoServer`` (or ``python -m trio_vstream``)
 with an engine from ``trio_vstream.engines``; speak the wire protocol with
-``trio_vstream.protocol``.
+``trio_vstream.protocol``. The names below are imported on first use (PEP 562),
+so that ``import trio_vstream.protocol`` loads the pure protocol alone, not the
+server with PyAV and trio-websocket.
 """
 
-from trio_vstream.engines import Engine, EngineStream, load_engine
-from trio_vstream.protocol import Limits
-from trio_vstream.server import ServerConfig, VideoServer, serve
-from trio_vstream.session import SessionConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": "trio_vstream.engines",
+    "EngineStream": "trio_vstream.engines",
+    "load_engine": "trio_vstream.engines",
+    "Limits": "trio_vstream.protocol",
+    "ServerConfig": "trio_vstream.server",
+    "VideoServer": "trio_vstream.server",
+    "serve": "trio_vstream.server",
+    "SessionConfig": "trio_vstream.session",
+}
 
 __all__ = [
     "Engine",
@@ -23,3 +36,16 @@ __all__ = [
     "load_engine",
     "serve",
 ]
+
+if TYPE_CHECKING:
+    from trio_vstream.engines import Engine, EngineStream, load_engine
+    from trio_vstream.protocol import Limits
+    from trio_vstream.server import ServerConfig, VideoServer, serve
+    from trio_vstream.session import SessionConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trio_vstream' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

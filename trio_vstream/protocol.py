@@ -27,6 +27,8 @@ import cattrs
 from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.gen import make_dict_structure_fn, override
 
+from trio_vstream.video import VideoDefaults
+
 __all__ = [
     "DEFAULT_LIMITS",
     "DEFAULT_TRANSITION_CHUNKS",
@@ -117,16 +119,6 @@ class Limits:
     max_height: int = 1920
     max_num_frames: int = 2400
     max_total_pixels: int = 1920 * 1080 * 600
-
-
-@attrs.frozen
-class VideoDefaults:
-    """The engine's defaults, used where a request leaves a video setting out."""
-
-    width: int = 256
-    height: int = 256
-    fps: int = 24
-    num_frames: int = 48
 
 
 DEFAULT_LIMITS: Final = Limits()

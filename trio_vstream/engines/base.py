@@ -35,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from trio_vstream.protocol import VideoDefaults
+from trio_vstream.video import VideoDefaults
 
 
 class Checkpoint:

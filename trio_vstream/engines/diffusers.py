@@ -65,7 +65,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
-from trio_vstream.protocol import VideoDefaults
+from trio_vstream.video import VideoDefaults
 
 logger = logging.getLogger(__name__)
 

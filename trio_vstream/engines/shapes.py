@@ -61,7 +61,7 @@ from trio_vstream.models.shapes.vocab import (
     fill_slots,
     parse_prompt,
 )
-from trio_vstream.protocol import VideoDefaults
+from trio_vstream.video import VideoDefaults
 
 logger = logging.getLogger(__name__)
 

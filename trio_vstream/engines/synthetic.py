@@ -34,7 +34,7 @@ from trio_vstream.engines.base import (
     reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
-from trio_vstream.protocol import VideoDefaults
+from trio_vstream.video import VideoDefaults
 
 logger = logging.getLogger(__name__)
 
