@@ -15,7 +15,9 @@ the renderer). It prints the quality table against the bars, then the speed:
   the last media chunk), and time from session.start to the first chunk's bytes.
 
 Sessions run one at a time, so speed is that of one stream. Results also go to
-``bench/results/shapes-<time>.json``.
+``bench/results/shapes-<time>.json``. The server is the harnesses' ``ServerProcess``
+(``bench/_server.py``); each session is a ``trio_vstream.protocol.ClientProtocol`` over
+a WebSocket. ``bench/shapes_in_process.py`` is the quick check without a server.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,13 +41,24 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_DIR))
+if str(REPO_DIR) not in sys.path:
+    sys.path.insert(0, str(REPO_DIR))
 
+from bench._server import ServerProcess  # noqa: E402
 from trio_vstream.models.shapes import evaluate  # noqa: E402
 from trio_vstream.models.shapes.vocab import COLOUR_NAMES, parse_prompt  # noqa: E402
+from trio_vstream.protocol import (  # noqa: E402
+    ChunkMetadata,
+    ChunkReceived,
+    ClientProtocol,
+    ClientState,
+    ErrorReceived,
+)
 
 RESULTS_DIR = REPO_DIR / "bench" / "results"
 MAX_MESSAGE = 64 * 1024 * 1024
+SERVER_START_TIMEOUT = 120.0
+"""Seconds for the server to print its URL (it loads the model and warms it up first)."""
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -58,59 +71,48 @@ class Session:
 
     def __init__(self) -> None:
         self.video = bytearray()
-        self.metadata: list[dict[str, Any]] = []
-        self.terminal: dict[str, Any] | None = None
+        self.media: list[ChunkMetadata] = []
+        """The media chunks' metadata, in order."""
+        self.frames = 0
         self.first_chunk_s: float | None = None
         self.last_chunk_s: float | None = None
-        self.frames = 0
 
 
 async def run_session(
     url: str, start: dict[str, Any], *, interaction: dict[str, Any] | None = None
 ) -> Session:
-    """Stream one session; send ``interaction`` once the first media chunk arrived."""
+    """Stream one session (``start``: the ``session.start`` fields); send ``interaction``
+    (`ClientProtocol.interact`'s arguments) once the first media chunk arrived."""
+    protocol = ClientProtocol()
     result = Session()
+    errors: list[str] = []
     async with open_websocket_url(url, max_message_size=MAX_MESSAGE) as ws:
         began = time.perf_counter()
-        await ws.send_message(json.dumps(start))
-        try:
-            while True:
-                raw = await ws.get_message()
-                now = time.perf_counter() - began
-                if isinstance(raw, bytes):
-                    result.video += raw
-                    if result.metadata and result.metadata[-1]["kind"] == "media":
-                        if result.first_chunk_s is None:
-                            result.first_chunk_s = now
-                            if interaction is not None:
-                                await ws.send_message(json.dumps(interaction))
-                        result.last_chunk_s = now
+        await ws.send_message(protocol.start(**start))
+        while not protocol.ended:
+            try:
+                message = await ws.get_message()
+            except ConnectionClosed:
+                break
+            now = time.perf_counter() - began
+            for event in protocol.receive(message):
+                if isinstance(event, ErrorReceived):
+                    errors.append(f"{event.error.code}: {event.error.message}")
+                if not isinstance(event, ChunkReceived):
                     continue
-                message = json.loads(raw)
-                if message["type"] == "video.chunk_metadata":
-                    result.metadata.append(message)
-                    result.frames += message["num_frames"]
-                elif message["type"] in ("session.done", "error"):
-                    result.terminal = message
-        except ConnectionClosed:
-            pass
-    if result.terminal is None or result.terminal["type"] != "session.done":
-        raise RuntimeError(f"session did not complete: {result.terminal}")
+                result.video += event.data
+                if event.metadata.kind != "media":
+                    continue
+                result.media.append(event.metadata)
+                if result.first_chunk_s is None:
+                    result.first_chunk_s = now
+                    if interaction is not None:
+                        await ws.send_message(protocol.interact(**interaction))
+                result.last_chunk_s = now
+    result.frames = protocol.frames
+    if protocol.state is not ClientState.DONE or errors:
+        raise RuntimeError(f"session did not complete ({protocol.state.value}): {errors}")
     return result
-
-
-def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "trio_vstream", "--engine", "shapes", "--port", "0"]
-    command += ["--log-level", "WARNING", *extra]
-    process = subprocess.Popen(
-        command, cwd=REPO_DIR, stdout=subprocess.PIPE, text=True, env=dict(os.environ)
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if "serving" not in line:
-        process.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
-    return process, line.split()[2]
 
 
 async def quality(url: str, split: str, count: int, frames: int) -> dict[str, Any]:
@@ -120,7 +122,6 @@ async def quality(url: str, split: str, count: int, frames: int) -> dict[str, An
         session = await run_session(
             url,
             {
-                "type": "session.start",
                 "prompt": case.prompt,
                 "seed": case.seed,
                 "num_frames": frames,
@@ -148,24 +149,19 @@ async def interactions(url: str, split: str, trials: int) -> dict[str, Any]:
         session = await run_session(
             url,
             {
-                "type": "session.start",
                 "prompt": case.prompt,
                 "seed": case.seed,
                 "num_frames": 96,
                 "size": "256x256",
             },
             interaction={
-                "type": "session.interaction",
-                "interaction": {
-                    "event_id": event_id,
-                    "event": {"prompt": new_prompt},
-                    "transition_chunks": chunks,
-                },
+                "prompt": new_prompt,
+                "event_id": event_id,
+                "transition_chunks": chunks,
             },
         )
-        media = [m for m in session.metadata if m["kind"] == "media"]
         start = next(
-            m["generation_chunk_index"] for m in media if event_id in m["started_event_ids"]
+            m.generation_chunk_index for m in session.media if event_id in m.started_event_ids
         )
         colours = evaluate.chunk_colours(decode(bytes(session.video)))
         ok = evaluate.interaction_passed(colours, start, chunks, new)
@@ -182,9 +178,7 @@ async def interactions(url: str, split: str, trials: int) -> dict[str, Any]:
 async def speed(url: str, sessions: int) -> dict[str, Any]:
     fps, first = [], []
     for i in range(sessions):
-        session = await run_session(
-            url, {"type": "session.start", "prompt": "a red circle moving left", "seed": i}
-        )
+        session = await run_session(url, {"prompt": "a red circle moving left", "seed": i})
         assert session.first_chunk_s is not None and session.last_chunk_s is not None
         fps.append(session.frames / session.last_chunk_s)
         first.append(session.first_chunk_s)
@@ -197,7 +191,7 @@ async def speed(url: str, sessions: int) -> dict[str, Any]:
     }
 
 
-async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, url: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     started = time.perf_counter()
     results["speed"] = await speed(url, args.speed_sessions)
@@ -206,6 +200,21 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
     results["quality"].update(await interactions(url, args.split, args.interaction_trials))
     results["seconds"] = round(time.perf_counter() - started, 1)
     return results
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure ``--url``, or a server of our own, started here and stopped at the end."""
+    if args.url is not None:
+        return await measure(args, args.url)
+    command = [sys.executable, "-m", "trio_vstream", "--engine", "shapes", "--port", "0"]
+    command += ["--log-level", "WARNING", *args.server_arg]
+    with tempfile.TemporaryDirectory(prefix="evaluate_shapes-") as scratch:
+        server = ServerProcess(command, Path(scratch) / "server.log")
+        try:
+            url = await server.start(SERVER_START_TIMEOUT)
+            return await measure(args, url)
+        finally:
+            await server.stop()
 
 
 def main() -> int:
@@ -220,16 +229,7 @@ def main() -> int:
         "--server-arg", action="append", default=[], help="extra server flag (repeatable)"
     )
     args = parser.parse_args()
-    process = None
-    url = args.url
-    if url is None:
-        process, url = start_server(args.server_arg)
-    try:
-        results = trio.run(main_async, args, url)
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=30)
+    results = trio.run(main_async, args)
     quality_metrics = results["quality"]
     print(evaluate.table(quality_metrics))
     print(

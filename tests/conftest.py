@@ -85,15 +85,42 @@ def is_type(kind: str) -> Callable[[Any], bool]:
 
 
 @attrs.define
+class EndedSessions:
+    """What the server's ``on_session_end`` hook saw, and a way to wait for it."""
+
+    summaries: list[SessionSummary] = attrs.field(factory=list)
+    checks_at_end: list[dict[str, Any]] = attrs.field(factory=list)
+    """The engine's state at the moment each handler finished (G1)."""
+    _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+
+    def record(self, summary: SessionSummary, check: dict[str, Any]) -> None:
+        self.checks_at_end.append(check)
+        self.summaries.append(summary)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while len(self.summaries) < count:
+            await self._changed.wait()
+
+
+@attrs.define
 class RunningServer:
     server: VideoServer
     engine: InstrumentedEngine
-    summaries: list[SessionSummary]
-    checks_at_end: list[dict[str, Any]]
+    ended: EndedSessions
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def summaries(self) -> list[SessionSummary]:
+        return self.ended.summaries
+
+    @property
+    def checks_at_end(self) -> list[dict[str, Any]]:
+        return self.ended.checks_at_end
 
     def connect(self, **kwargs: Any) -> Any:
         kwargs.setdefault("max_message_size", CLIENT_MAX_MESSAGE)
@@ -101,8 +128,7 @@ class RunningServer:
 
     async def wait_sessions_ended(self, count: int, timeout: float = 10.0) -> None:
         with trio.fail_after(timeout):
-            while len(self.summaries) < count:
-                await trio.sleep(0.005)
+            await self.ended.wait_for(count)
 
     async def run_session(self, start: dict[str, Any], **connect: Any) -> Transcript:
         transcript = Transcript()
@@ -132,13 +158,11 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
         engine = engine_class(settings or SyntheticSettings())
-        summaries: list[SessionSummary] = []
-        checks: list[dict[str, Any]] = []
+        ended = EndedSessions()
 
         def on_end(summary: SessionSummary) -> None:
             # Checked at the very moment the handler finishes: G1.
-            checks.append(engine.snapshot(summary.request_id))
-            summaries.append(summary)
+            ended.record(summary, engine.snapshot(summary.request_id))
 
         config = ServerConfig(
             host="127.0.0.1",
@@ -152,6 +176,6 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         )
         server = VideoServer(engine, config, on_session_end=on_end)
         await nursery.start(server.run)
-        return RunningServer(server, engine, summaries, checks)
+        return RunningServer(server, engine, ended)
 
     yield start

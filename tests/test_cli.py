@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,10 +72,19 @@ async def read_to_terminal(ws: Any, received: list[dict[str, Any]]) -> bytes:
 
 
 async def wait_exit(process: subprocess.Popen[str], seconds: float = 10) -> int | None:
-    deadline = time.monotonic() + seconds
-    while process.poll() is None and time.monotonic() < deadline:
-        await trio.sleep(0.05)
-    return process.returncode
+    """The exit status, or None if the process still runs after ``seconds``."""
+    try:
+        return await trio.to_thread.run_sync(functools.partial(process.wait, timeout=seconds))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+async def wait_draining(url: str, seconds: float = 10) -> None:
+    """Until the server process answers /health with 503. It is another process and
+    tells nothing when it starts draining, so this polls what a load balancer sees."""
+    with trio.fail_after(seconds):
+        while await http_status(url, "/health") != 503:
+            await trio.sleep(0.02)
 
 
 async def test_sigterm_drains_running_sessions_lose_nothing(
@@ -92,9 +101,7 @@ async def test_sigterm_drains_running_sessions_lose_nothing(
         received.append(json.loads(await ws.get_message()))
         assert await http_status(url, "/health") == 200
         process.send_signal(signal.SIGTERM)
-        with trio.fail_after(10):
-            while await http_status(url, "/health") != 503:
-                await trio.sleep(0.02)
+        await wait_draining(url)
         with pytest.raises(ConnectionRejected) as rejected:
             async with open_websocket_url(url):
                 pass
@@ -147,9 +154,7 @@ async def test_a_second_signal_stops_at_once() -> None:
             )
             await ws.get_message()
             process.send_signal(signal.SIGTERM)
-            with trio.fail_after(10):
-                while await http_status(url, "/health") != 503:
-                    await trio.sleep(0.02)
+            await wait_draining(url)
             process.send_signal(signal.SIGTERM)
             # 2000 frames would take ~20 s; the second signal does not wait for them.
             assert await wait_exit(process, 10) == 0

@@ -1,56 +1,56 @@
-"""The client, against live servers on loopback: ours in-process, ours as a process, and a
-scripted peer that behaves like other servers of the protocol (the reference, a broken one).
+"""The client library (`stream_video`, `remux_to_mp4`), against live servers on loopback:
+ours in-process, and a scripted peer (tests/fake_reference.py) that behaves like other
+servers of the protocol (the reference, a broken one). The command line is in
+test_client_cli.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
-import os
-import pty
 import re
-import signal
-import socket
 import struct
-import subprocess
-import sys
-from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import attrs
 import av
 import numpy as np
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import WebSocketConnection, WebSocketRequest, serve_websocket
 
+from tests.fake_reference import (
+    VIDEO_START_REF,
+    Peer,
+    free_port,
+    receive_json,
+    send_reference_chunk,
+    send_session_done,
+    sent_interactions,
+    start_peer,
+)
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from trio_vstream import cli
+from trio_vstream import protocol
 from trio_vstream.access import AccessPolicy
 from trio_vstream.client import (
     API_KEY_ENV,
     MAX_MESSAGE_SIZE,
-    Outcome,
     RemuxError,
     ScheduledInteraction,
     StreamConnectError,
+    StreamOutcome,
     StreamResult,
-    _connect_error_line,
-    _finish,
     remux_to_mp4,
     stream_video,
 )
+from trio_vstream.client._cli import _connect_error_line, _finish
 from trio_vstream.encoding import FragmentedMP4Encoder
 from trio_vstream.engines.base import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"prompt": "a red circle moving left", "size": "64x48", "fps": 8}
-REPO = Path(__file__).resolve().parent.parent
-PROGRESS = r"streaming: [1-9]\d* chunks, [1-9]\d* frames, \d+\.\d fps, \d+\.\d s\x1b\[K"
 
 
 # ------------------------------------------------------------------- helpers
@@ -128,88 +128,6 @@ def gradient_chunks(count: int, frames: int, width: int = 64, height: int = 48) 
     return [np.stack(clip[i * frames : (i + 1) * frames]) for i in range(count)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@attrs.define
-class Peer:
-    """A scripted server: the script talks to one connection; client messages are kept."""
-
-    url: str
-    received: list[Any]
-
-
-Script = Callable[[WebSocketConnection, Peer], Awaitable[None]]
-
-
-async def start_peer(nursery: trio.Nursery, script: Script) -> Peer:
-    peer = Peer(url="", received=[])
-
-    async def handler(request: WebSocketRequest) -> None:
-        ws = await request.accept()
-        with contextlib.suppress(ConnectionClosed):
-            await script(ws, peer)
-
-    server = await nursery.start(
-        partial(serve_websocket, handler, "127.0.0.1", 0, ssl_context=None)
-    )
-    peer.url = f"ws://127.0.0.1:{server.port}/v1/realtime/video"
-    return peer
-
-
-async def receive_json(ws: WebSocketConnection, peer: Peer) -> dict[str, Any]:
-    message = json.loads(await ws.get_message())
-    peer.received.append(message)
-    return message
-
-
-async def send_reference_chunk(
-    ws: WebSocketConnection, blob: bytes, index: int, frames: int
-) -> None:
-    """Metadata as older reference servers send it: no transport_chunk_index."""
-    await ws.send_message(
-        json.dumps(
-            {
-                "type": "video.chunk_metadata",
-                "request_id": "ref-1",
-                "kind": "media" if frames else "trailer",
-                "num_frames": frames,
-                "byte_length": len(blob),
-                "generation_chunk_index": index if frames else None,
-                "started_event_ids": [],
-                "active_event_ids": [],
-                "completed_event_ids": [],
-            }
-        )
-    )
-    await ws.send_message(blob)
-
-
-VIDEO_START_REF = json.dumps(
-    {"type": "video.start", "request_id": "ref-1", "format": "m4s", "config": {"prompt": "x"}}
-)
-
-
-async def send_session_done(ws: WebSocketConnection, chunks: int, stopped: bool = False) -> None:
-    await ws.send_message(
-        json.dumps(
-            {"type": "session.done", "request_id": "ref-1", "chunks": chunks, "stopped": stopped}
-        )
-    )
-
-
-def sent_interactions(peer: Peer) -> list[tuple[str, str]]:
-    """(event_id, prompt) of each session.interaction the peer received, in order."""
-    return [
-        (m["interaction"]["event_id"], m["interaction"]["event"]["prompt"])
-        for m in peer.received
-        if m["type"] == "session.interaction"
-    ]
-
-
 def finish(result: StreamResult, **args: Any) -> tuple[int, str, str]:
     """The CLI's reporting (`_finish`) on a result: exit status, stdout, stderr.
 
@@ -224,51 +142,6 @@ def finish(result: StreamResult, **args: Any) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-@attrs.frozen
-class CliRun:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return json.loads(self.stdout)
-
-
-async def run_cli(
-    tmp_path: Path,
-    *args: str,
-    while_running: Callable[[trio.Process], Awaitable[None]] | None = None,
-    timeout: float = 20,
-    env: dict[str, str] | None = None,
-) -> CliRun:
-    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files).
-
-    The environment is this one plus ``env``, less any API key of the developer's own:
-    a test gives the client a key only on purpose.
-    """
-    out_path, err_path = tmp_path / "cli.stdout", tmp_path / "cli.stderr"
-    environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | (env or {})
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_vstream", "client", *args],
-            stdout=out,
-            stderr=err,
-            cwd=REPO,
-            env=environment,
-        )
-    try:
-        with trio.fail_after(timeout):
-            if while_running is not None:
-                await while_running(process)
-            await process.wait()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    return CliRun(process.returncode, out_path.read_text(), err_path.read_text())
-
-
 # ------------------------------------------------------- stream_video in process
 
 
@@ -278,7 +151,7 @@ async def test_stream_video_gets_the_whole_session_and_remuxes_to_progressive_mp
     running = await start_server(SyntheticSettings(chunk_frames=4))
     result = await stream_video(running.url, {**START, "num_frames": 10})
 
-    assert result.outcome is Outcome.COMPLETED
+    assert result.outcome is StreamOutcome.COMPLETED
     assert result.done is not None and result.done.stopped is False
     assert result.error is None and result.errors == [] and result.problems == []
     assert result.request_id is not None and result.request_id.startswith("video_stream-")
@@ -335,7 +208,7 @@ async def test_interactions_are_sent_at_their_media_time_and_reach_the_chunks(
             ScheduledInteraction(at=0.15, prompt="a green circle", transition_chunks=1),
         ],
     )
-    assert result.outcome is Outcome.COMPLETED and result.errors == []
+    assert result.outcome is StreamOutcome.COMPLETED and result.errors == []
     records = result.interactions
     assert [r.interaction.prompt for r in records] == ["a green circle", "a blue square"]
     assert [r.event_id for r in records] == ["interaction-1", "interaction-2"]
@@ -367,7 +240,7 @@ async def test_an_error_answering_a_control_message_does_not_end_the_session(
     )
     assert [(e.code, e.event_id) for e in result.errors] == [("event_id_conflict", "same")]
     assert result.error is None
-    assert result.outcome is Outcome.COMPLETED and result.frames == 16
+    assert result.outcome is StreamOutcome.COMPLETED and result.frames == 16
 
 
 async def test_stop_event_ends_with_session_done_and_a_playable_partial_video(
@@ -383,7 +256,7 @@ async def test_stop_event_ends_with_session_done_and_a_playable_partial_video(
     result = await stream_video(
         running.url, {**START, "num_frames": 400}, on_chunk=on_chunk, stop_event=stop
     )
-    assert result.outcome is Outcome.STOPPED
+    assert result.outcome is StreamOutcome.STOPPED
     assert result.done is not None and result.done.stopped is True
     assert result.stop_requested_at is not None and not result.stop_timed_out
     assert 4 <= result.frames < 400
@@ -407,7 +280,7 @@ async def test_abort_event_drops_the_connection_at_once(start_server: Any) -> No
         running.url, {**START, "num_frames": 400}, on_chunk=on_chunk, abort_event=abort
     )
     assert trio.current_time() - aborted_at[0] < 1.0
-    assert result.outcome is Outcome.ABORTED and result.done is None
+    assert result.outcome is StreamOutcome.ABORTED and result.done is None
     assert result.frames == 2 and len(result.binary_messages) >= 1
     await running.wait_sessions_ended(1)
     assert running.summaries[0].outcome.value == "disconnected"
@@ -418,7 +291,7 @@ async def test_stop_before_the_session_exists_abandons_the_attempt(start_server:
     stop = trio.Event()
     stop.set()
     result = await stream_video(running.url, {**START, "num_frames": 4}, stop_event=stop)
-    assert result.outcome is Outcome.ABORTED
+    assert result.outcome is StreamOutcome.ABORTED
     assert result.messages == [] and result.start_sent_at is None
     assert running.engine.streams == []
 
@@ -426,7 +299,7 @@ async def test_stop_before_the_session_exists_abandons_the_attempt(start_server:
 async def test_server_error_is_the_outcome(start_server: Any) -> None:
     running = await start_server()
     result = await stream_video(running.url, {**START, "model": "someone-else"})
-    assert result.outcome is Outcome.ERROR
+    assert result.outcome is StreamOutcome.ERROR
     assert result.error is not None and result.error.code == "model_mismatch"
     assert "someone-else" in result.error.message
     assert result.chunks == [] and result.video == b""
@@ -442,7 +315,7 @@ async def test_a_rejected_request_prints_only_the_servers_error(
         {**START, "model": "someone-else"},
         interactions=[ScheduledInteraction(at=1.0, prompt="blue")],
     )
-    assert result.outcome is Outcome.ERROR and result.error is not None
+    assert result.outcome is StreamOutcome.ERROR and result.error is not None
     status, out, err = finish(result, output=tmp_path / "never.mp4")
     assert status == 1
     assert out == ""  # no summary of dashes
@@ -481,14 +354,20 @@ async def test_the_seed_the_server_used_is_in_the_summary(
 
 async def test_a_full_server_is_a_server_error(start_server: Any) -> None:
     running = await start_server(SyntheticSettings(hang_at_chunk=0), max_sessions=1)
-    stop = trio.Event()
+    stop, admitted = trio.Event(), trio.Event()
+
+    def on_message(message: protocol.ServerMessage, _: StreamResult) -> None:
+        if isinstance(message, protocol.VideoStart):
+            admitted.set()  # the one session slot is taken
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(stream_video, running.url, START, stop_event=stop))
-        while not running.engine.streams:
-            await trio.sleep(0.01)
+        nursery.start_soon(
+            partial(stream_video, running.url, START, stop_event=stop, on_message=on_message)
+        )
+        await admitted.wait()
         refused = await stream_video(running.url, START)
         stop.set()
-    assert refused.outcome is Outcome.ERROR
+    assert refused.outcome is StreamOutcome.ERROR
     assert refused.error is not None and refused.error.code == "server_busy"
 
 
@@ -513,7 +392,7 @@ REFUSED_401 = (
 async def test_stream_video_sends_the_api_key_as_a_bearer_token(start_server: Any) -> None:
     running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
     result = await stream_video(running.url, {**START, "num_frames": 4}, api_key=KEY)
-    assert result.outcome is Outcome.COMPLETED and result.frames == 4
+    assert result.outcome is StreamOutcome.COMPLETED and result.frames == 4
     assert KEY not in json.dumps(result.summary())
 
     for key in (None, "not-the-key"):
@@ -532,38 +411,6 @@ async def test_a_key_that_cannot_be_a_header_is_refused_before_connecting(key: s
     with pytest.raises(ValueError, match="the API key must be") as info:
         await stream_video(url, START, api_key=key)
     assert not key or key not in str(info.value)
-
-
-async def test_cli_api_key_from_the_flag_or_the_environment(
-    start_server: Any, tmp_path: Path
-) -> None:
-    running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
-    base = ["a red circle", "--url", running.url, "-o", str(tmp_path / "o.mp4"), "--json"]
-    base += ["--size", "32x16", "--fps", "8", "--num-frames", "4"]
-
-    from_env = await run_cli(tmp_path, *base, env={API_KEY_ENV: KEY})
-    assert from_env.returncode == 0, from_env.stderr
-    assert from_env.summary["frames"] == 4
-    # The flag wins over the environment.
-    from_flag = await run_cli(tmp_path, *base, "--api-key", KEY, env={API_KEY_ENV: "stale"})
-    assert from_flag.returncode == 0, from_flag.stderr
-    assert KEY not in from_env.stdout + from_env.stderr + from_flag.stdout + from_flag.stderr
-    assert len(running.engine.streams) == 2
-
-
-async def test_cli_without_the_key_says_so_in_one_line_and_exits_3(
-    start_server: Any, tmp_path: Path
-) -> None:
-    running = await start_server(access=AccessPolicy(api_keys=(KEY,)))
-    output = tmp_path / "o.mp4"
-    for extra in ([], ["--api-key", "wrong-key-7c1e"]):
-        run = await run_cli(tmp_path, "x", "--url", running.url, "-o", str(output), *extra)
-        assert run.returncode == 3, run.stderr
-        assert run.stderr.splitlines() == [f"error: cannot connect to {running.url}: {REFUSED_401}"]
-        assert run.stdout == ""
-        assert "wrong-key-7c1e" not in run.stderr
-        assert not output.exists()
-    assert running.engine.streams == []
 
 
 @pytest.mark.parametrize(
@@ -623,7 +470,7 @@ async def test_reference_style_server_and_a_chunk_bigger_than_a_mebibyte(
     assert peer.received == [
         {"type": "session.start", "prompt": "noise", "seed": 3, "size": "320x240"}
     ]
-    assert result.outcome is Outcome.COMPLETED and result.problems == []
+    assert result.outcome is StreamOutcome.COMPLETED and result.problems == []
     assert result.binary_messages == blobs
     assert [c.metadata.transport_chunk_index for c in result.chunks if c.metadata] == [-1, -1]
     clip = tmp_path / "noise.mp4"
@@ -639,7 +486,7 @@ async def test_reference_error_without_code_is_understood(nursery: trio.Nursery)
 
     peer = await start_peer(nursery, reference)
     result = await stream_video(peer.url, START)
-    assert result.outcome is Outcome.ERROR
+    assert result.outcome is StreamOutcome.ERROR
     assert result.error is not None and result.error.code == "invalid_request"
 
 
@@ -662,7 +509,7 @@ async def test_a_server_that_ignores_stop_is_given_up_on(nursery: trio.Nursery) 
         stop_event=stop,
         stop_timeout=0.3,
     )
-    assert result.outcome is Outcome.ABORTED and result.stop_timed_out
+    assert result.outcome is StreamOutcome.ABORTED and result.stop_timed_out
     assert result.stop_requested_at is not None and result.ended_at is not None
     assert 0.3 <= result.ended_at - result.stop_requested_at < 2.5
     assert peer.received[1:] == [{"type": "session.stop"}]
@@ -680,7 +527,7 @@ async def test_connection_lost_midstream_is_disconnected(nursery: trio.Nursery) 
 
     peer = await start_peer(nursery, crashing)
     result = await stream_video(peer.url, START)
-    assert result.outcome is Outcome.DISCONNECTED
+    assert result.outcome is StreamOutcome.DISCONNECTED
     assert result.close_code == 1011 and result.frames == 4
 
 
@@ -719,7 +566,7 @@ async def test_interactions_wait_for_media_time_when_generation_beats_real_time(
         ("interaction-2", "green"),
         ("interaction-3", "blue"),
     ]
-    assert result.outcome is Outcome.COMPLETED and result.frame_rate == 8
+    assert result.outcome is StreamOutcome.COMPLETED and result.frame_rate == 8
     assert result.media_time == 1.0
     # Sent at the first chunk boundary at or after their time: 0, 0.5, then 0.75 for 0.6.
     assert [r.sent_media_time for r in result.interactions] == [0.0, 0.5, 0.75, None]
@@ -779,7 +626,7 @@ async def test_media_time_without_stream_timing_uses_the_announced_fps(
     result = await stream_video(
         peer.url, start, interactions=[ScheduledInteraction(at=0.5, prompt="blue")]
     )
-    assert result.outcome is Outcome.COMPLETED
+    assert result.outcome is StreamOutcome.COMPLETED
     (record,) = result.interactions
     assert record.sent_media_time == sent_media_time
     assert len(sent_interactions(peer)) == (sent_media_time is not None)
@@ -818,7 +665,7 @@ async def test_an_interaction_the_server_rejects_is_a_warning_with_its_code(
     result = await stream_video(
         peer.url, START, interactions=[ScheduledInteraction(at=0, prompt="blue")]
     )
-    assert result.outcome is Outcome.COMPLETED and result.error is None
+    assert result.outcome is StreamOutcome.COMPLETED and result.error is None
     (record,) = result.interactions
     assert record.error is not None and record.error.code == "interaction_failed"
     status, _, err = finish(result)
@@ -850,314 +697,8 @@ async def test_interactions_after_a_stop_are_reported_as_not_sent(nursery: trio.
         on_chunk=lambda chunk, result: stop.set(),
         stop_event=stop,
     )
-    assert result.outcome is Outcome.STOPPED
+    assert result.outcome is StreamOutcome.STOPPED
     assert finish(result)[2].splitlines() == [
         'warning: interaction-1 "later" (at 3 s) not sent: the session was stopped at 0.25 s'
     ]
     assert result.interactions[0].not_sent == "the session was stopped at 0.25 s"
-
-
-# ------------------------------------------------------------ the command line
-
-
-async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
-    with open(tmp_path / "server.log", "wb") as log:
-        server = await trio.lowlevel.open_process(
-            [
-                *[sys.executable, "-m", "trio_vstream", "--port", "0"],
-                *["--engine", "synthetic", "--engine-arg", "chunk_frames=4"],
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            cwd=REPO,
-        )
-    try:
-        assert server.stdout is not None
-        line = b""
-        with trio.fail_after(15):
-            while b"\n" not in line:
-                data = await server.stdout.receive_some()
-                assert data, "server exited before printing its address"
-                line += data
-        url = next(word for word in line.decode().split() if word.startswith("ws://"))
-
-        clip, raw = tmp_path / "clip.mp4", tmp_path / "clip.m4s"
-        ok = await run_cli(
-            tmp_path,
-            "a red circle moving left",
-            "--url", url, "-o", str(clip), "--raw", str(raw), "--json",
-            "--size", "64x48", "--fps", "8", "--num-frames", "10",
-        )  # fmt: skip
-        assert ok.returncode == 0, ok.stderr
-        assert ok.stderr == ""  # no progress line when stderr is not a terminal
-        summary = ok.summary
-        assert summary["outcome"] == "completed" and summary["stopped"] is False
-        assert summary["frames"] == 10 and summary["output_frames"] == 10
-        assert summary["chunks"] == 4  # three media chunks and the trailer
-        assert summary["time_to_video_start_s"] <= summary["time_to_first_chunk_s"]
-        assert summary["delivered_fps"] > 0
-        assert summary["output"] == str(clip) and summary["raw"] == str(raw)
-        assert_plays(clip, 10)
-        assert_progressive_mp4(clip, 10)
-        assert len(raw.read_bytes()) == summary["bytes"]
-        assert len(decode(raw.read_bytes())[0]) == 10
-        assert mp4_boxes(raw.read_bytes())[-1][0] == b"mfra"
-
-        bad = await run_cli(
-            tmp_path, "x", "--url", url, "-o", str(tmp_path / "bad.mp4"),
-            "--param", 'num_frames="30"',
-        )  # fmt: skip
-        assert bad.returncode == 1
-        assert bad.stderr.startswith("error: server error invalid_request: ")
-        assert "num_frames" in bad.stderr and len(bad.stderr.splitlines()) == 1
-        assert bad.stdout == ""  # only the server's error: no summary of dashes
-        assert not (tmp_path / "bad.mp4").exists()
-
-        mismatch = await run_cli(tmp_path, "x", "--url", url, "--raw", str(raw), "--model", "m")
-        assert mismatch.returncode == 1 and "model_mismatch" in mismatch.stderr
-        assert raw.read_bytes() == b""  # exactly what arrived: nothing
-
-        server.send_signal(signal.SIGINT)
-        with trio.fail_after(10):
-            assert await server.wait() == 0
-    finally:
-        if server.returncode is None:
-            server.kill()
-            await server.wait()
-
-
-async def test_cli_raw_is_exactly_the_wire_bytes(nursery: trio.Nursery, tmp_path: Path) -> None:
-    blobs = encode_clip(gradient_chunks(2, 3))
-
-    async def reference(ws: WebSocketConnection, peer: Peer) -> None:
-        await receive_json(ws, peer)
-        await ws.send_message(VIDEO_START_REF)
-        await send_reference_chunk(ws, blobs[0], 0, 3)
-        await send_reference_chunk(ws, blobs[1], 1, 3)
-        await send_reference_chunk(ws, blobs[2], 0, 0)
-        await ws.send_message(
-            json.dumps(
-                {"type": "session.done", "request_id": "ref-1", "chunks": 3, "stopped": False}
-            )
-        )
-
-    peer = await start_peer(nursery, reference)
-    raw = tmp_path / "wire.m4s"
-    run = await run_cli(tmp_path, "x", "--url", peer.url, "--raw", str(raw), "--json")
-    assert run.returncode == 0, run.stderr
-    assert raw.read_bytes() == b"".join(blobs)
-    assert run.summary["output"] is None and run.summary["frames"] == 6
-
-
-async def test_cli_sends_every_flag_as_a_start_field(start_server: Any, tmp_path: Path) -> None:
-    picture = np.zeros((20, 30, 3), np.uint8)
-    picture[..., 2] = 180
-    png = tmp_path / "picture.bin"  # the type comes from the content, not the name
-    with av.open(str(png), "w", format="image2pipe") as container:
-        stream = container.add_stream("png", rate=1)
-        stream.width, stream.height, stream.pix_fmt = 30, 20, "rgb24"
-        for packet in stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")):
-            container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-    running = await start_server()
-    run = await run_cli(
-        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "o.mp4"), "--json",
-        "--size", "32x16", "--fps", "6", "--seconds", "1", "--seed", "7", "--steps", "3",
-        "--guidance-scale", "2.5", "--negative-prompt", "blurry", "--model", "synthetic",
-        "--image", str(png), "--param", "user=alice", "--param", 'extra_params={"knob": 1}',
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    assert run.summary["seed"] == 7  # as echoed in video.start
-    request = running.engine.streams[0].request
-    assert (request.width, request.height, request.fps, request.num_frames) == (32, 16, 6, 6)
-    assert (request.seed, request.num_inference_steps, request.guidance_scale) == (7, 3, 2.5)
-    assert request.negative_prompt == "blurry" and request.extra_params == {"knob": 1}
-    assert request.image is not None and np.array_equal(request.image, picture)
-    assert_plays(tmp_path / "o.mp4", 6, size=(32, 16), fps=6)
-
-
-async def test_cli_interactions(start_server: Any, tmp_path: Path) -> None:
-    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
-    run = await run_cli(
-        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "i.mp4"), "--json",
-        "--num-frames", "30", "--interact", "0.1:a green circle", "--interact", "0.2:a blue one",
-        "--transition-chunks", "1",
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    interactions = run.summary["interactions"]
-    assert [(i["prompt"], i["queued"]) for i in interactions] == [
-        ("a green circle", True),
-        ("a blue one", True),
-    ]
-    # The server's default 24 fps, read from the stream: 2-frame chunks end at 1/12 s steps.
-    assert [i["sent_media_s"] for i in interactions] == [0.1667, 0.25]
-    assert all(i["started_in_chunk"] is not None for i in interactions)
-    changes = running.engine.streams[0].changes
-    assert [(c.prompt, c.transition_chunks) for c in changes] == [
-        ("a green circle", 1),
-        ("a blue one", 1),
-    ]
-
-
-async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_path: Path) -> None:
-    running = await start_server(SyntheticSettings(step_delay=0.05, steps=2, chunk_frames=2))
-    clip = tmp_path / "partial.mp4"
-
-    async def interrupt_mid_stream(process: trio.Process) -> None:
-        while running.server.stats.chunks_sent < 2:
-            await trio.sleep(0.01)
-        process.send_signal(signal.SIGINT)
-
-    run = await run_cli(
-        tmp_path, "x", "--url", running.url, "-o", str(clip), "--json", "--num-frames", "400",
-        "--size", "64x48", "--fps", "8", while_running=interrupt_mid_stream,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    summary = run.summary
-    assert summary["outcome"] == "stopped" and summary["stopped"] is True
-    assert 4 <= summary["frames"] < 400
-    assert summary["output_frames"] == summary["frames"]
-    assert_plays(clip, summary["frames"])
-    await running.wait_sessions_ended(1)
-    assert running.summaries[0].outcome.value == "stopped"
-
-
-async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_path: Path) -> None:
-    blobs = encode_clip(gradient_chunks(1, 4))
-    chunk_sent, stop_seen = trio.Event(), trio.Event()
-
-    async def deaf(ws: WebSocketConnection, peer: Peer) -> None:
-        await receive_json(ws, peer)
-        await ws.send_message(VIDEO_START_REF)
-        await send_reference_chunk(ws, blobs[0], 0, 4)
-        chunk_sent.set()
-        while True:
-            if (await receive_json(ws, peer))["type"] == "session.stop":
-                stop_seen.set()
-
-    peer = await start_peer(nursery, deaf)
-    clip = tmp_path / "gave-up.mp4"
-
-    async def interrupt_twice(process: trio.Process) -> None:
-        await chunk_sent.wait()
-        await trio.sleep(0.2)  # let the client read it
-        process.send_signal(signal.SIGINT)
-        await stop_seen.wait()
-        process.send_signal(signal.SIGINT)
-        with trio.fail_after(3):  # not the 30 s stop timeout
-            await process.wait()
-
-    run = await run_cli(
-        tmp_path, "x", "--url", peer.url, "-o", str(clip), "--json", "--stop-timeout", "30",
-        while_running=interrupt_twice,
-    )  # fmt: skip
-    assert run.returncode == 130
-    assert run.summary["outcome"] == "aborted" and "gave up" in run.stderr
-    assert_plays(clip, 4)
-
-
-async def test_cli_connection_refused_exits_3(tmp_path: Path) -> None:
-    url = f"ws://127.0.0.1:{free_port()}/v1/realtime/video"
-    run = await run_cli(tmp_path, "x", "--url", url, "-o", str(tmp_path / "x.mp4"))
-    assert run.returncode == 3
-    assert url in run.stderr and "refused" in run.stderr.lower()
-    assert not (tmp_path / "x.mp4").exists()
-
-
-async def test_cli_progress_line_on_a_terminal(start_server: Any, tmp_path: Path) -> None:
-    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
-    leader, follower = pty.openpty()
-    try:
-        process = await trio.lowlevel.open_process(
-            [
-                sys.executable, "-m", "trio_vstream", "client", "x", "--url", running.url,
-                "-o", str(tmp_path / "p.mp4"), "--num-frames", "16", "--size", "64x48",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=follower,
-            cwd=REPO,
-        )  # fmt: skip
-    finally:
-        os.close(follower)
-
-    def read_all() -> bytes:
-        data = b""
-        while True:
-            try:
-                piece = os.read(leader, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                return data
-            if not piece:
-                return data
-            data += piece
-
-    try:
-        with trio.fail_after(15):
-            terminal = await trio.to_thread.run_sync(read_all)
-            assert await process.wait() == 0
-    finally:
-        os.close(leader)
-        if process.returncode is None:
-            process.kill()
-    text = terminal.decode()
-    lines = [line for line in text.split("\r") if line]
-    assert len(lines) >= 3  # redrawn in place, not scrolled
-    assert any(re.fullmatch(PROGRESS, line) for line in lines), lines
-    assert text.endswith("\r\x1b[K")  # the line is cleared at the end
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["x"], "nothing to write"),
-        (["x", "-o", "o.mp4", "--interact", "soon:blue"], "SECONDS:PROMPT"),
-        (["x", "-o", "o.mp4", "--interact", "-1:blue"], "SECONDS:PROMPT"),
-        (["x", "-o", "o.mp4", "--size", "64by48"], "WIDTHxHEIGHT"),
-        (["x", "-o", "o.mp4", "--param", "novalue"], "KEY=VALUE"),
-        (["x", "-o", "o.mp4", "--size", "64x48", "--param", "size=32x32"], "conflicts"),
-        (["x", "-o", "o.mp4", "--param", "type=session.stop"], "type"),
-        (["x", "-o", "o.mp4", "--image", "missing.png"], "missing.png"),
-        (["x", "-o", "o.mp4", "--url", "http://127.0.0.1:8000/"], "ws://"),
-        (["x", "-o", "no/such/dir/o.mp4"], "does not exist"),
-        (["x", "-o", "o.mp4", "--transition-chunks", "-1"], ">= 0"),
-        (["x", "-o", "o.mp4", "--api-key", "my secret"], "--api-key: the API key must be"),
-    ],
-)
-def test_cli_usage_errors_exit_2(
-    args: list[str],
-    message: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as info:
-        sys.exit(cli.main(["client", *args]))
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert "my secret" not in err  # a refused key is never echoed
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_cli_image_flag_rejects_non_images(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "notes.txt").write_text("hello")
-    assert cli.main(["client", "x", "-o", "o.mp4", "--image", "notes.txt"]) == 2
-    assert "not a recognised image" in capsys.readouterr().err
-
-
-def test_param_values_are_json_when_they_parse() -> None:
-    from trio_vstream.client import _param
-
-    assert _param("seed=7") == ("seed", 7)
-    assert _param("user=alice") == ("user", "alice")
-    assert _param('num_frames="30"') == ("num_frames", "30")
-    assert _param("lora=null") == ("lora", None)
-    assert _param('extra_params={"a": [1]}') == ("extra_params", {"a": [1]})
-    assert _param("guidance_scale=NaN") == ("guidance_scale", "NaN")  # not JSON
-    assert _param("note=a=b") == ("note", "a=b")

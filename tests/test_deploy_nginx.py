@@ -45,7 +45,7 @@ import trio
 
 from bench import run as bench
 from trio_vstream.access import key_subprotocol
-from trio_vstream.client import Outcome, StreamConnectError, StreamResult, stream_video
+from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult, stream_video
 from trio_vstream.server import VIDEO_PATH
 from trio_vstream.session import SessionConfig
 
@@ -462,7 +462,7 @@ class Session:
         """The whole video, ended by ``session.done`` (not stopped) and a normal close."""
         result = self.result
         assert result is not None, self.describe()
-        assert result.outcome is Outcome.COMPLETED, self.describe()
+        assert result.outcome is StreamOutcome.COMPLETED, self.describe()
         assert result.done is not None and result.done.stopped is False, self.describe()
         assert result.frames == self.frames, self.describe()
         assert result.error is None and not result.errors, self.describe()
@@ -672,7 +672,7 @@ async def test_sigkill_to_a_backend_drops_its_sessions_and_new_ones_succeed(
             if session in dropped:
                 result = session.result
                 assert result is not None, session.describe()
-                assert result.outcome is Outcome.DISCONNECTED, session.describe()
+                assert result.outcome is StreamOutcome.DISCONNECTED, session.describe()
                 assert result.done is None and result.error is None, session.describe()
                 assert result.close_code != 1000, session.describe()
                 assert 0 < result.frames < session.frames, session.describe()
@@ -702,7 +702,7 @@ async def test_api_keys_pass_through_nginx(tmp_path: Path) -> None:
                 f"Sec-WebSocket-Protocol: trio-vstream, {key_subprotocol(key)}",
             )
         assert refused.value.status_code == 401, refused.value
-        assert result.outcome is Outcome.COMPLETED and result.frames == 16, result.summary()
+        assert result.outcome is StreamOutcome.COMPLETED and result.frames == 16, result.summary()
         assert status == 401, head
         assert 'www-authenticate: bearer realm="trio_vstream"' in head.lower(), head
         assert browser_status == 101, browser_head

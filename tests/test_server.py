@@ -374,9 +374,10 @@ async def test_pings_keep_a_silent_engine_alive(start_server: Any) -> None:
     async with running.connect() as ws:
         await ws.send_message(json.dumps({**START, "num_frames": 10}))
         await receive_until(ws, transcript, is_type("video.start"))
-        for _ in range(8):
+        for _ in range(8):  # 0.8 s of a hung engine, well past the 0.3 s stall timeout
             await ws.send_message('{"type": "session.ping"}')
-            await trio.sleep(0.1)
+            await receive_until(ws, transcript, is_type("session.pong"))
+            await trio.sleep(0.1)  # the client's ping interval: time passing is the test
         await ws.send_message('{"type": "session.stop"}')
         await receive_into(ws, transcript)
     assert not transcript.of_type("error")

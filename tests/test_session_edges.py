@@ -35,10 +35,10 @@ from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, S
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import (
     Outcome,
+    ServerCounters,
     ServerResources,
     Session,
     SessionConfig,
-    SessionStats,
     SessionSummary,
 )
 
@@ -136,7 +136,7 @@ def make_session(
     resources = ServerResources(
         engine=engine,
         config=SessionConfig(**config),
-        stats=SessionStats(),
+        stats=ServerCounters(),
         step_limiter=None,
         thread_limiter=trio.CapacityLimiter(8),
         encode_limiter=trio.CapacityLimiter(1),

@@ -277,3 +277,15 @@ def test_cuda_frames_stay_on_the_gpu_as_uint8_and_are_deterministic() -> None:
     assert first[0].frames.is_cuda and first[0].frames.dtype == torch.uint8
     assert first[0].frames.shape == (8, 64, 64, 3)
     assert np.array_equal(frames_of(first), frames_of(again))
+
+
+def test_the_in_process_evaluator_judges_the_engine_directly(engine: ShapesEngine) -> None:
+    """``bench/shapes_in_process.py``: the engine called directly, no server, no codec."""
+    from bench import shapes_in_process
+
+    cases = evaluate.prompt_set("tune", 3)
+    analyses = shapes_in_process.judge(engine, cases, num_frames=8)
+    metrics = evaluate.score(cases, analyses)
+    assert metrics["clips"] == 3 and metrics["colour"] == metrics["background"] == 1.0
+    (line,) = evaluate.failures(cases[:1], [attrs.evolve(analyses[0], colour="nope")])
+    assert line.startswith(f"{cases[0].prompt!r} seed {cases[0].seed}:") and "colour=nope" in line

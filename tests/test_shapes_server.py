@@ -90,3 +90,18 @@ async def test_a_seed_the_engine_chose_is_echoed_and_reproduces_the_video(
     other = await run({"seed": seed + 1})
     assert not np.array_equal(decode_video(first.video_bytes), decode_video(other.video_bytes))
     server.shutdown()
+
+
+async def test_the_evaluator_judges_streamed_video_and_interactions(
+    nursery: trio.Nursery, engine: ShapesEngine
+) -> None:
+    """``bench/evaluate_shapes.py``'s measurements, at toy size, through a real server."""
+    from bench import evaluate_shapes
+
+    server = VideoServer(engine, ServerConfig(host="127.0.0.1", port=0))
+    await nursery.start(server.run)
+    quality = await evaluate_shapes.quality(server.url, "eval", count=2, frames=8)
+    assert quality["clips"] == 2 and quality["colour"] == quality["background"] == 1.0
+    interactions = await evaluate_shapes.interactions(server.url, "eval", trials=1)
+    assert interactions["interaction"] == 1.0
+    server.shutdown()

@@ -18,8 +18,8 @@ TINY = TrainSettings(steps=3, batch=2, channels=(8, 16), minutes=5.0, warmup=2)
 
 def test_training_writes_weights_and_record_and_is_deterministic(tmp_path: Path) -> None:
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    report = train(TINY, first, eval_clips=0)
-    train(TINY, second, eval_clips=0)
+    report = train(TINY, first)
+    train(TINY, second)
     assert report["steps_done"] == 3
     record = json.loads(first.with_suffix(".json").read_text())
     assert record["steps_done"] == 3 and record["settings"]["channels"] == [8, 16]
@@ -30,7 +30,7 @@ def test_training_writes_weights_and_record_and_is_deterministic(tmp_path: Path)
     assert all(torch.equal(a[key], b[key]) for key in a)
 
     other = tmp_path / "c.safetensors"
-    train(attrs.evolve(TINY, seed=1), other, eval_clips=0)
+    train(attrs.evolve(TINY, seed=1), other)
     c = load_file(str(other))
     assert not all(torch.equal(a[key], c[key]) for key in a)
 
@@ -38,7 +38,7 @@ def test_training_writes_weights_and_record_and_is_deterministic(tmp_path: Path)
 def test_command_line_trains_a_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "cli.safetensors"
     args = ["--steps", "2", "--batch", "2", "--channels", "8,16", "--out", str(out)]
-    assert main([*args, "--eval-clips", "0", "--no-context-skip", "--halo", "0"]) == 0
+    assert main([*args, "--no-context-skip", "--halo", "0"]) == 0
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["settings"]["context_skip"] is False and record["settings"]["halo"] == 0
     assert load_weights(out).config.context_skip is False

@@ -37,10 +37,10 @@ from trio_vstream.engines.base import Engine
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
     Outcome,
+    ServerCounters,
     ServerResources,
     Session,
     SessionConfig,
-    SessionStats,
     SessionSummary,
 )
 
@@ -89,7 +89,7 @@ class VideoServer:
     ) -> None:
         self.engine = engine
         self.config = config
-        self.stats = SessionStats()
+        self.stats = ServerCounters()
         self.port: int | None = None
         self._on_session_end = on_session_end
         self._sessions: set[Session] = set()

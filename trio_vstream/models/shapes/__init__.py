@@ -6,7 +6,9 @@ at the edges. Modules: ``vocab`` (vocabulary and prompt parser), ``render``
 (the procedural renderer that makes the training data), ``model`` (slot
 encoder and denoiser UNet, weights I/O), ``sampler`` (few-step flow-matching
 sampling with guidance), ``train`` (the training entry point) and
-``evaluate`` (the quality evaluator). The engine is
-``trio_vstream.engines.shapes``; the shipped checkpoint is
+``evaluate`` (judging decoded frames against a prompt, and the prompt sets).
+Nothing here imports an engine or the server: the engine is
+``trio_vstream.engines.shapes``, and what runs it for an evaluation is in
+``bench/``. The shipped checkpoint is
 ``weights.safetensors`` (with ``weights.json``: settings and metrics).
 """

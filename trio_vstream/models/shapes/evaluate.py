@@ -22,19 +22,16 @@ to the renderer's ground truth, so it measures what a viewer would see:
 The prompt sets are generated from the vocabulary with a seed per split:
 ``tune`` is what the model and its defaults were tuned on, ``eval`` (other
 phrasings, other seeds) is what the published numbers use.
-``evaluate_in_process`` runs the engine directly (quick, used at the end of
-training); ``bench/evaluate_shapes.py`` runs the same analysis on video
-streamed through a real server.
+This module knows the model's world only (its vocabulary), never an engine or a
+server: what produces the frames lives above both. ``bench/shapes_in_process.py``
+runs the engine directly (quick, for training and tuning);
+``bench/evaluate_shapes.py`` judges video streamed through a real server.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -242,6 +239,8 @@ _BACKGROUND_WORDS = {
     "dark green": ("dark green",),
 }
 _SPLIT_SEEDS = {"tune": 1000, "eval": 2000}
+SPLITS = tuple(_SPLIT_SEEDS)
+"""The prompt sets: ``tune`` (what the model and its defaults were tuned on), ``eval``."""
 
 
 @attrs.frozen
@@ -396,68 +395,8 @@ def table(metrics: dict[str, object]) -> str:
     return "\n".join(rows)
 
 
-# ------------------------------------------------------------------ in process
-
-
-def generate_clip(
-    engine: object,
-    prompt: str,
-    *,
-    seed: int,
-    num_frames: int,
-    width: int = 256,
-    height: int = 256,
-    on_chunk: Callable[[int], None] | None = None,
-) -> np.ndarray:
-    """Run one request through an engine object directly (no server, no codec)."""
-    from trio_vstream.engines.base import Checkpoint, GenerationRequest, frames_to_uint8_array
-
-    request = GenerationRequest(
-        request_id=f"eval-{seed}",
-        prompt=prompt,
-        width=width,
-        height=height,
-        fps=24,
-        num_frames=num_frames,
-        seed=seed,
-    )
-    stream = engine.open_stream(request)  # type: ignore[attr-defined]
-    chunks = []
-    try:
-        while (chunk := stream.next_chunk(Checkpoint())) is not None:
-            chunks.append(frames_to_uint8_array(chunk.frames, width=width, height=height))
-            if on_chunk is not None:
-                on_chunk(chunk.index)
-    finally:
-        stream.close()
-    return np.concatenate(chunks)
-
-
-def evaluate_in_process(
-    weights: Path | None,
-    *,
-    count: int = 48,
-    split: str = "tune",
-    num_frames: int = 16,
-    device: str = "cpu",
-    engine_args: dict[str, str] | None = None,
-) -> dict[str, object]:
-    """Quality metrics straight from the engine (no H.264); for training and tuning."""
-    from trio_vstream.engines.shapes import create_engine
-
-    args = dict(engine_args or {})
-    if weights is not None:
-        args["weights"] = str(weights)
-    engine = create_engine(device=device, **args)
-    cases = prompt_set(split, count)
-    analyses = [
-        analyse_clip(generate_clip(engine, case.prompt, seed=case.seed, num_frames=num_frames))
-        for case in cases
-    ]
-    return score(cases, analyses)
-
-
-def _failures(cases: Iterable[EvalCase], analyses: Iterable[ClipAnalysis]) -> list[str]:
+def failures(cases: Iterable[EvalCase], analyses: Iterable[ClipAnalysis]) -> list[str]:
+    """One line per clip that got an attribute wrong: the prompt, the seed, what was seen."""
     lines = []
     for case, a in zip(cases, analyses, strict=True):
         wrong = [
@@ -468,39 +407,3 @@ def _failures(cases: Iterable[EvalCase], analyses: Iterable[ClipAnalysis]) -> li
         if wrong:
             lines.append(f"{case.prompt!r} seed {case.seed}: {', '.join(wrong)} fill={a.fill:.2f}")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m trio_vstream.models.shapes.evaluate",
-        description="Quick in-process quality check of a shapes checkpoint (no server, no codec).",
-    )
-    parser.add_argument("--weights", type=Path, default=None)
-    parser.add_argument("--split", default="tune", choices=sorted(_SPLIT_SEEDS))
-    parser.add_argument("--count", type=int, default=48)
-    parser.add_argument("--frames", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--show-failures", action="store_true")
-    args = parser.parse_args(argv)
-    from trio_vstream.engines.shapes import create_engine
-
-    engine_args = dict(item.split("=", 1) for item in args.engine_arg)
-    if args.weights is not None:
-        engine_args["weights"] = str(args.weights)
-    engine = create_engine(device=args.device, **engine_args)
-    cases = prompt_set(args.split, args.count)
-    analyses = [
-        analyse_clip(generate_clip(engine, c.prompt, seed=c.seed, num_frames=args.frames))
-        for c in cases
-    ]
-    metrics = score(cases, analyses)
-    print(table(metrics))
-    print(json.dumps(metrics, indent=2))
-    if args.show_failures:
-        print("\n".join(_failures(cases, analyses)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Talking to the server: one ``session.start`` per connection, control messages into
+one long-running session, and a plain ``GET`` for ``/health``.
+
+The client only records (``StartTranscript``, ``Exchange``); the ``oracle`` judges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    DisconnectionTimeout,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+)
+
+from bench._fuzz.oracle import (
+    Exchange,
+    Problem,
+    StartTranscript,
+    check_reply,
+    fault_injected,
+    is_terminal,
+    judge_control,
+    shorten,
+)
+from bench._fuzz.settings import (
+    CLIENT_MAX_MESSAGE,
+    CONTROL_START,
+    FIRST_CHUNK_WAIT,
+    REPLY_TIMEOUT,
+    SETTLE_CHUNKS,
+    START_TIMEOUT,
+    STUCK_AFTER,
+)
+from bench._fuzz.wire import (
+    Wire,
+    wire_size,
+)
+from bench._server import Endpoint
+from trio_vstream import protocol
+
+
+def connect(url: str) -> Any:
+    return open_websocket_url(
+        url, max_message_size=CLIENT_MAX_MESSAGE, connect_timeout=10, disconnect_timeout=5
+    )
+
+
+async def _send(ws: WebSocketConnection, wire: Wire) -> None:
+    """Send, ignoring a closed connection: what the server said before is still read."""
+    with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+        await ws.send_message(wire)
+
+
+async def run_start(url: str, wire: Wire) -> StartTranscript:
+    """One connection: send ``wire`` as the first message, read to the close. An accepted
+    session is stopped after its first chunk (right away if it asked for a fault)."""
+    transcript = StartTranscript(sent_bytes=wire_size(wire), fault_injected=fault_injected(wire))
+    with trio.move_on_after(START_TIMEOUT) as scope:
+        try:
+            async with connect(url) as ws:
+                await _send(ws, wire)
+                await _read_start(ws, transcript)
+        except DisconnectionTimeout:
+            transcript.close_code = None  # judged as a connection that never closed
+            transcript.timed_out = True
+        except (HandshakeError, OSError) as exc:
+            transcript.connect_error = f"{type(exc).__name__}: {exc}"
+    transcript.timed_out = transcript.timed_out or scope.cancelled_caught
+    return transcript
+
+
+async def _read_start(ws: WebSocketConnection, transcript: StartTranscript) -> None:
+    accepted = stop_sent = False
+    stop_at = math.inf
+    while True:
+        with trio.move_on_at(stop_at) as wait:
+            try:
+                raw = await ws.get_message()
+            except ConnectionClosed as exc:
+                transcript.close_code = exc.reason.code
+                return
+        if wait.cancelled_caught:  # no first chunk yet: stop anyway
+            stop_sent, stop_at = True, math.inf
+            await _send(ws, protocol.STOP_MESSAGE)
+            continue
+        transcript.messages.append(raw)
+        if not accepted and len(transcript.messages) == 1 and _is_video_start(raw):
+            accepted = True
+            if transcript.fault_injected:
+                stop_sent = True
+                await _send(ws, protocol.STOP_MESSAGE)
+            else:
+                stop_at = trio.current_time() + FIRST_CHUNK_WAIT
+        elif accepted and not stop_sent and isinstance(raw, bytes):
+            stop_sent, stop_at = True, math.inf
+            await _send(ws, protocol.STOP_MESSAGE)
+
+
+def _is_video_start(raw: Wire) -> bool:
+    if isinstance(raw, bytes):
+        return False
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and message.get("type") == "video.start"
+
+
+@attrs.define
+class ControlSession:
+    """One running session that control inputs are sent into."""
+
+    ws: WebSocketConnection
+    request_id: str | None = None
+    alive: bool = True
+    chunks: int = 0
+    last_chunk_at: float = attrs.field(factory=trio.current_time)
+    since_chunk: list[int] = attrs.field(factory=list)
+    """Inputs sent since the last chunk: the suspects when the video stops moving."""
+    pending: dict[str, int] = attrs.field(factory=dict)
+    """Queued interactions not yet seen in a chunk's ``started_event_ids``: event id ->
+    input index. When the session fails, these are the suspects."""
+
+    @property
+    def stuck(self) -> bool:
+        return trio.current_time() - self.last_chunk_at > STUCK_AFTER
+
+
+class HarnessError(Exception):
+    """The run could not go on for a reason that is not the server's answer."""
+
+
+class SessionRefused(Exception):
+    """The server would not start the control session."""
+
+
+async def open_session(ws: WebSocketConnection) -> ControlSession:
+    session = ControlSession(ws)
+    await _send(ws, CONTROL_START)
+    with trio.move_on_after(REPLY_TIMEOUT):
+        while True:
+            try:
+                raw = await ws.get_message()
+            except ConnectionClosed as exc:
+                raise SessionRefused(f"closed {exc.reason.code}") from None
+            if isinstance(raw, bytes):
+                continue
+            message, _ = check_reply(raw)
+            if message is not None and message["type"] == "video.start":
+                session.request_id = message.get("request_id")
+                return session
+            raise SessionRefused(shorten(raw))
+    raise SessionRefused(f"no video.start in {REPLY_TIMEOUT:.0f} s")
+
+
+async def _collect(
+    session: ControlSession, exchange: Exchange, index: int, done: Callable[[], bool]
+) -> None:
+    """Read until ``done()``; after a terminal message, on to the close."""
+    while exchange.terminal is not None or not done():
+        try:
+            raw = await session.ws.get_message()
+        except ConnectionClosed as exc:
+            exchange.close_code = exc.reason.code
+            session.alive = False
+            return
+        if isinstance(raw, bytes):
+            continue
+        message, problems = check_reply(raw)
+        exchange.problems += problems
+        if message is None:
+            exchange.messages.append(raw)
+            continue
+        if message["type"] == "video.chunk_metadata":
+            session.chunks += 1
+            session.last_chunk_at = trio.current_time()
+            session.since_chunk.clear()
+            for event_id in message.get("started_event_ids") or ():
+                session.pending.pop(event_id, None)
+            continue
+        exchange.messages.append(raw)
+        if exchange.terminal is not None:
+            exchange.problems.append(Problem("message-after-terminal", message["type"]))
+        elif is_terminal(message):
+            exchange.terminal = message
+            session.alive = False
+        else:
+            exchange.replies.append(message)
+            if message["type"] == "session.interaction.queued":
+                session.pending[str(message.get("event_id"))] = index
+
+
+async def exchange(session: ControlSession, wire: Wire, index: int) -> Exchange:
+    """Send ``wire`` then a ping; read the two answers (and any terminal message)."""
+    result = Exchange(sent_bytes=wire_size(wire))
+    with trio.move_on_after(REPLY_TIMEOUT) as scope:
+        await _send(session.ws, wire)
+        await _send(session.ws, protocol.PING_MESSAGE)
+        await _collect(session, result, index, lambda: len(result.replies) >= 2)
+    result.timed_out = scope.cancelled_caught
+    return result
+
+
+async def settle(session: ControlSession, index: int) -> Exchange:
+    """Let `SETTLE_CHUNKS` chunks pass, so that what was queued has been applied."""
+    result = Exchange(sent_bytes=0)
+    target = session.chunks + SETTLE_CHUNKS
+    with trio.move_on_after(REPLY_TIMEOUT) as scope:
+        await _collect(session, result, index, lambda: session.chunks >= target)
+    result.timed_out = scope.cancelled_caught
+    return result
+
+
+async def end_session(session: ControlSession, limit: int) -> tuple[str, list[Problem], Exchange]:
+    """Stop a session that is still running; it must end with ``session.done``."""
+    result = await exchange(session, protocol.STOP_MESSAGE, -1)
+    outcome, problems = judge_control(result, limit)
+    if outcome not in ("stopped", "completed") and not problems:
+        problems.append(Problem("stop-not-done", outcome))
+    return outcome, problems, result
+
+
+async def http_get(endpoint: Endpoint, path: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
+    """A plain ``GET`` on the server's port; (None, why) when there is no answer."""
+    with trio.move_on_after(timeout):
+        try:
+            stream = await endpoint.open_stream()
+        except OSError as exc:
+            return None, str(exc).encode()
+        data = b""
+        try:
+            request = (
+                f"GET {path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\nConnection: close\r\n\r\n"
+            )
+            await stream.send_all(request.encode())
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            await stream.aclose()
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0].split()
+        return (int(status[1]) if len(status) > 1 and status[1].isdigit() else None), body
+    return None, b"timed out"
+
+
+def request_id_of(messages: Sequence[Wire]) -> str | None:
+    for raw in messages:
+        if isinstance(raw, str):
+            match = re.search(r'"request_id":"([^"]+)"', raw)
+            if match:
+                return match.group(1)
+    return None
+
+
+async def control_alone(
+    url: str, wire: Wire, limit: int
+) -> tuple[list[Problem], list[Wire], int | None, str | None]:
+    """One control input alone in a fresh session, given time to take effect: its
+    problems, the messages, the close code and the session's request id."""
+    problems: list[Problem] = []
+    messages: list[Wire] = []
+    close_code: int | None = None
+    request_id: str | None = None
+    try:
+        async with connect(url) as ws:
+            session = await open_session(ws)
+            request_id = session.request_id
+            result = await exchange(session, wire, 0)
+            _, found = judge_control(result, limit)
+            problems += found
+            messages += result.messages
+            close_code = result.close_code
+            if session.alive:
+                later = await settle(session, 0)
+                messages += later.messages
+                close_code = later.close_code
+                _, found = judge_control(later, limit, answers=0)
+                problems += found
+                if session.alive and session.stuck:
+                    problems.append(Problem("session-stuck", f"no chunk for {STUCK_AFTER:.0f} s"))
+            if session.alive:
+                _, found, result = await end_session(session, limit)
+                problems += found
+                messages += result.messages
+                close_code = result.close_code
+    except (SessionRefused, HandshakeError, OSError) as exc:
+        problems.append(Problem("control-session-refused", str(exc)))
+    return problems, messages, close_code, request_id

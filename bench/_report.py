@@ -1,0 +1,290 @@
+"""The report: the targets judged (PASS/FAIL), the markdown that stdout shows, and the
+machine the figures were measured on (without which they mean little)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from bench._output import markdown_table, read_file
+from bench._settings import REPO_DIR, SERVER_SCENARIOS, Settings, Target
+from bench._stats import Figures, summarize
+
+if TYPE_CHECKING:
+    from bench.scenarios.diffusers import DiffusersScenario
+
+
+def evaluate(
+    figures: Figures,
+    target: Target,
+    s: Settings,
+    checks: Sequence[dict[str, Any]],
+    runs: Sequence[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The targets the harness exists to show. Never loosened to fit a result."""
+    results: list[dict[str, Any]] = []
+
+    def verdict(
+        name: str, measured: float | None, limit: float | None, rule: str, note: str = ""
+    ) -> None:
+        status = "N/A" if measured is None or limit is None else "PASS"
+        if status == "PASS" and measured > limit:  # type: ignore[operator]
+            status = "FAIL"
+        results.append(
+            {
+                "target": name,
+                "rule": rule,
+                "measured": measured,
+                "threshold": limit,
+                "status": status,
+                "note": note,
+            }
+        )
+
+    verdict(
+        "control plane: ping RTT p99, 8 sessions streaming",
+        figures.stat("concurrency.n8.ping_rtt_ms", "p99"),
+        50.0,
+        "p99 <= 50 ms",
+    )
+    step_ms = None if target.step_s is None else target.step_s * 1000
+    for phase, label in (("idle", "alone"), ("load", f"{s.abort_load} others streaming")):
+        verdict(
+            f"abort: stop -> done p99, {label}",
+            figures.stat(f"abort.{phase}.stop_done_ms", "p99"),
+            None if step_ms is None else step_ms + 50,
+            "p99 <= one engine step + 50 ms",
+            "" if step_ms is not None else "engine step unknown: pass --engine-step",
+        )
+    ttfc = figures.stat("latency.ttfc_ms", "median")
+    engine = figures.stat("calib.engine_first_chunk_ms", "median")
+    encode = figures.stat("calib.encode_first_chunk_ms", "median")
+    verdict(
+        "transport overhead: median TTFC - engine's median first chunk",
+        None if ttfc is None or engine is None else ttfc - engine,
+        None if encode is None else encode + 20,
+        "<= median encode of one (first) chunk + 20 ms",
+        "" if engine is not None else "engine time unknown (engine not synthetic)",
+    )
+    leftovers = [c for c in checks if c["ok"] is False]
+    unknown = not checks or any(c["ok"] is None for c in checks)
+    returned = [r.get("threads", {}).get("returned_s") is not None for r in runs]
+    status = "N/A" if unknown else "PASS" if not leftovers and all(returned) else "FAIL"
+    results.append(
+        {
+            "target": "cleanup: nothing left after any scenario, threads back after every run",
+            "rule": "sessions_active = streams_open = worker_threads = 0 after each scenario; "
+            "threads_alive back at its baseline",
+            "measured": {
+                "scenarios_with_leftovers": len(leftovers),
+                "runs_with_threads_back": f"{sum(returned)}/{len(returned)}",
+            },
+            "threshold": None,
+            "status": status,
+            "note": "needs /stats" if unknown else "",
+        }
+    )
+    return results
+
+
+def _fmt(value: Any) -> str:
+    """Three significant digits or so: enough to compare, few enough to read."""
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return "n/a"
+    magnitude = abs(value)
+    digits = 3 if magnitude < 1 else 2 if magnitude < 10 else 1 if magnitude < 1000 else 0
+    return f"{value:.{digits}f}"
+
+
+def figure_rows(figures: Figures) -> list[tuple[str, ...]]:
+    rows = []
+    for fig in figures:
+        stats = summarize(fig.pooled)
+        medians = [summarize(r)["median"] for r in fig.runs if r]
+        spread = f"{_fmt(min(medians))} - {_fmt(max(medians))}" if len(medians) > 1 else ""
+        rows.append(
+            (fig.name, fig.unit, _fmt(stats["median"]), _fmt(stats["p99"]), spread, str(stats["n"]))
+        )
+    return rows
+
+
+def compare_rows(a: Figures, b: Figures) -> list[tuple[str, ...]]:
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None or x == 0 else y / x
+
+    rows = []
+    for fig in a:
+        other = b.get(fig.name)
+        if other is None:
+            continue
+        sa, sb = summarize(fig.pooled), summarize(other.pooled)
+        rows.append(
+            (
+                fig.name,
+                fig.unit,
+                _fmt(sa["median"]),
+                _fmt(sb["median"]),
+                _fmt(ratio(sa["median"], sb["median"])),
+                _fmt(sa["p99"]),
+                _fmt(sb["p99"]),
+                _fmt(ratio(sa["p99"], sb["p99"])),
+            )
+        )
+    return rows
+
+
+def compare_json(a: Figures, b: Figures) -> dict[str, dict[str, str]]:
+    """The --compare table as JSON, one entry per metric, as the table shows it."""
+    keys = ("A_median", "B_median", "ratio_median", "A_p99", "B_p99", "ratio_p99")
+    return {row[0]: dict(zip(keys, row[2:], strict=True)) for row in compare_rows(a, b)}
+
+
+def _verdict_line(v: dict[str, Any], prefix: str = "") -> str:
+    measured = v["measured"]
+    shown = json.dumps(measured) if isinstance(measured, dict) else _fmt(measured)
+    limit = "" if v["threshold"] is None else f" (limit {_fmt(v['threshold'])})"
+    note = f"; {v['note']}" if v["note"] else ""
+    return f"- **{v['status']}** {prefix}{v['target']}: {shown}{limit}; {v['rule']}{note}"
+
+
+def render(
+    report: dict[str, Any],
+    targets: Sequence[Target],
+    per_target: dict[str, Figures],
+    local: Figures,
+    verdicts: dict[str, list[dict[str, Any]]],
+    s: Settings,
+    diffusers: DiffusersScenario | None = None,
+) -> str:
+    m = report["machine"]
+    git = m["git"]
+    dirty = " (with uncommitted changes)" if git.get("dirty_files") else ""
+    lines = [
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['ram_gib']} GiB RAM, {m['os']}, "
+        f"Python {m['python']}, trio {m['versions']['trio']}, av {m['versions']['av']}, "
+        f"torch {m['versions']['torch']}, commit {git.get('commit', '?')[:10]}{dirty}",
+        f"Settings: {s.size} at {s.fps} fps, {s.repeat} run(s) per target, concurrency levels "
+        f"{','.join(map(str, s.levels))} for {s.window_s:g} s each, a ping every "
+        f"{s.ping_interval_s * 1000:.0f} ms per session"
+        + (" (quick mode: indicative only)" if s.quick else ""),
+        "",
+    ]
+    # With only the diffusers scenario (which starts its own server), and maybe the encoder,
+    # the targets were never measured: no table and no verdicts for them.
+    served = "diffusers" not in s.scenarios or any(n in s.scenarios for n in SERVER_SCENARIOS)
+    header = ("metric", "unit", "median", "p99", "run medians (min - max)", "n")
+    if served:
+        lines += [f"Target {t.label}: `{t.shown}`" for t in targets] + [""]
+        if len(targets) == 2:
+            compare_header = ("metric", "unit", "A median", "B median", "B/A", "A p99", "B p99")
+            lines.append(
+                markdown_table(
+                    (*compare_header, "B/A p99"), compare_rows(per_target["A"], per_target["B"])
+                )
+            )
+        else:
+            lines.append(markdown_table(header, figure_rows(per_target[targets[0].label])))
+    if any(True for _ in local):
+        lines += ["", markdown_table(header, figure_rows(local))]
+    if diffusers is not None:
+        p, size = diffusers.preset, diffusers.preset.model
+        lines += [
+            "",
+            f"Diffusers: preset {p.name} on {p.device}: random Wan, {size.layers} blocks of "
+            f"width {size.heads * size.head_dim} (ffn {size.ffn_dim}), VAE base {size.vae_base_dim}"
+            f"; {p.width}x{p.height}, {p.segment_frames} frames per segment, {p.steps} steps, "
+            f"guidance {p.guidance_scale:g}; {s.diffusers_segments} segments per session, "
+            f"{s.diffusers_reps} session(s) per side per run; threads=1 (torch threads in the "
+            f"direct worker: {diffusers.inproc_torch_threads})",
+            "",
+        ]
+        if diffusers.target is not None:
+            lines += [f"Server: `{diffusers.target.shown}`", ""]
+        lines.append(markdown_table(header, figure_rows(diffusers.figures)))
+    if served:
+        for target in targets:
+            unavailable = per_target[target.label].unavailable
+            if unavailable:
+                shown = "; ".join(f"{name} ({why})" for name, why in unavailable.items())
+                lines += ["", f"Unavailable for {target.label}: {shown}"]
+    lines.append("")
+    if served:
+        for target in targets:
+            prefix = f"{target.label}: " if len(targets) > 1 else ""
+            lines += [_verdict_line(v, prefix) for v in verdicts[target.label]]
+    if diffusers is not None:
+        lines += [_verdict_line(v) for v in report["diffusers"]["targets"]]
+    return "\n".join(lines)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+async def _git(*args: str) -> str:
+    done = await trio.run_process(
+        ["git", "-C", str(REPO_DIR), *args], capture_stdout=True, capture_stderr=True
+    )
+    return done.stdout.decode()
+
+
+async def machine_description() -> dict[str, Any]:
+    cpuinfo = read_file("/proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    memory = re.search(r"^MemTotal:\s*(\d+)\s*kB", read_file("/proc/meminfo"), re.M)
+    os_release = re.search(r'^PRETTY_NAME="?([^"\n]+)"?', read_file("/etc/os-release"), re.M)
+    try:
+        dirty = await _git("status", "--porcelain", "--untracked-files=no")
+        git: dict[str, Any] = {
+            "commit": (await _git("rev-parse", "HEAD")).strip(),
+            "dirty_files": [line[3:] for line in dirty.splitlines()],
+        }
+    except (OSError, subprocess.CalledProcessError) as exc:
+        git = {"error": str(exc)}
+    try:
+        import av
+
+        libav = {k: ".".join(map(str, v)) for k, v in av.library_versions.items()}
+    except ImportError:  # the harness can still measure a remote server
+        libav = {}
+    return {
+        "cpu_model": model.group(1).strip() if model else platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "ram_gib": round(int(memory.group(1)) / 2**20, 1) if memory else None,
+        "os": os_release.group(1) if os_release else platform.system(),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "switch_interval_s": sys.getswitchinterval(),
+        "loadavg_at_start": read_file("/proc/loadavg").split()[:3],
+        "versions": {
+            name: _version(name)
+            for name in (
+                "trio-vstream",
+                "trio",
+                "trio-websocket",
+                "wsproto",
+                "av",
+                "numpy",
+                "torch",
+            )
+        },
+        "libav": libav,
+        "git": git,
+    }

@@ -1,0 +1,185 @@
+"""What one benchmark does (``Settings``) and against what (``Target``): the inputs of a
+run, written to its JSON so that a result can be reproduced."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+BENCH_DIR: Final = Path(__file__).resolve().parent
+REPO_DIR: Final = BENCH_DIR.parent
+RESULTS_DIR: Final = BENCH_DIR / "results"
+
+SCENARIOS: Final = ("resources", "latency", "concurrency", "abort", "encoder", "diffusers")
+"""In the order they run: resources first, so that its RSS figures start from a fresh
+server rather than from whatever memory the other scenarios left to the allocator.
+``diffusers`` is part of ``all`` only where diffusers is installed and the harness starts
+the server itself (it serves a model the harness builds, so neither --url nor --compare)."""
+SERVER_SCENARIOS: Final = SCENARIOS[:4]
+PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
+
+DEFAULT_ENGINE: Final = "synthetic"
+DEFAULT_SYNTHETIC_ARGS: Final = (("chunk_frames", "16"), ("steps", "4"), ("step_delay", "0.01"))
+"""The engine the targets are stated for: 16-frame chunks, 4 denoising steps of 10 ms each
+(a GPU step modelled as a sleep, which releases the GIL like a CUDA synchronise)."""
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """What one benchmark does; written to the JSON so that a result can be reproduced."""
+
+    scenarios: tuple[str, ...]
+    repeat: int = 3
+    quick: bool = False
+    width: int = 832
+    height: int = 480
+    fps: int = 24
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    latency_sessions: int = 5
+    latency_frames: int = 192
+    window_s: float = 4.0
+    """Measured seconds per concurrency level, once every session has its first chunk."""
+    stream_frames: int = 2400
+    """num_frames of sessions meant to stream until stopped (the server's default maximum)."""
+    ping_interval_s: float = 0.05
+    abort_samples: int = 20
+    """Per phase and run: with 3 runs, the p99 of 60 stops."""
+    disconnect_samples: int = 8
+    abort_load: int = 7
+    """Other sessions streaming during the 'load' abort samples (7 + the one = 8)."""
+    abort_jitter_s: float = 0.25
+    """A stop lands at a random point of the engine's cycle, uniformly in this range."""
+    idle_connections: int = 64
+    """Many, because one costs little next to RSS noise (a started server gets a matching
+    --max-sessions: an idle connection counts as a session)."""
+    resource_sessions: int = 8
+    encoder_chunks: int = 20
+    calibration_reps: int = 10
+    thread_wait_s: float = 15.0
+    """How long to wait for threads to return to baseline; Trio's idle workers linger 10 s."""
+    session_timeout_s: float = 60.0
+    seed: int = 1
+    diffusers_preset: str | None = None
+    """tiny, cpu or gpu; None: tiny with --quick, else gpu where CUDA is available, else cpu."""
+    diffusers_segments: int = 6
+    """Segments (pipeline calls) per measured session; the first is reported apart."""
+    diffusers_reps: int = 2
+    """Per run: sessions through the server, and as many direct and engine-alone ones."""
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @classmethod
+    def quick_settings(cls, scenarios: tuple[str, ...], **overrides: Any) -> Settings:
+        """Seconds, not minutes: every scenario runs, with few samples (for CI)."""
+        base: dict[str, Any] = {
+            "scenarios": scenarios,
+            "repeat": 1,
+            "quick": True,
+            "levels": (1, 8),
+            "latency_sessions": 2,
+            "latency_frames": 64,
+            "window_s": 0.6,
+            "abort_samples": 2,
+            "disconnect_samples": 1,
+            "abort_load": 3,
+            "abort_jitter_s": 0.1,
+            "idle_connections": 4,
+            "resource_sessions": 2,
+            "encoder_chunks": 3,
+            "calibration_reps": 2,
+            "thread_wait_s": 12.0,
+            "session_timeout_s": 20.0,
+            "diffusers_segments": 3,
+            "diffusers_reps": 1,
+        }
+        base.update(overrides)
+        return cls(**base)
+
+
+@attrs.frozen
+class Target:
+    """A server to measure: a command that the harness starts, or a URL already serving."""
+
+    label: str
+    spec: str
+    command: tuple[str, ...] | None
+    url: str | None
+    engine: str | None
+    engine_args: tuple[tuple[str, str], ...]
+    step_s: float | None
+    """One engine step, for the abort target; None where unknown."""
+
+    @property
+    def calibratable(self) -> bool:
+        """The synthetic engine is cheap to load in the harness; a model would load twice."""
+        return self.engine == "synthetic"
+
+    @property
+    def shown(self) -> str:
+        return self.url or shlex.join(self.command or ())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec,
+            "command": list(self.command) if self.command else None,
+            "url": self.url,
+            "engine": self.engine,
+            "engine_args": dict(self.engine_args),
+            "engine_step_s": self.step_s,
+        }
+
+
+def _scan_engine(tokens: Sequence[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """``--engine`` and ``--engine-arg`` out of a server command line."""
+    engine: str | None = None
+    args: list[tuple[str, str]] = []
+    i = 0
+    while i < len(tokens):
+        name, eq, value = tokens[i].partition("=")
+        if name in ("--engine", "--engine-arg"):
+            if not eq:
+                if i + 1 >= len(tokens):
+                    break
+                i += 1
+                value = tokens[i]
+            if name == "--engine":
+                engine = value
+            else:
+                key, _, arg = value.partition("=")
+                args.append((key.strip(), arg))
+        i += 1
+    return engine, args
+
+
+def make_target(
+    label: str, spec: str, *, max_sessions_needed: int, declared_step: float | None = None
+) -> Target:
+    """A target from a spec: a ws:// URL, flags for ``python -m trio_vstream``, or a whole
+    server command. ``--port 0`` is added where no port is given."""
+    if re.match(r"^wss?://", spec):
+        return Target(label, spec, None, spec, None, (), declared_step)
+    tokens = shlex.split(spec)
+    if not tokens or tokens[0].startswith("-"):
+        command = [sys.executable, "-m", "trio_vstream", *tokens]
+        engine, args = _scan_engine(tokens)
+        engine = engine or DEFAULT_ENGINE
+    else:
+        command = list(tokens)
+        engine, args = _scan_engine(tokens)
+    flags = {token.split("=", 1)[0] for token in command}
+    if "--port" not in flags:
+        command += ["--port", "0"]
+    if "--max-sessions" not in flags and max_sessions_needed > 16:
+        command += ["--max-sessions", str(max_sessions_needed)]
+    step = declared_step
+    if step is None and engine == "synthetic":
+        step = float(dict(args).get("step_delay", "0"))
+    return Target(label, spec, tuple(command), None, engine, tuple(args), step)

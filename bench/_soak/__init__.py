@@ -1,0 +1,16 @@
+"""The soak test behind ``python bench/soak.py`` (its docstring says what it checks).
+
+Modules, lowest first (each imports only those above it):
+
+* ``settings``: session kinds and weights, the server's limits and timeouts, thresholds;
+* ``plans``: each session's kind, request and random choices, drawn from the seed;
+* ``checks``: transcripts and the pure checks on them and on the server's records;
+* ``serverlog``: the checks on the server's log;
+* ``resources``: /proc and /stats snapshots, the leak checks, the socket watch;
+* ``client``: one connection and the per-kind drivers;
+* ``runner``: the run: workers, admission slots, abandoned connections, settling;
+* ``report``: judging every session at the end, violations, the summary;
+* ``cli``: the command line and the whole run, start to SIGTERM.
+
+What the soak shares with the fuzz and ``bench/run.py`` is in ``bench._harness``.
+"""

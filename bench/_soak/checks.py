@@ -1,0 +1,415 @@
+"""Transcripts, and the checks on them: pure functions, unit-tested with fake transcripts.
+
+A client records everything it saw and did (``Transcript``); whether that is right is
+decided afterwards, from the transcript alone (and the server's own record of the
+session), so that every rule can be shown to fail on a made-up transcript: a soak whose
+checks cannot fail proves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Final
+
+import attrs
+
+from bench._soak.plans import (
+    Plan,
+)
+from bench._soak.settings import (
+    CLOSE_HANDSHAKE_WAIT_S,
+    EOF_WAIT_S,
+    Timing,
+)
+
+
+@attrs.define
+class Event:
+    """One message in or out, in order, with its monotonic time."""
+
+    t: float
+    direction: str
+    """``in`` (from the server) or ``out`` (from the client)."""
+    text: str | None = None
+    size: int = 0
+    label: str = ""
+    expect: str | None = None
+    """For ``out``: the answer it must get (``pong``, ``queued:ID``, ``error:CODE``)."""
+    delivered: bool = True
+    """For ``out``: False when the send failed because the connection was closed."""
+
+
+@attrs.define
+class Transcript:
+    """Everything one client saw and did; the checks judge it afterwards."""
+
+    t0: float
+    wall0: float
+    connected_at: float | None = None
+    events: list[Event] = attrs.Factory(list)
+    close_code: int | None = None
+    close_reason: str | None = None
+    closed_at: float | None = None
+    eof: bool | None = None
+    """Whether the server closed TCP after the close handshake (non-abandoned sessions)."""
+    abandoned: str | None = None
+    """How the client gave up on the session: fin, rst, close, stop_reading, watchdog."""
+    abandoned_at: float | None = None
+    close_answered: bool | None = None
+    """For a client close frame: whether the server answered it in time."""
+    released_after: float | None = None
+    """Seconds from abandoning until the server no longer held the connection."""
+    release_problem: str | None = None
+    server_inode: int | None = None
+    queue_full_at: float | None = None
+    """For a stopped reader: when its receive queue stopped growing."""
+    slots_held: int | None = None
+    """Connections the soak counted open on the server when this one connected (itself
+    included): never more than --max-sessions."""
+    client_error: str | None = None
+    timed_out: bool = False
+    cut_by_deadline: bool = False
+    ended_at: float | None = None
+
+    def received(self) -> list[Event]:
+        return [e for e in self.events if e.direction == "in"]
+
+    def sent(self) -> list[Event]:
+        return [e for e in self.events if e.direction == "out"]
+
+    def request_id(self) -> str | None:
+        for event in self.received():
+            if event.text is not None and '"video.start"' in event.text:
+                try:
+                    message = json.loads(event.text)
+                except ValueError:
+                    return None
+                value = message.get("request_id") if isinstance(message, dict) else None
+                return value if isinstance(value, str) else None
+        return None
+
+
+@attrs.frozen
+class Verdict:
+    """A session judged: its outcome in a word, and every rule it broke."""
+
+    outcome: str
+    """In a word: done, done(stopped), error:CODE, close:CODE, abandoned:HOW, refused."""
+    problems: list[str]
+
+
+def _describe(message: dict[str, Any]) -> str:
+    kind = message.get("type")
+    if kind == "error":
+        return f"error {message.get('code')!s} ({message.get('message')!s})"
+    if kind == "session.done":
+        return f"session.done stopped={json.dumps(message.get('stopped'))}"
+    return str(kind)
+
+
+def _reply_key(message: dict[str, Any]) -> str:
+    kind = message.get("type")
+    if kind == "session.pong":
+        return "pong"
+    if kind == "session.interaction.queued":
+        return f"queued:{message.get('event_id')}"
+    return f"error:{message.get('code')}"
+
+
+REPLY_TYPES: Final = frozenset({"session.pong", "session.interaction.queued", "error"})
+KNOWN_TYPES: Final = frozenset(
+    {
+        "video.start",
+        "video.chunk_metadata",
+        "session.interaction.queued",
+        "session.pong",
+        "session.done",
+        "error",
+    }
+)
+
+
+def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
+    """Judge one session's transcript against what its kind must see.
+
+    Every session: well-formed messages (JSON objects of known types, every ``error``
+    with a ``code``, each chunk's metadata followed by exactly its binary message), at
+    most one terminal message and nothing after ``session.done``, answers to control
+    messages in order. Sessions the client did not abandon: exactly one terminal message
+    as the last message, the expected one, then the expected close code.
+    """
+    problems: list[str] = []
+    messages: list[tuple[float, dict[str, Any]]] = []
+    media_frames = 0
+    media_chunks = 0
+    chunk_count = 0
+    trailer_at: int | None = None
+    last_progress: float | None = None
+    pending: dict[str, Any] | None = None
+    for event in tr.received():
+        if event.text is None:  # binary
+            if pending is None:
+                problems.append(f"binary message of {event.size} bytes without chunk metadata")
+            else:
+                if event.size != pending.get("byte_length"):
+                    problems.append(
+                        f"chunk {pending.get('transport_chunk_index')}: byte_length "
+                        f"{pending.get('byte_length')} but {event.size} bytes arrived"
+                    )
+                if pending.get("kind") == "media":
+                    media_chunks += 1
+                    frames = pending.get("num_frames")
+                    media_frames += frames if isinstance(frames, int) else 0
+                    last_progress = event.t
+                pending = None
+            continue
+        try:
+            message = json.loads(event.text)
+        except ValueError:
+            problems.append(f"server sent text that is not JSON: {event.text[:120]!r}")
+            continue
+        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+            problems.append(f"server message is not an object with a type: {event.text[:120]!r}")
+            continue
+        if pending is not None:
+            problems.append("chunk metadata not followed by its binary message")
+            pending = None
+        kind = message["type"]
+        if kind not in KNOWN_TYPES:
+            problems.append(f"unknown server message type {kind!r}")
+        if kind == "error":
+            code = message.get("code")
+            if not isinstance(code, str) or not code:
+                problems.append(f"error message without a code: {event.text[:200]}")
+        elif kind == "video.chunk_metadata":
+            if message.get("transport_chunk_index") != chunk_count:
+                problems.append(
+                    f"chunk {chunk_count} has transport_chunk_index "
+                    f"{message.get('transport_chunk_index')}"
+                )
+            if message.get("kind") == "trailer":
+                trailer_at = len(messages)
+            elif trailer_at is not None:
+                problems.append("media chunk after the trailer")
+            chunk_count += 1
+            pending = message
+        elif kind == "video.start":
+            last_progress = event.t
+        messages.append((event.t, message))
+    if pending is not None and tr.abandoned is None and not tr.cut_by_deadline:
+        problems.append("the last chunk metadata has no binary message")
+
+    types = [m.get("type") for _, m in messages]
+    if messages and _is_busy(messages[0][1]):
+        problems.append(
+            "admission: server_busy although the soak had fewer connections open than "
+            "--max-sessions (each one counted until the server closed it)"
+        )
+        return Verdict("refused", problems)
+
+    # One terminal message at most, and nothing after session.done.
+    dones = [i for i, kind in enumerate(types) if kind == "session.done"]
+    if len(dones) > 1:
+        problems.append(f"{len(dones)} session.done messages (expected exactly one)")
+    if dones and dones[0] != len(messages) - 1:
+        after = ", ".join(_describe(m) for _, m in messages[dones[0] + 1 :])
+        problems.append(f"messages after session.done (two terminal messages?): {after}")
+    last = messages[-1][1] if messages else None
+    terminal: str | None = None
+    if last is not None and last.get("type") == "session.done":
+        terminal = "done(stopped)" if last.get("stopped") else "done"
+    elif last is not None and last.get("type") == "error":
+        terminal = f"error:{last.get('code')}"
+
+    # Answers to control messages, in the order they were sent.
+    body = messages[:-1] if terminal is not None and terminal.startswith("error") else messages
+    if plan.kind in ("garbage_start", "oversized_start"):
+        body = messages[:-1] if terminal else messages
+    got = [_reply_key(m) for _, m in body if m.get("type") in REPLY_TYPES]
+    wanted = [(e.label, e.expect) for e in tr.sent() if e.expect and e.delivered]
+    for i, (key, (label, expect)) in enumerate(zip(got, wanted, strict=False)):
+        if key != expect:
+            problems.append(f"answer {i + 1} (to {label}): expected {expect}, got {key}")
+    if len(got) > len(wanted):
+        extra = ", ".join(got[len(wanted) :])
+        problems.append(
+            f"unexpected message(s) mid-session, answering nothing the client sent "
+            f"(a terminal error before the end?): {extra}"
+        )
+    finished = tr.abandoned is None and not tr.cut_by_deadline
+    strict = plan.kind not in ("pings_to_close", "stop") and finished
+    if strict and len(got) < len(wanted):
+        missing = ", ".join(f"{label} ({expect})" for label, expect in wanted[len(got) :])
+        problems.append(f"no answer before the session ended to: {missing}")
+
+    if trailer_at is not None and terminal != "done" and finished:
+        problems.append(f"trailer sent, but the session ended with {terminal}")
+    done_chunks = messages[dones[0]][1].get("chunks") if dones else chunk_count
+    if done_chunks != chunk_count:
+        problems.append(f"session.done says {done_chunks} chunks, {chunk_count} arrived")
+
+    if tr.client_error is not None:
+        problems.append(f"client: {tr.client_error}")
+    if tr.timed_out:
+        problems.append(f"session did not end within the {timing.session_timeout():.0f} s watchdog")
+    if tr.release_problem is not None:
+        problems.append(tr.release_problem)
+
+    if tr.abandoned is not None:
+        if tr.abandoned == "close" and tr.close_answered is False:
+            problems.append(
+                f"the server did not answer the client's close frame within "
+                f"{CLOSE_HANDSHAKE_WAIT_S:.0f} s"
+            )
+        return Verdict(f"abandoned:{tr.abandoned}", problems)
+    if tr.cut_by_deadline or tr.client_error is not None or tr.timed_out:
+        return Verdict("incomplete", problems)
+
+    # What the kind expects at the end.
+    seen_end = terminal or "no terminal message"
+    outcome = terminal or (f"close:{tr.close_code}" if tr.close_code else "no close")
+    expected_close = 1009 if plan.kind == "oversized_frame" else 1000
+    if tr.close_code != expected_close:
+        got_close = tr.close_code if tr.close_code is not None else "none"
+        problems.append(
+            f"close code {got_close} ({tr.close_reason or 'no reason'}), expected {expected_close}"
+        )
+    if tr.eof is False:
+        problems.append(
+            f"the server did not close TCP within {EOF_WAIT_S:.0f} s after the close handshake"
+        )
+    kind = plan.kind
+    if kind in ("normal", "slow_reader", "chatty", "garbage_mid", "oversized_control"):
+        _expect_done(problems, terminal, seen_end, stopped_ok=False)
+    elif kind in ("stop", "pings_to_close"):
+        _expect_done(problems, terminal, seen_end, stopped_ok=kind == "stop")
+    elif kind == "garbage_start":
+        _expect_only_error(problems, messages, plan.params["garbage"]["expect"], seen_end)
+    elif kind == "oversized_start":
+        _expect_only_error(problems, messages, "error:message_too_large", seen_end)
+    elif kind == "no_start":
+        _expect_only_error(problems, messages, "error:start_timeout", seen_end)
+        if terminal == "error:start_timeout" and tr.connected_at is not None:
+            _expect_delay(
+                problems,
+                "start_timeout",
+                messages[-1][0] - tr.connected_at,
+                timing.start_timeout,
+                timing,
+            )
+    elif kind in ("engine_fail", "engine_hang"):
+        code = "generation_failed" if kind == "engine_fail" else "stall_timeout"
+        if terminal != f"error:{code}":
+            problems.append(f"expected error {code} as the terminal message, got {seen_end}")
+        at_chunk = plan.params["at_chunk"]
+        if media_chunks > at_chunk:
+            problems.append(f"{media_chunks} media chunks, but the engine stopped at {at_chunk}")
+        if kind == "engine_hang" and terminal == f"error:{code}" and last_progress is not None:
+            _expect_delay(
+                problems,
+                "stall_timeout",
+                messages[-1][0] - last_progress,
+                timing.stall_timeout,
+                timing,
+            )
+    elif kind == "oversized_frame" and terminal is not None and plan.params["where"] == "start":
+        problems.append(f"expected a close 1009 without messages, got {seen_end}")
+    if terminal == "done" and kind != "oversized_frame" and media_frames != plan.num_frames:
+        problems.append(f"{media_frames} frames arrived, {plan.num_frames} requested")
+    if types and plan.start is not None and kind != "oversized_frame" and types[0] != "video.start":
+        problems.append(f"first message {_describe(messages[0][1])}, expected video.start")
+    return Verdict(outcome, problems)
+
+
+def _is_busy(message: dict[str, Any]) -> bool:
+    return message.get("type") == "error" and message.get("code") == "server_busy"
+
+
+def _expect_done(problems: list[str], terminal: str | None, seen: str, *, stopped_ok: bool) -> None:
+    allowed = ("done", "done(stopped)") if stopped_ok else ("done",)
+    if terminal not in allowed:
+        want = "session.done" if stopped_ok else "session.done with stopped=false"
+        problems.append(f"expected {want} as the terminal message, got {seen}")
+
+
+def _expect_only_error(
+    problems: list[str], messages: list[tuple[float, dict[str, Any]]], expect: str, seen: str
+) -> None:
+    keys = [_reply_key(m) if m.get("type") == "error" else _describe(m) for _, m in messages]
+    if keys != [expect]:
+        problems.append(
+            f"expected exactly one message, {expect}, then close 1000; got "
+            f"{', '.join(keys) or 'no message'} (terminal: {seen})"
+        )
+
+
+def _expect_delay(
+    problems: list[str], what: str, delay: float, timeout: float, timing: Timing
+) -> None:
+    if not timeout - timing.early <= delay <= timeout + timing.slack:
+        problems.append(
+            f"{what} after {delay:.2f} s, expected {timeout:.2f} s "
+            f"(-{timing.early:.1f} / +{timing.slack:.1f} s)"
+        )
+
+
+SERVER_OUTCOMES: Final[dict[str, tuple[frozenset[str], str | None]]] = {
+    # kind: (outcomes allowed in /stats' recent_sessions, required error_code or None)
+    "normal": (frozenset({"completed"}), None),
+    "slow_reader": (frozenset({"completed"}), None),
+    "chatty": (frozenset({"completed"}), None),
+    "garbage_mid": (frozenset({"completed"}), None),
+    "oversized_control": (frozenset({"completed"}), None),
+    "pings_to_close": (frozenset({"completed"}), None),
+    "stop": (frozenset({"completed", "stopped"}), None),
+    "fin": (frozenset({"disconnected", "completed"}), None),
+    "rst": (frozenset({"disconnected", "completed"}), None),
+    "close": (frozenset({"disconnected", "completed"}), None),
+    "oversized_frame": (frozenset({"disconnected"}), None),
+    "stopped_reader": (frozenset({"stalled"}), "stall_timeout"),
+    "engine_fail": (frozenset({"failed"}), "generation_failed"),
+    "engine_hang": (frozenset({"stalled"}), "stall_timeout"),
+}
+
+
+def check_server_record(
+    plan: Plan, tr: Transcript, record: dict[str, Any] | None, timing: Timing
+) -> list[str]:
+    """The server's own account of a session (``recent_sessions`` in /stats), for the
+    sessions whose request id the client learnt: the outcome its kind allows, and for a
+    stopped reader, an abort within about the stall timeout."""
+    if record is None:
+        return ["the server's /stats has no record of this session"]
+    problems: list[str] = []
+    outcome, code = record.get("outcome"), record.get("error_code")
+    allowed, required_code = SERVER_OUTCOMES.get(plan.kind, (frozenset(), None))
+    if allowed and outcome not in allowed:
+        problems.append(
+            f"server recorded outcome {outcome!r} ({code}: {record.get('error_message')}), "
+            f"expected {' or '.join(sorted(allowed))}"
+        )
+    elif required_code is not None and code != required_code:
+        problems.append(f"server recorded error_code {code!r}, expected {required_code!r}")
+    closed = record.get("stream_closed_at")
+    if plan.kind == "stopped_reader" and isinstance(closed, int | float):
+        # The stall clock starts when the server's sends stop getting through, which is
+        # after the client stopped reading by however long the buffers took to fill.
+        if tr.queue_full_at is not None:
+            since, what, bound = tr.queue_full_at, "its receive queue was full", 0.0
+        elif tr.abandoned_at is not None:
+            since, what, bound = tr.abandoned_at, "the client stopped reading", timing.slack
+        else:
+            return problems
+        bound += timing.stall_timeout + timing.slack
+        if closed - since > bound:
+            problems.append(
+                f"engine stream closed {closed - since:.2f} s after {what}, expected within "
+                f"{bound:.1f} s (stall timeout + slack)"
+            )
+    return problems
+
+
+def check_server_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records no session may have, whoever it was: an internal error."""
+    return [r for r in records if r.get("error_code") == "internal_error"]

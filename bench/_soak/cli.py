@@ -1,0 +1,242 @@
+"""``python bench/soak.py``: start the server, warm up, take the baseline, run the
+sessions, settle, check, stop the server with SIGTERM; print the summary, write the
+JSON report, exit 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from bench._harness import parse_log, read_log
+from bench._output import now, progress, read_file
+from bench._server import Endpoint, ServerProcess
+from bench._soak.plans import (
+    make_plans,
+)
+from bench._soak.report import (
+    Violation,
+    judge_sessions,
+    render_summary,
+)
+from bench._soak.resources import (
+    Snapshot,
+    idle_problems,
+    resource_problems,
+)
+from bench._soak.runner import Soak
+from bench._soak.serverlog import log_summary
+from bench._soak.settings import (
+    DEFAULT_STALL_TIMEOUT,
+    DEFAULT_START_TIMEOUT,
+    ENGINE_ARGS,
+    FD_GROWTH_LIMIT,
+    KINDS,
+    MAX_CONTROL_BYTES,
+    MAX_START_BYTES,
+    RSS_GROWTH_LIMIT_MIB,
+    SETTLE_EXTRA_S,
+    THREAD_GROWTH_LIMIT,
+    Settings,
+    Timing,
+    server_command,
+)
+from trio_vstream.server import IDLE_BEFORE_TRIM
+
+
+async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
+    """Start the server, run warm-up and measured sessions, check, stop; the report."""
+    started_wall = dt.datetime.now(dt.UTC)
+    t_start = now()
+    deadline = trio.current_time() + s.total_deadline_s  # Trio's clock, for move_on_at
+    timing = s.timing
+    # Kept back from the session phases for settling, the final checks and SIGTERM.
+    reserve = IDLE_BEFORE_TRIM + SETTLE_EXTRA_S + timing.shutdown_grace + 10.0
+    plans = make_plans(s.seed, s.sessions, s.warmup_sessions)
+    warm, measured = plans[: s.warmup_sessions], plans[s.warmup_sessions :]
+    violations: list[Violation] = []
+    command = server_command(s)
+    server = ServerProcess(command, log_path)
+    report: dict[str, Any] = {
+        "schema": 1,
+        "created": started_wall.isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]),
+        "settings": {
+            **attrs.asdict(s),
+            "warmup_sessions": s.warmup_sessions,
+            "total_deadline_s": s.total_deadline_s,
+            "engine_args": dict(ENGINE_ARGS),
+            "max_start_bytes": MAX_START_BYTES,
+            "max_control_bytes": MAX_CONTROL_BYTES,
+            "weights": KINDS,
+        },
+        "thresholds": {
+            "fd_growth": FD_GROWTH_LIMIT,
+            "thread_growth": THREAD_GROWTH_LIMIT,
+            "rss_growth_mib": RSS_GROWTH_LIMIT_MIB,
+            "settle_s": IDLE_BEFORE_TRIM + SETTLE_EXTRA_S,
+            "release_s": {
+                "disconnect": timing.release_bound("fin"),
+                "stopped_reader": timing.release_bound("stop_reading"),
+            },
+            "timeout_slack_s": timing.slack,
+        },
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_start": read_file("/proc/loadavg").split()[:3],
+            "python": sys.version.split()[0],
+        },
+        "server": {"command": command},
+    }
+    try:
+        url = await server.start(timeout=30)
+        endpoint = Endpoint.parse(url)
+        if endpoint.host != "127.0.0.1":
+            raise RuntimeError(f"the server serves {url}; the soak only talks to 127.0.0.1")
+        soak = Soak(s, server, endpoint)
+        report["server"].update({"url": url, "pid": server.pid})
+        progress(
+            f"server {server.pid} at {url}; {len(warm)} warm-up + {len(measured)} sessions, "
+            f"concurrency {s.concurrency}, seed {s.seed}, deadline {s.total_deadline_s:.0f} s"
+        )
+        fresh = Snapshot.take(soak.pid, await soak.fetch_stats())  # nothing else runs yet
+        async with trio.open_nursery() as background:
+            background.start_soon(soak.poll_metrics)
+            background.start_soon(soak.watch.run)
+            background.start_soon(soak.report_progress)
+            complete = await soak.run_phase(warm, "warm-up", deadline - reserve)
+            baseline: Snapshot | None = None
+            if complete:
+                progress("warm-up done; waiting for the server's idle trim for the baseline")
+                baseline, unsettled, waited = await soak.settle(None)
+                report["baseline_wait_s"] = round(waited, 1)
+                for problem in unsettled:
+                    violations.append(Violation(f"after the warm-up: {problem}"))
+                phase_start = now()
+                complete = await soak.run_phase(measured, "sessions", deadline - reserve)
+                report["sessions_s"] = round(now() - phase_start, 1)
+            if not complete:
+                ran = sum(1 for r in soak.results if not r.tr.cut_by_deadline)
+                violations.append(
+                    Violation(
+                        f"the soak's deadline ({s.total_deadline_s:.0f} s) cut the run short: "
+                        f"{ran} of {len(plans)} sessions ran"
+                    )
+                )
+            progress("sessions done; waiting for the server to settle")
+            final, unsettled, waited = await soak.settle(baseline)
+            report["final_wait_s"] = round(waited, 1)
+            background.cancel_scope.cancel()
+        if baseline is not None:
+            for problem in resource_problems(baseline, final):
+                violations.append(Violation(f"at the end: {problem}"))
+        else:
+            violations += [Violation(f"at the end: {p}") for p in idle_problems(final.metrics)]
+        report["resources"] = {
+            "fresh": fresh.to_json(),
+            "baseline": baseline.to_json() if baseline else None,
+            "final": final.to_json(),
+        }
+        report["metrics_poll_failures"] = soak.metrics_failures
+    finally:
+        sigterm_at = now()
+        status = await server.stop(grace=timing.shutdown_grace + 10.0)
+        exit_s = now() - sigterm_at
+        report["server"].update({"exit_status": status, "exit_s": round(exit_s, 2)})
+    if status != 0:
+        violations.append(Violation(f"after SIGTERM the server exited with status {status}"))
+    elif exit_s > timing.shutdown_grace:
+        violations.append(
+            Violation(
+                f"the server took {exit_s:.1f} s to exit after SIGTERM, more than its "
+                f"--shutdown-grace of {timing.shutdown_grace:.0f} s"
+            )
+        )
+
+    records = parse_log(read_log(log_path))
+    session_violations, stats = judge_sessions(soak, records, timing)
+    violations = session_violations + violations
+    report.update(stats)
+    report["server_socket_not_found"] = sum(
+        1 for r in soak.results if r.tr.connected_at is not None and r.tr.server_inode is None
+    )
+    report["server_log"] = {"records": len(records), "warnings_and_errors": log_summary(records)}
+    report["sessions"] = {"warmup": len(warm), "measured": len(measured)}
+    report["duration_s"] = round(now() - t_start, 1)
+    report["violations"] = [v.to_json() for v in violations]
+    report["violation_count"] = len(violations)
+    report["passed"] = not violations
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python bench/soak.py",
+        description="Soak test: randomized sessions against a server subprocess, checked.",
+    )
+    add = parser.add_argument
+    add("--sessions", type=int, default=1000, help="measured sessions (default 1000)")
+    add("--concurrency", type=int, default=8, help="sessions at once = --max-sessions (8)")
+    add("--seed", type=int, default=1, help="seed of the mix and every random choice (1)")
+    add("--warmup", type=int, default=None, help="warm-up sessions (default 2 x concurrency)")
+    add(
+        "--deadline",
+        type=float,
+        default=None,
+        help="bound on the whole run in seconds (default 30 + 0.6 per session, >= 90)",
+    )
+    add("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, help="(default 1.5)")
+    add("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT, help="(default 1.0)")
+    add("--json", type=Path, default=None, help="write the report here (and the server log)")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    if args.sessions < 1 or args.concurrency < 1:
+        raise SystemExit("--sessions and --concurrency must be >= 1")
+    timing = Timing(stall_timeout=args.stall_timeout, start_timeout=args.start_timeout)
+    return Settings(
+        sessions=args.sessions,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        warmup=args.warmup,
+        deadline_s=args.deadline,
+        timing=timing,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from(args)
+    with tempfile.TemporaryDirectory(prefix="trio_vstream-soak-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        try:
+            report = trio.run(run_soak, settings, log_path)
+        except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+            # Inside nurseries, Ctrl-C arrives wrapped in exception groups.
+            if isinstance(exc, BaseExceptionGroup):
+                interrupts, others = exc.split(KeyboardInterrupt)
+                if interrupts is None or others is not None:
+                    raise
+            progress("interrupted; the server was stopped")
+            return 130
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+            kept = args.json.with_suffix(".server.log")
+            shutil.copyfile(log_path, kept)
+            progress(f"wrote {args.json} and {kept}")
+    print(render_summary(report), flush=True)
+    return 0 if report["passed"] else 1

@@ -1,0 +1,335 @@
+"""Judging every session once the run is over, and the report.
+
+The checks run again at the end, with what only the end knows (the server's records of
+every session, its whole log); each violation carries what a person needs to find it in
+the server: the plan, the transcript folded, the server's record and log lines.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from bench._harness import REQUEST_ID, LogRecord
+from bench._output import now
+from bench._soak.checks import (
+    Transcript,
+    Verdict,
+    check_server_record,
+    check_server_records,
+    check_transcript,
+)
+from bench._soak.runner import SessionResult, Soak
+from bench._soak.serverlog import log_excerpt, log_problems
+from bench._soak.settings import KINDS, Timing
+from bench._stats import summarize
+
+
+@attrs.frozen
+class Violation:
+    """One broken rule, with what a person needs to find it in the server."""
+
+    what: str
+    session: int | None = None
+    kind: str = "server"
+    request_id: str | None = None
+    details: dict[str, Any] = attrs.Factory(dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def transcript_summary(tr: Transcript, limit: int = 24) -> list[str]:
+    """The transcript in a few lines, runs of chunks folded."""
+    lines: list[str] = []
+    chunks = 0
+    first_chunk = 0.0
+
+    def flush() -> None:
+        nonlocal chunks
+        if chunks:
+            lines.append(f"+{first_chunk:.3f} {chunks} x (chunk metadata + binary)")
+            chunks = 0
+
+    for event in tr.events:
+        t = event.t - tr.t0
+        if event.direction == "in" and event.text is None:
+            continue
+        text = event.text or ""
+        if event.direction == "in" and '"video.chunk_metadata"' in text and '"trailer"' not in text:
+            if not chunks:
+                first_chunk = t
+            chunks += 1
+            continue
+        flush()
+        if event.direction == "out":
+            note = "" if event.delivered else " (not delivered: closed)"
+            lines.append(f"+{t:.3f} sent {event.label} ({event.size} B){note}")
+        else:
+            text = event.text or ""
+            lines.append(f"+{t:.3f} got {text[:160]}")
+    flush()
+    if tr.abandoned:
+        lines.append(f"+{(tr.abandoned_at or tr.t0) - tr.t0:.3f} client abandoned: {tr.abandoned}")
+    if tr.closed_at is not None:
+        lines.append(f"+{tr.closed_at - tr.t0:.3f} close {tr.close_code} {tr.close_reason or ''}")
+    if len(lines) > limit:
+        lines = [*lines[: limit // 2], "...", *lines[-limit // 2 :]]
+    return lines
+
+
+def session_details(
+    soak: Soak, result: SessionResult, log_records: Sequence[LogRecord]
+) -> dict[str, Any]:
+    """What a person needs to look into one session: its plan, transcript, the server's
+    record and log lines, and for a refused one, what the soak had open at the time."""
+    plan, tr = result.plan, result.tr
+    details: dict[str, Any] = {
+        "outcome": result.verdict.outcome if result.verdict else None,
+        "plan": {"start": _short_start(plan.start), "params": _short(plan.params)},
+        "transcript": transcript_summary(tr),
+        "server_record": soak.record_of(result.request_id) if result.request_id else None,
+        "server_log": log_excerpt(log_records, tr, result.request_id),
+    }
+    if result.verdict is not None and result.verdict.outcome == "refused":
+        details["soak_connections_open"] = f"{tr.slots_held} of {soak.s.concurrency}"
+        details["slots_released_just_before"] = soak.releases_before(tr.t0)
+    return details
+
+
+def attribute(
+    soak: Soak, request_id: str | None, started_at: Any = None
+) -> tuple[SessionResult | None, str]:
+    """The soak session a server record or log line is about: by request id, else (for
+    sessions whose client never learnt the id) by the connection's time, since the server
+    records ``started_at`` right after the handshake, on the same clock."""
+    if request_id is not None:
+        for result in soak.results:
+            if result.request_id == request_id:
+                return result, "by request id"
+        record = soak.record_of(request_id)
+        started_at = record.get("started_at") if record else started_at
+    if not isinstance(started_at, int | float):
+        return None, ""
+    candidates = [
+        r
+        for r in soak.results
+        if r.request_id is None and r.tr.connected_at is not None and r.tr.t0 <= started_at
+    ]
+    best = min(candidates, key=lambda r: abs((r.tr.connected_at or 0.0) - started_at), default=None)
+    if best is None or abs((best.tr.connected_at or 0.0) - started_at) > 0.5:
+        return None, ""
+    return best, "by connection time (the client never learnt the request id)"
+
+
+def sessions_at(soak: Soak, wall: float, margin: float = 0.05, limit: int = 8) -> list[str]:
+    """The soak's sessions whose connection was open at a wall-clock time (for a log
+    record that names no session), those that ended nearest to it first."""
+    found: list[tuple[float, str]] = []
+    for result in soak.results:
+        tr = result.tr
+        end = tr.wall0 + ((tr.ended_at or now()) - tr.t0)
+        if tr.wall0 - margin <= wall <= end + margin:
+            text = f"session {result.plan.index} {result.plan.label}: "
+            text += " | ".join(transcript_summary(tr, limit=6))
+            found.append((abs(end - wall), text))
+    return [text for _, text in sorted(found)[:limit]]
+
+
+def judge_sessions(
+    soak: Soak, log_records: Sequence[LogRecord], timing: Timing
+) -> tuple[list[Violation], dict[str, Any]]:
+    """Every session's checks, the server's records and log: violations and per-kind counts."""
+    violations: list[Violation] = []
+    kinds: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    warmup: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    server_side: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    timings: dict[str, list[float]] = {}
+    for result in soak.results:
+        plan, tr = result.plan, result.tr
+        verdict = check_transcript(plan, tr, timing)
+        problems = list(verdict.problems)
+        record = soak.record_of(result.request_id) if result.request_id else None
+        known = record is not None or soak.metrics_failures == 0
+        judged = verdict.outcome not in ("refused", "incomplete") and not tr.cut_by_deadline
+        if result.request_id is not None and judged and known:
+            problems += check_server_record(plan, tr, record, timing)
+        result.verdict = Verdict(verdict.outcome, problems)
+        (warmup if plan.warmup else kinds)[plan.kind][verdict.outcome] += 1
+        if record is not None and not plan.warmup:
+            code = record.get("error_code")
+            server_side[plan.kind][f"{record.get('outcome')}" + (f":{code}" if code else "")] += 1
+        for name, value in session_timings(result, record).items():
+            timings.setdefault(name, []).append(value)
+        for problem in problems:
+            violations.append(_session_violation(soak, result, problem, log_records))
+
+    # What the server says went wrong inside, whichever session it was.
+    covered: set[str] = set()
+    for record in check_server_records(soak.records.values()):
+        request_id = record.get("request_id")
+        result, how = attribute(soak, request_id, record.get("started_at"))
+        what = f"server recorded an internal_error: {record.get('error_message')}"
+        if request_id:
+            covered.add(request_id)
+        violations.append(_server_violation(soak, result, how, what, record, log_records))
+    expected_ids = {
+        r.request_id for r in soak.results if r.plan.kind == "engine_fail" and r.request_id
+    }
+    for log_record in log_problems(log_records, expected_ids):
+        request_ids = REQUEST_ID.findall(log_record.text)
+        if request_ids and set(request_ids) <= covered:
+            continue
+        result, how = attribute(soak, request_ids[0] if request_ids else None)
+        what = f"server log: {log_record.level} {log_record.lines[0].split(': ', 1)[-1][:200]}"
+        violation = _server_violation(soak, result, how, what, None, log_records)
+        violation.details["server_log"] = list(log_record.lines[:40])
+        if result is None and log_record.wall is not None:
+            violation.details["sessions_open_at_the_time"] = sessions_at(soak, log_record.wall)
+        violations.append(violation)
+
+    def table(counts: dict[str, Counter[str]]) -> dict[str, Any]:
+        return {
+            kind: {"count": sum(outcomes.values()), "outcomes": dict(outcomes.most_common())}
+            for kind, outcomes in counts.items()
+            if outcomes
+        }
+
+    per_kind = table(kinds)
+    for kind, outcomes in server_side.items():
+        if kind in per_kind and outcomes:
+            per_kind[kind]["server_outcomes"] = dict(outcomes.most_common())
+    return violations, {
+        "kinds": per_kind,
+        "warmup_kinds": table(warmup),
+        "timings_s": {name: summarize(values) for name, values in sorted(timings.items())},
+    }
+
+
+def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dict[str, float]:
+    """How long the server took to react, per kind (seconds): reported, so that the
+    margins of the timing checks can be judged from a run."""
+    plan, tr = result.plan, result.tr
+    received = tr.received()
+    out: dict[str, float] = {}
+    if tr.released_after is not None:
+        out[f"release_after_{tr.abandoned or 'eof'}"] = tr.released_after
+    last = received[-1].t if received else None
+    if plan.kind == "no_start" and last is not None and tr.connected_at is not None:
+        out["start_timeout_error"] = last - tr.connected_at
+    if plan.kind == "engine_hang" and last is not None and len(received) > 1:
+        progress = [e.t for e in received[:-1] if e.text is None or '"video.start"' in e.text]
+        if progress:
+            out["hang_stall_error"] = last - progress[-1]
+    if plan.kind == "stop" and last is not None:
+        stops = [e.t for e in tr.sent() if e.label == "session.stop" and e.delivered]
+        if stops and last >= stops[0]:
+            out["stop_to_terminal"] = last - stops[0]
+    if plan.kind == "stopped_reader" and record is not None and tr.abandoned_at is not None:
+        closed = record.get("stream_closed_at")
+        if isinstance(closed, int | float):
+            out["stopped_reader_abort"] = closed - tr.abandoned_at
+            if tr.queue_full_at is not None:
+                out["stopped_reader_abort_after_queue_full"] = closed - tr.queue_full_at
+    if plan.kind in ("fin", "rst", "close") and record is not None and tr.abandoned_at:
+        closed = record.get("stream_closed_at")
+        if isinstance(closed, int | float):
+            out[f"{plan.kind}_to_stream_closed"] = closed - tr.abandoned_at
+    return out
+
+
+def _session_violation(
+    soak: Soak, result: SessionResult, what: str, log_records: Sequence[LogRecord]
+) -> Violation:
+    plan = result.plan
+    return Violation(
+        what=what,
+        session=plan.index,
+        kind=plan.label + (" (warm-up)" if plan.warmup else ""),
+        request_id=result.request_id,
+        details=session_details(soak, result, log_records),
+    )
+
+
+def _server_violation(
+    soak: Soak,
+    result: SessionResult | None,
+    how: str,
+    what: str,
+    record: dict[str, Any] | None,
+    log_records: Sequence[LogRecord],
+) -> Violation:
+    request_id = record.get("request_id") if record else None
+    if result is None:
+        lines = [
+            line for r in log_records if request_id and request_id in r.text for line in r.lines
+        ]
+        return Violation(
+            what, request_id=request_id, details={"server_record": record, "server_log": lines}
+        )
+    violation = _session_violation(soak, result, what, log_records)
+    violation.details["attributed"] = how
+    if record is not None:
+        violation.details["server_record"] = record
+        if request_id:
+            lines = [line for r in log_records if request_id in r.text for line in r.lines[:40]]
+            violation.details["server_log"] = lines[:40]
+    return attrs.evolve(violation, request_id=request_id or violation.request_id)
+
+
+def _short(params: dict[str, Any]) -> dict[str, Any]:
+    """Plan parameters for the report, long payloads cut."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, str) and len(value) > 200:
+            out[key] = value[:60] + f"... ({len(value)} chars)"
+        elif isinstance(value, list):
+            out[key] = [_short(v) if isinstance(v, dict) else v for v in value][:20]
+        elif isinstance(value, dict):
+            out[key] = _short(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _short_start(start: dict[str, Any] | None) -> dict[str, Any] | None:
+    return _short(start) if start is not None else None
+
+
+def render_summary(report: dict[str, Any]) -> str:
+    """The human-readable end of a run: per-kind counts, resources, violations."""
+    lines = []
+    kinds = report.get("kinds") or {}
+    for kind, info in kinds.items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in info["outcomes"].items())
+        lines.append(f"  {kind:18} {info['count']:5}  {outcomes}")
+    resources = report.get("resources") or {}
+    base, final = resources.get("baseline"), resources.get("final")
+    if base and final:
+        lines.append(
+            f"  server: threads {base['threads']} -> {final['threads']}, fds {base['fds']} -> "
+            f"{final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
+        )
+    server = report.get("server") or {}
+    lines.append(
+        f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"
+    )
+    for violation in report.get("violations", [])[:50]:
+        where = f"session {violation['session']} {violation['kind']}"
+        if violation["session"] is None:
+            where = "server"
+        lines.append(f"  VIOLATION [{where}] {violation['what']}")
+    if len(report.get("violations", [])) > 50:
+        lines.append(f"  ... {len(report['violations']) - 50} more in the JSON report")
+    sessions = report.get("sessions") or {}
+    verdict = "PASS" if report.get("passed") else "FAIL"
+    lines.append(
+        f"soak {verdict}: {sessions.get('measured', 0)} sessions (+{sessions.get('warmup', 0)} "
+        f"warm-up), seed {report['settings']['seed']}, concurrency "
+        f"{report['settings']['concurrency']}, {report.get('duration_s')} s: "
+        f"{report.get('violation_count')} violation(s)"
+    )
+    return "\n".join(lines)

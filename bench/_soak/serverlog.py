@@ -1,0 +1,61 @@
+"""The soak's checks on the server's log: no ERROR record or traceback other than the
+injected engine failures', and a summary of the warnings.
+
+The log is parsed into records by ``bench._harness.parse_log`` (shared with the fuzz);
+what counts as trouble is the soak's own call, so it lives here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+from bench._harness import REQUEST_ID, LogRecord
+from bench._soak.checks import (
+    Transcript,
+)
+
+
+def log_problems(records: Sequence[LogRecord], expected_ids: set[str]) -> list[LogRecord]:
+    """ERROR records and tracebacks, except those of sessions whose failure was injected
+    (``expected_ids``: their request ids)."""
+    bad: list[LogRecord] = []
+    for record in records:
+        serious = record.level in ("ERROR", "CRITICAL") or any(
+            line.startswith("Traceback (most recent call last)") for line in record.lines
+        )
+        if not serious:
+            continue
+        ids = set(REQUEST_ID.findall(record.text))
+        if ids and ids <= expected_ids:
+            continue
+        bad.append(record)
+    return bad
+
+
+def log_summary(records: Sequence[LogRecord]) -> dict[str, int]:
+    """WARNING and ERROR records by message, with ids and numbers blanked: what kinds of
+    trouble the server reported, and how often."""
+    counts: Counter[str] = Counter()
+    for record in records:
+        if record.level in ("WARNING", "ERROR", "CRITICAL"):
+            message = record.lines[0].split(": ", 1)[-1]
+            message = REQUEST_ID.sub("<id>", message)
+            message = re.sub(r"\d+(\.\d+)?", "N", message)
+            counts[f"{record.level} {message}"] += 1
+    return dict(counts.most_common())
+
+
+def log_excerpt(
+    records: Sequence[LogRecord], tr: Transcript, request_id: str | None, limit: int = 20
+) -> list[str]:
+    """The server's lines about one session: by request id, else by time."""
+    if request_id is not None:
+        chosen = [r for r in records if request_id in r.text]
+    else:
+        start = tr.wall0 - 0.05
+        end = tr.wall0 + ((tr.ended_at or tr.t0) - tr.t0) + 0.5
+        chosen = [r for r in records if r.wall is not None and start <= r.wall <= end]
+    lines = [line for record in chosen for line in record.lines[:40]]
+    return lines[:limit] if len(lines) <= limit else [*lines[: limit - 1], "..."]

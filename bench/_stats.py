@@ -1,0 +1,213 @@
+"""Statistics and figures: every measured quantity, by name, with its samples per run.
+
+The catalogue names every figure the harness may report, with its unit and what it means,
+so that a report explains itself and a misspelt figure fails at once rather than as a
+silently missing row.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Final
+
+import attrs
+
+CATALOGUE: Final[dict[str, tuple[str, str]]] = {
+    "calib.engine_first_chunk_ms": (
+        "ms",
+        "engine alone (in the harness process): open_stream + first next_chunk",
+    ),
+    "calib.encode_first_chunk_ms": (
+        "ms",
+        "encoder alone: the first chunk (init segment + IDR) with a fresh encoder",
+    ),
+    "calib.encoder_open_ms": ("ms", "encoder alone: opening libx264"),
+    "latency.connect_ms": ("ms", "TCP connect + WebSocket handshake"),
+    "latency.video_start_ms": ("ms", "session.start sent -> video.start received"),
+    "latency.ttfc_ms": ("ms", "session.start sent -> first media chunk received (TTFC)"),
+    "latency.interarrival_ms": ("ms", "time between consecutive media chunks"),
+    "latency.rtf": ("x", "real-time factor: media seconds per wall second, start -> last chunk"),
+    "latency.transport_overhead_ms": (
+        "ms",
+        "median TTFC minus the engine's median time to its first chunk (one value per run)",
+    ),
+    "concurrency.n{N}.aggregate_fps": ("fps", "N sessions: frames/s delivered, all together"),
+    "concurrency.n{N}.session_fps": ("fps", "N sessions: frames/s delivered to each session"),
+    "concurrency.n{N}.fairness": ("ratio", "N sessions: slowest / fastest session's fps"),
+    "concurrency.n{N}.ping_rtt_ms": ("ms", "N sessions: session.ping -> session.pong"),
+    "concurrency.n{N}.pings_unanswered": ("count", "N sessions: pings without a pong"),
+    "concurrency.n{N}.errors": ("count", "N sessions: sessions that failed"),
+    "concurrency.n{N}.client_lag_ms": (
+        "ms",
+        "N sessions: the harness's own event loop waking late (10 ms sleeps)",
+    ),
+    "concurrency.n{N}.server_cpu_cores": ("cores", "N sessions: server process CPU use"),
+    "concurrency.n{N}.client_cpu_cores": ("cores", "N sessions: harness process CPU use"),
+    "abort.{P}.stop_done_ms": ("ms", "session.stop sent -> session.done received"),
+    "abort.{P}.stop_not_done": ("count", "stops not answered by session.done (stopped)"),
+    "abort.{P}.disconnect_closed_ms": (
+        "ms",
+        "client cuts TCP -> server's engine stream closed (stream_closed_at in /stats)",
+    ),
+    "abort.{P}.disconnect_ended_ms": ("ms", "client cuts TCP -> server's session handler ended"),
+    "resources.rss_idle_connection_kib": ("KiB", "server RSS per idle WebSocket connection"),
+    "resources.rss_streaming_session_mib": ("MiB", "server RSS per streaming session"),
+    "resources.threads_alive_streaming": ("threads", "server threads_alive while streaming"),
+    "resources.rss_retained_mib": (
+        "MiB",
+        "server RSS after the run (no session, threads back) minus RSS before it",
+    ),
+    "resources.threads_return_s": (
+        "s",
+        "after the last session: until threads_alive is back at its baseline",
+    ),
+    "encoder.{S}.ms_per_frame": ("ms", "FragmentedMP4Encoder.encode per frame"),
+    "encoder.{S}.chunk_ms": ("ms", "encode of one chunk"),
+    "encoder.{S}.first_chunk_ms": ("ms", "encode of the first chunk (init segment + IDR)"),
+    "encoder.{S}.chunk_period_share_pct": ("%", "encode time / chunk period"),
+    "diffusers.inproc.first_segment_ms": (
+        "ms",
+        "pipeline called directly: prompt encoding + first call + conversion to uint8",
+    ),
+    "diffusers.inproc.segment_ms": (
+        "ms",
+        "pipeline called directly: one segment's call + conversion (segments after the first)",
+    ),
+    "diffusers.inproc.fps": ("fps", "pipeline called directly: frames/s after the first segment"),
+    "diffusers.engine.first_segment_ms": (
+        "ms",
+        "engine alone (no server): open_stream + first next_chunk",
+    ),
+    "diffusers.engine.segment_ms": (
+        "ms",
+        "engine alone (no server): next_chunk (segments after the first)",
+    ),
+    "diffusers.server.ttfc_ms": ("ms", "server: session.start sent -> first media chunk"),
+    "diffusers.server.interarrival_ms": ("ms", "server: time between consecutive media chunks"),
+    "diffusers.server.fps": ("fps", "server: frames/s delivered, first chunk -> last chunk"),
+    "diffusers.server.errors": ("count", "server: sessions that failed"),
+    "diffusers.{D}.faults_per_segment": (
+        "count",
+        "minor page faults of the whole process per segment, over a session (/proc/PID/stat)",
+    ),
+    "diffusers.{D}.cpu_ms_per_segment": (
+        "ms",
+        "CPU time of the whole process per segment, over a session (/proc/PID/stat)",
+    ),
+    "diffusers.overhead_pct": (
+        "%",
+        "per run: median server inter-arrival / median direct segment time - 1",
+    ),
+    "diffusers.engine_overhead_pct": (
+        "%",
+        "per run: median engine-alone segment time / median direct segment time - 1",
+    ),
+    "diffusers.ttfc_overhead_ms": (
+        "ms",
+        "per run: median server TTFC - median direct first segment",
+    ),
+}
+
+
+def catalogue_key(name: str) -> str:
+    """``concurrency.n8.ping_rtt_ms`` -> ``concurrency.n{N}.ping_rtt_ms``, and so on."""
+    name = re.sub(r"^concurrency\.n\d+\.", "concurrency.n{N}.", name)
+    name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
+    name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
+    return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """n, min, median, p99 and max of the finite values: a failed sample (NaN) is left
+    out rather than poisoning the figure; all ``None`` where there is none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"n": 0, "min": None, "median": None, "p99": None, "max": None}
+    return {
+        "n": len(finite),
+        "min": min(finite),
+        "median": percentile(finite, 50),
+        "p99": percentile(finite, 99),
+        "max": max(finite),
+    }
+
+
+@attrs.define
+class Figure:
+    """One measured quantity: its samples, kept per run so that the spread can be shown."""
+
+    name: str
+    runs: list[list[float]] = attrs.field(factory=list)
+
+    @property
+    def unit(self) -> str:
+        return CATALOGUE[catalogue_key(self.name)][0]
+
+    @property
+    def description(self) -> str:
+        return CATALOGUE[catalogue_key(self.name)][1]
+
+    @property
+    def pooled(self) -> list[float]:
+        return [v for run in self.runs for v in run]
+
+    def to_json(self) -> dict[str, Any]:
+        runs = [{**summarize(vs), "values": [round(v, 4) for v in vs]} for vs in self.runs]
+        return {
+            "unit": self.unit,
+            "description": self.description,
+            **summarize(self.pooled),
+            "run_medians": [r["median"] for r in runs],
+            "runs": runs,
+        }
+
+
+class Figures:
+    """Every figure of one target (or of the local, server-less measurements)."""
+
+    def __init__(self) -> None:
+        self._figures: dict[str, Figure] = {}
+        self._unavailable: dict[str, str] = {}
+
+    def add(self, run: int, name: str, values: Iterable[float]) -> None:
+        if catalogue_key(name) not in CATALOGUE:
+            raise KeyError(f"figure {name!r} is not in the catalogue")
+        figure = self._figures.setdefault(name, Figure(name))
+        while len(figure.runs) <= run:
+            figure.runs.append([])
+        figure.runs[run].extend(float(v) for v in values)
+
+    def mark_unavailable(self, name: str, reason: str) -> None:
+        self._unavailable.setdefault(name, reason)
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        return {k: v for k, v in self._unavailable.items() if k not in self._figures}
+
+    def get(self, name: str) -> Figure | None:
+        return self._figures.get(name)
+
+    def stat(self, name: str, key: str) -> float | None:
+        figure = self._figures.get(name)
+        return None if figure is None else summarize(figure.pooled)[key]
+
+    def __iter__(self) -> Iterator[Figure]:
+        return iter(self._figures.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "figures": {name: fig.to_json() for name, fig in self._figures.items()},
+            "unavailable": self.unavailable,
+        }

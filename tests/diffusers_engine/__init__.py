@@ -1,0 +1,1 @@
+"""Tests of ``trio_vstream.engines.diffusers``, one module per engine module."""

@@ -1,0 +1,87 @@
+"""Fixtures of the diffusers engine tests: tiny random Wan pipelines, engines, a server.
+
+The pipelines are built in code (``trio_vstream.engines.diffusers.tiny``), saved with
+``save_pretrained`` once per test session, and loaded back by the engine the way
+``--engine diffusers --engine-arg model=...`` does. Tests that need them skip where the
+``diffusers`` extra is not installed; the others (the lock's, the CLI's) run anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from tests.diffusers_engine.support import Summaries
+from trio_vstream.engines import load_engine
+from trio_vstream.engines.diffusers import DiffusersEngine
+from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.session import SessionConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """``threads=1`` engines set torch's thread count for the process: put it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """Pipeline directories: ``t2v`` (WanPipeline), ``i2v`` (WanImageToVideoPipeline) and
+    ``lora`` (a LoRA for t2v's transformer)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from trio_vstream.engines.diffusers.tiny import build_lora, build_wan_i2v, build_wan_t2v
+
+    root = tmp_path_factory.mktemp("diffusers_models")
+    t2v = build_wan_t2v(root / "Wan-tiny-T2V")
+    return SimpleNamespace(
+        t2v=t2v,
+        i2v=build_wan_i2v(root / "Wan-tiny-I2V"),
+        lora=build_lora(t2v, root / "lora"),
+    )
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
+    """Load engines as ``--engine diffusers`` does (CPU, 5-frame segments, one thread);
+    each is closed after the test."""
+    engines: list[DiffusersEngine] = []
+
+    def make(model: Path, **args: str) -> DiffusersEngine:
+        args = {"model": str(model), "segment_frames": "5", "threads": "1", **args}
+        engine = load_engine("diffusers", args, device="cpu")
+        assert isinstance(engine, DiffusersEngine)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+async def serve(nursery: trio.Nursery) -> Any:
+    """Start a server on an engine; returns the server and its session summaries."""
+
+    async def start(engine: Any) -> tuple[VideoServer, Summaries]:
+        summaries = Summaries()
+        config = ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            max_sessions=4,
+            shutdown_grace=5.0,
+            session=SessionConfig(served_model=engine.name),
+        )
+        server = VideoServer(engine, config, on_session_end=summaries.record)
+        await nursery.start(server.run)
+        return server, summaries
+
+    return start

@@ -1,0 +1,200 @@
+"""Helpers for the diffusers engine tests: requests, a checkpoint the test stops, and a
+`Probe` that watches a pipeline's real modules.
+
+What reaches the models is observed through hooks on the real modules (transformer
+calls, VAE decodes, the image handed to the image-to-video pipeline); nothing under test
+is mocked. Tests wait for what a probe saw with `Probe.wait_for_forwards` (a condition
+the hook notifies), never by polling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+from trio_websocket import open_websocket_url
+
+from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, receive_into
+from trio_vstream.engines import Checkpoint, GenerationRequest
+from trio_vstream.session import SessionSummary
+
+START = {
+    "type": "session.start",
+    "prompt": "a red fox in the snow",
+    "size": "48x32",
+    "fps": 8,
+    "num_inference_steps": 2,
+    "seed": 1,
+}
+"""A session.start the tiny pipeline serves in milliseconds."""
+
+GATE_TIMEOUT = 30.0
+"""The longest a gated step waits for the test to open the gate (a failed test must not
+leave a thread hanging forever)."""
+
+
+def request(**fields: Any) -> GenerationRequest:
+    """A request for the tiny pipeline: 48x32, 2 steps, no guidance, seed 1."""
+    values: dict[str, Any] = {
+        "request_id": "test",
+        "prompt": "a red fox in the snow",
+        "width": 48,
+        "height": 32,
+        "fps": 8,
+        "num_frames": 12,
+        "num_inference_steps": 2,
+        "guidance_scale": 1.0,
+        "seed": 1,
+    }
+    values.update(fields)
+    return GenerationRequest(**values)
+
+
+no_stop = Checkpoint()
+"""A checkpoint that never stops: run a stream to its end."""
+
+
+def run_all(stream: Any, checkpoint: Checkpoint = no_stop) -> list[Any]:
+    """Every chunk of ``stream``, which is closed afterwards (whatever happens)."""
+    chunks = []
+    try:
+        while (chunk := stream.next_chunk(checkpoint)) is not None:
+            chunks.append(chunk)
+    finally:
+        stream.close()
+    return chunks
+
+
+class Stopped(BaseException):
+    """Stands in for trio.Cancelled, which checkpoint() raises: a BaseException."""
+
+
+class StopWhenTold(Checkpoint):
+    """A session's checkpoint that the test stops by setting ``stop``; ``queued`` is set
+    once the session waits behind another for the pipeline."""
+
+    def __init__(self) -> None:
+        self.queued = threading.Event()
+        self.stop = threading.Event()
+
+    def check_cancelled(self) -> None:
+        if self.stop.is_set():
+            raise Stopped
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        self.queued.set()
+        yield
+
+
+class Probe:
+    """Watches a pipeline's real modules: every transformer call, every VAE decode.
+
+    ``step_delay`` slows every transformer call down (work for another session to
+    overlap with); ``gate``, when given, holds the first transformer call until the test
+    sets it, so the test knows the segment holds the pipeline for as long as it needs.
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        step_delay: float = 0.0,
+        keep_embeds: bool = False,
+        gate: threading.Event | None = None,
+    ) -> None:
+        self.pipe = pipe
+        self.forwards: list[tuple[float, int]] = []
+        self.decodes: list[tuple[float, int]] = []
+        self.embeds: list[torch.Tensor] = []
+        self.embed_refs: list[weakref.ref[torch.Tensor]] = []
+        self.flow_shifts: list[float] = []
+        self.images: list[np.ndarray] = []
+        self._seen = threading.Condition()
+
+        def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            with self._seen:
+                self.forwards.append((time.monotonic(), threading.get_ident()))
+                self._seen.notify_all()
+            embeds = kwargs["encoder_hidden_states"]
+            self.embed_refs.append(weakref.ref(embeds))
+            if keep_embeds:
+                self.embeds.append(embeds.detach().clone())
+            self.flow_shifts.append(pipe.scheduler.config.flow_shift)
+            if gate is not None:
+                gate.wait(GATE_TIMEOUT)
+            if step_delay:
+                time.sleep(step_delay)  # stands for a slower model, not for synchronisation
+
+        self._hook = pipe.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
+        decode = pipe.vae.decode
+
+        def counting_decode(*args: Any, **kwargs: Any) -> Any:
+            self.decodes.append((time.monotonic(), threading.get_ident()))
+            return decode(*args, **kwargs)
+
+        pipe.vae.decode = counting_decode
+        processor = pipe.video_processor
+        preprocess = processor.preprocess
+
+        def recording_preprocess(image: Any, *args: Any, **kwargs: Any) -> Any:
+            self.images.append(np.asarray(image).copy())
+            return preprocess(image, *args, **kwargs)
+
+        processor.preprocess = recording_preprocess
+
+    def wait_for_forwards(self, count: int, timeout: float = 10.0) -> bool:
+        """Block until the transformer has been called ``count`` times (False: timed out)."""
+        with self._seen:
+            return self._seen.wait_for(lambda: len(self.forwards) >= count, timeout)
+
+    def remove(self) -> None:
+        """Take the hooks off the pipeline, which other tests share."""
+        self._hook.remove()
+        del self.pipe.vae.decode
+        del self.pipe.video_processor.preprocess
+
+
+def encode(pipe: Any, text: str) -> torch.Tensor:
+    """A prompt's embedding as the pipeline itself computes it for a call."""
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(
+            prompt=text, do_classifier_free_guidance=False, max_sequence_length=512
+        )
+    return embeds
+
+
+class Summaries(list[SessionSummary]):
+    """The server's session summaries, as they come; ``wait_for`` waits for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = trio.Event()
+
+    def record(self, summary: SessionSummary) -> None:
+        """The server's ``on_session_end`` (called in the server's Trio run)."""
+        self.append(summary)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        """Return once ``count`` sessions have ended."""
+        while len(self) < count:
+            await self._changed.wait()
+
+
+async def run_session(url: str, start: dict[str, Any]) -> Transcript:
+    """One whole session through the server: everything it received."""
+    transcript = Transcript()
+    async with open_websocket_url(url, max_message_size=CLIENT_MAX_MESSAGE) as ws:
+        await ws.send_message(json.dumps(start))
+        await receive_into(ws, transcript)
+    return transcript

@@ -1,0 +1,40 @@
+"""The soak's log checks (``bench/_soak/serverlog.py``) over the shared log parser
+(``bench/_harness.py``): ERROR records and tracebacks are flagged unless the failure was
+injected, and the summary counts warnings with ids and numbers blanked.
+"""
+
+from __future__ import annotations
+
+from bench._harness import parse_log
+from bench._soak.serverlog import log_problems, log_summary
+
+_ID = "video_stream-" + "a" * 32
+_OTHER = "video_stream-" + "b" * 32
+LOG = f"""trio_vstream serving ws://127.0.0.1:1/v1/realtime/video (engine: synthetic)
+2026-01-01 10:00:00,000 INFO trio_vstream.session: session {_ID} started
+2026-01-01 10:00:00,100 ERROR trio_vstream.session: session {_ID}: engine failed while generating
+Traceback (most recent call last):
+  File "x.py", line 1, in f
+trio_vstream.engines.base.EngineError: synthetic engine failure at chunk 1 (fail_at_chunk)
+2026-01-01 10:00:00,200 ERROR trio_vstream.session: session {_OTHER}: internal error
+Traceback (most recent call last):
+trio_websocket._impl.ConnectionClosed: CloseReason<code=1006>
+2026-01-01 10:00:00,300 INFO trio_vstream.server: something
+Traceback (most recent call last):
+ValueError: printed, not logged
+2026-01-01 10:00:00,400 WARNING trio_vstream.session: session {_ID}: stall timeout for 1.5 s
+"""
+
+
+def test_log_errors_other_than_injected_failures_are_flagged() -> None:
+    records = parse_log(LOG)
+    assert [r.level for r in records] == ["OTHER", "INFO", "ERROR", "ERROR", "INFO", "WARNING"]
+    assert len(records[2].lines) == 4  # the traceback belongs to its record
+    bad = log_problems(records, expected_ids={_ID})
+    assert [r.lines[0][24:] for r in bad] == [
+        f"ERROR trio_vstream.session: session {_OTHER}: internal error",
+        "INFO trio_vstream.server: something",
+    ]
+    assert len(log_problems(records, expected_ids=set())) == 3
+    summary = log_summary(records)
+    assert summary["WARNING session <id>: stall timeout for N s"] == 1

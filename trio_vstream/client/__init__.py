@@ -1,0 +1,73 @@
+"""Client of the ``/v1/realtime/video`` endpoint: ``python -m trio_vstream client``.
+
+Two layers. `stream_video` is the importable part that tools and tests use: it speaks
+only the wire protocol (through `trio_vstream.protocol.ClientProtocol`), so it works
+against any server of the protocol, the vllm-omni reference included, and it always
+hands back what arrived as a `StreamResult`, whatever way the session ended, because a
+partial video is still worth keeping. `run_client` is the command line around it:
+signals, a progress line, the output files and the summary.
+
+The received stream is fragmented MP4 (made for Media Source Extensions). Desktop
+players and editors cope badly with it (no duration, slow seeking), so `remux_to_mp4`
+copies its packets, without re-encoding, into a plain progressive MP4.
+
+Private modules, one concern each:
+
+- ``_results``: `StreamResult` and the records in it (plain data).
+- ``_stream``: `stream_video`, the WebSocket I/O around `ClientProtocol`.
+- ``_mp4``: `remux_to_mp4`, and the frame rate read from the stream itself.
+- ``_cli``: `add_client_arguments`, `run_client`, the summary and ``--json``.
+"""
+
+from trio_vstream.client._cli import (
+    API_KEY_ENV,
+    DEFAULT_URL,
+    EXIT_CONNECTION,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUTPUT,
+    EXIT_SERVER_ERROR,
+    EXIT_USAGE,
+    add_client_arguments,
+    run_client,
+)
+from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
+from trio_vstream.client._results import (
+    InteractionRecord,
+    ReceivedChunk,
+    ScheduledInteraction,
+    StreamConnectError,
+    StreamOutcome,
+    StreamResult,
+)
+from trio_vstream.client._stream import (
+    MAX_MESSAGE_SIZE,
+    ChunkCallback,
+    MessageCallback,
+    stream_video,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_URL",
+    "EXIT_CONNECTION",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_OUTPUT",
+    "EXIT_SERVER_ERROR",
+    "EXIT_USAGE",
+    "MAX_MESSAGE_SIZE",
+    "ChunkCallback",
+    "InteractionRecord",
+    "MessageCallback",
+    "ReceivedChunk",
+    "RemuxError",
+    "ScheduledInteraction",
+    "StreamConnectError",
+    "StreamOutcome",
+    "StreamResult",
+    "add_client_arguments",
+    "remux_to_mp4",
+    "run_client",
+    "stream_video",
+]

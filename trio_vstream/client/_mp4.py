@@ -1,0 +1,168 @@
+"""Reading and rewriting the received fragmented MP4.
+
+`remux_to_mp4` turns the stream into a plain progressive MP4 (desktop players and
+editors cope badly with fragmented files: no duration, slow seeking), by copying its
+packets without re-encoding. `StreamTiming` reads the frame rate written in the stream
+itself, which the client needs to turn frames into media time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import struct
+from collections.abc import Iterable
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import av.error
+
+__all__ = ["RemuxError", "StreamTiming", "remux_to_mp4"]
+
+
+class StreamTiming:
+    """The frame rate written in the fragmented MP4 itself: timescale / sample duration.
+
+    Needed because the rate is often nowhere else: a server echoes ``fps`` in
+    ``video.start`` only when the client sent one, and its default is not announced.
+    Reads the track timescale (``moov/trak/mdia/mdhd``) and the first fragment's sample
+    duration (``trun``, else ``tfhd``, else ``moov/mvex/trex``). Only the first track is
+    read: servers of this protocol send one video track. Anything unreadable leaves the
+    rate unknown rather than raising, since the video itself may still be fine.
+    """
+
+    def __init__(self) -> None:
+        self.timescale: int | None = None
+        self.trex_duration: int | None = None
+        self.frame_rate: Fraction | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Read one binary message; call until `frame_rate` is known."""
+        try:
+            for kind, payload in _mp4_boxes(data):
+                if kind == b"moov":
+                    self._read_moov(payload)
+                elif kind == b"moof" and self.timescale:
+                    duration = self._fragment_duration(payload) or self.trex_duration
+                    if duration:
+                        self.frame_rate = Fraction(self.timescale, duration)
+                        return
+        except (struct.error, ValueError):
+            return
+
+    def _read_moov(self, moov: bytes) -> None:
+        trak = _mp4_child(moov, b"trak")
+        mdia = _mp4_child(trak, b"mdia") if trak is not None else None
+        mdhd = _mp4_child(mdia, b"mdhd") if mdia is not None else None
+        if mdhd is not None:
+            # Full box: version, flags, then creation and modification times (4 bytes
+            # each in version 0, 8 in version 1), then the timescale.
+            offset = 4 + (16 if mdhd[0] == 1 else 8)
+            (self.timescale,) = struct.unpack_from(">I", mdhd, offset)
+        mvex = _mp4_child(moov, b"mvex")
+        trex = _mp4_child(mvex, b"trex") if mvex is not None else None
+        if trex is not None:
+            # version/flags, track_ID, default_sample_description_index, default duration
+            (self.trex_duration,) = struct.unpack_from(">I", trex, 12)
+
+    @staticmethod
+    def _fragment_duration(moof: bytes) -> int | None:
+        traf = _mp4_child(moof, b"traf")
+        if traf is None:
+            return None
+        trun = _mp4_child(traf, b"trun")
+        if trun is not None:
+            flags = int.from_bytes(trun[1:4], "big")
+            if flags & 0x100:  # sample-duration-present
+                offset = 8 + (4 if flags & 0x01 else 0) + (4 if flags & 0x04 else 0)
+                (duration,) = struct.unpack_from(">I", trun, offset)
+                return duration
+        tfhd = _mp4_child(traf, b"tfhd")
+        if tfhd is not None:
+            flags = int.from_bytes(tfhd[1:4], "big")
+            if flags & 0x08:  # default-sample-duration-present
+                offset = 8 + (8 if flags & 0x01 else 0) + (4 if flags & 0x02 else 0)
+                (duration,) = struct.unpack_from(">I", tfhd, offset)
+                return duration
+        return None
+
+
+def _mp4_boxes(data: bytes) -> Iterable[tuple[bytes, bytes]]:
+    """The (type, payload) of each top-level ISO BMFF box; stops at a malformed one."""
+    pos = 0
+    while pos + 8 <= len(data):
+        size, kind = struct.unpack_from(">I4s", data, pos)
+        header = 8
+        if size == 1:
+            (size,) = struct.unpack_from(">Q", data, pos + 8)
+            header = 16
+        elif size == 0:
+            size = len(data) - pos
+        if size < header or pos + size > len(data):
+            return
+        yield kind, data[pos + header : pos + size]
+        pos += size
+
+
+def _mp4_child(payload: bytes, kind: bytes) -> bytes | None:
+    return next((body for k, body in _mp4_boxes(payload) if k == kind), None)
+
+
+class RemuxError(Exception):
+    """The received bytes hold no video that could be written."""
+
+
+def remux_to_mp4(fmp4: bytes, path: str | os.PathLike[str]) -> int:
+    """Copy the packets of a fragmented MP4 into a progressive one; returns frames written.
+
+    No re-encoding, so it is fast and lossless. ``faststart`` puts the ``moov`` first so
+    the file also streams over HTTP. A stream cut short (no trailer, or damaged at the end)
+    keeps every packet that demuxes; the file is written to a temporary name and renamed,
+    so ``path`` is never left half-written.
+    """
+    target = Path(path)
+    try:
+        source = av.open(io.BytesIO(fmp4), mode="r")
+    except (av.error.FFmpegError, ValueError, OSError) as exc:
+        raise RemuxError(f"the received data is not a readable MP4 stream: {exc}") from exc
+    # Not mkstemp: its 0600 mode would survive the rename; this name honours the umask.
+    temp_name = str(target.with_name(f".{target.name}.{os.getpid()}.part"))
+    frames = 0
+    try:
+        with source:
+            if not source.streams.video:
+                raise RemuxError("the received data holds no video stream")
+            in_stream = source.streams.video[0]
+            with av.open(
+                temp_name, mode="w", format="mp4", options={"movflags": "+faststart"}
+            ) as output:
+                out_stream = _add_stream_like(output, in_stream)
+                try:
+                    for packet in source.demux(in_stream):
+                        if packet.dts is None:  # the demuxer's end-of-stream marker
+                            continue
+                        packet.stream = out_stream
+                        output.mux(packet)
+                        frames += 1
+                except av.error.FFmpegError as exc:
+                    if frames == 0:
+                        raise RemuxError(f"the received video is unreadable: {exc}") from exc
+                    # Damaged tail: keep what came before it.
+                if frames == 0:
+                    raise RemuxError("the received data holds no video frames")
+        os.replace(temp_name, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp_name)
+        raise
+    return frames
+
+
+def _add_stream_like(output: Any, template: Any) -> Any:
+    # PyAV >= 13 has add_stream_from_template; older versions took template= instead.
+    if hasattr(output, "add_stream_from_template"):
+        return output.add_stream_from_template(template)
+    return output.add_stream(template=template)  # pragma: no cover

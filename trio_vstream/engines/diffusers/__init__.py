@@ -1,0 +1,370 @@
+"""Serve a diffusers video pipeline from a local directory (``--engine diffusers``).
+
+``--engine-arg model=/path/to/pipeline`` names a directory written by
+``pipeline.save_pretrained`` (a ``model_index.json`` and one folder per
+component). It is loaded once per server process with
+``from_pretrained(path, local_files_only=True)``, with the Hugging Face hub in
+offline mode: nothing is ever downloaded.
+
+Streaming. A video is made segment by segment: one pipeline call of
+``segment_frames`` frames per segment, and each segment is one chunk, handed
+to the server as soon as it is decoded. With an image-to-video pipeline
+(``i2v_model=/path``, or the main pipeline itself when its ``__call__`` takes
+``image=``) every segment after the first continues from the last frame of
+the previous one (whose copy, the new segment's first frame, is dropped);
+without one, segments are independent clips seeded ``seed + index``. A
+request's ``image_reference`` conditions the first segment.
+
+Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
+``checkpoint()`` after every denoising step, and the engine calls it before
+each pipeline call: when the session is over it raises, the exception leaves
+the pipeline call, and neither the remaining steps nor the VAE decode run.
+
+Sharing. One pipeline serves every session, and its state (scheduler, LoRA
+adapters, per-call attributes) belongs to one call at a time, so whole
+segments are serialised under a lock, and ``max_concurrent_steps`` is 1.
+A session waiting for the lock waits inside ``checkpoint.waiting()`` and
+polls ``checkpoint.check_cancelled()``: it can be stopped while it waits, and
+the server does not take a long queue for a stall while the segment holding
+the lock makes progress. Segments of different sessions alternate.
+A session's LoRA is loaded (once per path, shared by the sessions that use
+it), activated for that session's segments only and unloaded when the last
+session using it closes.
+
+Layout. This module holds the engine (request planning) and its factory; the
+private modules hold one concern each: ``_settings`` (engine args),
+``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
+``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments).
+``tiny`` builds tiny random pipelines for the tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
+from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.diffusers._loading import (
+    PipelineInfo,
+    check_pipeline_dir,
+    config_value,
+    default_segment_frames,
+    flow_shift_key,
+    import_diffusers,
+    load_pipeline,
+    valid_frames,
+    video_defaults,
+)
+from trio_vstream.engines.diffusers._lock import SegmentLock
+from trio_vstream.engines.diffusers._lora import (
+    LoadedLora,
+    LoraAdapters,
+    LoraSpec,
+    lora_problems,
+    parse_lora_spec,
+)
+from trio_vstream.engines.diffusers._settings import (
+    DiffusersSettings,
+    config_error,
+    parse_settings,
+)
+from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
+
+# Importable here as before the split (bench/run.py converts a pipeline's output exactly
+# as the engine does), though not part of the engine's surface.
+from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
+
+__all__ = [
+    "DiffusersEngine",
+    "DiffusersSettings",
+    "DiffusersStream",
+    "LoraAdapters",
+    "LoraSpec",
+    "PipelineInfo",
+    "SegmentLock",
+    "check_pipeline_dir",
+    "create_engine",
+    "load_pipeline",
+    "parse_settings",
+]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_SET_ARGS: Mapping[str, str] = {
+    # __call__ arguments the engine sets itself, and what to use instead.
+    "prompt": "the request's prompt",
+    "negative_prompt": "the request's negative_prompt",
+    "prompt_embeds": "the request's prompt",
+    "negative_prompt_embeds": "the request's negative_prompt",
+    "prompt_attention_mask": "the request's prompt",
+    "negative_prompt_attention_mask": "the request's negative_prompt",
+    "height": "size or height",
+    "width": "size or width",
+    "num_frames": "num_frames or seconds",
+    "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale",
+    "guidance_scale_2": "guidance_scale_2",
+    "true_cfg_scale": "true_cfg_scale",
+    "boundary_ratio": "boundary_ratio",
+    "generator": "seed",
+    "seed": "seed",
+    "fps": "fps",
+    "frame_rate": "fps",
+    "image": "image_reference",
+    "latents": "",
+    "image_embeds": "image_reference",
+    "last_image": "",
+    "video": "",
+    "output_type": "",
+    "return_dict": "",
+    "num_videos_per_prompt": "",
+    "callback_on_step_end": "",
+    "callback_on_step_end_tensor_inputs": "",
+    "callback": "",
+    "callback_steps": "",
+}
+
+
+class DiffusersEngine:
+    """A diffusers pipeline (and optionally an image-to-video one) shared by all sessions."""
+
+    max_concurrent_steps = 1
+
+    def __init__(
+        self,
+        settings: DiffusersSettings,
+        model: PipelineInfo,
+        i2v: PipelineInfo | None,
+        device: torch.device,
+    ) -> None:
+        self.settings = settings
+        self.device = device
+        self.model = model
+        self.i2v = i2v
+        self.lock = SegmentLock()
+        self.loras = LoraAdapters(self.lock)
+        self.name = settings.name or settings.model.resolve().name or "diffusers"
+        self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
+        pipelines = [model] + ([i2v] if i2v is not None else [])
+        self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
+        self.frame_step = math.lcm(*(p.frame_step for p in pipelines))
+        if settings.segment_frames is not None:
+            segment = settings.segment_frames
+            if (segment - 1) % self.frame_step:
+                raise config_error(
+                    f"segment_frames must be {self.frame_step}*n+1 for {model.class_name} "
+                    f"(e.g. {valid_frames(segment, self.frame_step)}), got {segment}"
+                )
+        else:
+            segment = default_segment_frames(model, self.frame_step)
+        self.segment_frames = segment
+        self.video_defaults = video_defaults(model, self.size_multiple, segment)
+
+    # ------------------------------------------------------------ interface
+
+    def open_stream(self, request: GenerationRequest) -> DiffusersStream:
+        """A stream for ``request``, or `InvalidRequestError` naming everything this
+        pipeline cannot do of it; nothing runs on the pipeline until ``next_chunk``."""
+        plan = self._plan(request)
+        stream = DiffusersStream(self, request, plan, None)
+        stream._lora = self._claim_lora(request)  # last: nothing after it can fail
+        return stream
+
+    def close(self) -> None:
+        """Drop the pipelines, and on CUDA hand their memory back to the driver."""
+        for info in (self.model, self.i2v):
+            if info is not None:
+                info.pipe = None
+        self.continuation = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------ validation
+
+    def _plan(self, request: GenerationRequest) -> StreamPlan:
+        """Check ``request`` against the pipelines that will serve it (the first segment's
+        and the following ones') and fix their call arguments, collecting every problem."""
+        problems: list[str] = []
+        model, continuation = self.model, self.continuation
+        multiple = self.size_multiple
+        if request.width % multiple or request.height % multiple:
+            problems.append(
+                f"width and height must be multiples of {multiple} for {model.class_name}, "
+                f"got {request.width}x{request.height}"
+            )
+        if request.image is not None:
+            if model.takes_image:
+                first = model
+            elif self.i2v is not None:
+                first = self.i2v
+            else:
+                first = model
+                problems.append(
+                    f"image_reference needs an image-to-video pipeline, and {model.class_name} "
+                    "takes no image (start the server with --engine-arg i2v_model=...)"
+                )
+        else:
+            first = model
+            if model.needs_image:
+                problems.append(
+                    f"{model.class_name} is an image-to-video pipeline: image_reference is required"
+                )
+        following = continuation if continuation is not None else model
+        used = [first] if following is first else [first, following]
+
+        call_kwargs: dict[str, dict[str, Any]] = {info.role: {} for info in used}
+
+        def put(name: str, value: Any, field: str) -> None:
+            if value is None:
+                return
+            refusing = [info.class_name for info in used if not info.accepts(name)]
+            if refusing:
+                problems.append(f"{field} is not supported by {', '.join(refusing)}")
+                return
+            for info in used:
+                call_kwargs[info.role][name] = value
+
+        for info in used:
+            call_kwargs[info.role]["height"] = request.height
+            call_kwargs[info.role]["width"] = request.width
+        put("num_inference_steps", request.num_inference_steps, "num_inference_steps")
+        put("guidance_scale", request.guidance_scale, "guidance_scale")
+        put("true_cfg_scale", request.true_cfg_scale, "true_cfg_scale")
+        if request.guidance_scale_2 is not None:
+            single = [i.class_name for i in used if config_value(i.pipe, "boundary_ratio") is None]
+            if "boundary_ratio" in model.pipe.config and single:
+                problems.append(
+                    "guidance_scale_2 needs a two-stage pipeline (boundary_ratio set in its "
+                    f"model_index.json); {', '.join(single)} has one stage"
+                )
+            else:
+                put("guidance_scale_2", request.guidance_scale_2, "guidance_scale_2")
+        config_overrides: dict[str, Any] = {}
+        if request.boundary_ratio is not None:
+            if all(info.accepts("boundary_ratio") for info in used):
+                put("boundary_ratio", request.boundary_ratio, "boundary_ratio")
+            elif all(config_value(i.pipe, "boundary_ratio") is not None for i in used):
+                config_overrides["boundary_ratio"] = request.boundary_ratio
+            else:
+                problems.append(
+                    "boundary_ratio needs a two-stage pipeline (boundary_ratio set in its "
+                    "model_index.json)"
+                )
+        for info in used:
+            if info.accepts("fps"):
+                call_kwargs[info.role]["fps"] = request.fps
+            elif info.accepts("frame_rate"):
+                call_kwargs[info.role]["frame_rate"] = request.fps
+        if request.negative_prompt is not None and not all(
+            info.accepts("negative_prompt") for info in used
+        ):
+            problems.append("negative_prompt is not supported by this pipeline")
+
+        scheduler_overrides: dict[str, Any] = {}
+        if request.flow_shift is not None:
+            keys = {flow_shift_key(info.pipe) for info in used}
+            if len(keys) == 1 and None not in keys:
+                scheduler_overrides[keys.pop()] = request.flow_shift  # type: ignore[index]
+            else:
+                names = ", ".join(
+                    type(getattr(i.pipe, "scheduler", None)).__name__
+                    for i in used
+                    if flow_shift_key(i.pipe) is None
+                )
+                problems.append(f"flow_shift is not supported by the scheduler ({names})")
+
+        extra = dict(request.extra_params)
+        reserved = sorted(k for k in extra if k in _ENGINE_SET_ARGS)
+        if reserved:
+            hints = [
+                f"{k} (use {_ENGINE_SET_ARGS[k]})" if _ENGINE_SET_ARGS[k] else k for k in reserved
+            ]
+            problems.append(f"extra_params set by the engine: {', '.join(hints)}")
+        unknown = sorted(
+            k
+            for k in extra
+            if k not in _ENGINE_SET_ARGS and not all(info.accepts(k) for info in used)
+        )
+        if unknown:
+            problems.append(f"unknown extra_params for {model.class_name}: {', '.join(unknown)}")
+        for key, value in extra.items():
+            if key not in _ENGINE_SET_ARGS and key not in unknown:
+                for info in used:
+                    call_kwargs[info.role][key] = value
+
+        max_sequence_length = extra.get("max_sequence_length")
+        if not isinstance(max_sequence_length, int):
+            max_sequence_length = model.default("max_sequence_length")
+        guidance = request.guidance_scale
+        if guidance is None:
+            default = model.default("guidance_scale")
+            guidance = float(default) if isinstance(default, (int, float)) else None
+
+        if request.lora is not None:
+            problems.extend(lora_problems(request.lora, self.settings.lora_root, used))
+
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+        seed = request.seed
+        if seed is None:
+            seed = secrets.randbits(63)
+            logger.info("request %s: seed %d", request.request_id, seed)
+        return StreamPlan(
+            first=first,
+            following=following,
+            continues=continuation is not None,
+            call_kwargs=call_kwargs,
+            scheduler_overrides=scheduler_overrides,
+            config_overrides=config_overrides,
+            max_sequence_length=max_sequence_length,
+            guidance_scale=guidance,
+            seed=seed,
+            segment_frames=self.segment_frames,
+            frame_step=self.frame_step,
+        )
+
+    def _claim_lora(self, request: GenerationRequest) -> tuple[LoadedLora, float] | None:
+        """The request's adapter, now counted as used by one more stream (so ``open_stream``
+        claims it last: a failure after the claim would leave the count too high)."""
+        if request.lora is None:
+            return None
+        spec, problems = parse_lora_spec(request.lora, self.settings.lora_root)
+        if spec is None or problems:  # checked in _plan already; the file may have gone since
+            raise InvalidRequestError("; ".join(problems) or "lora: invalid")
+        return self.loras.claim(spec), spec.scale
+
+
+def create_engine(*, device: str = "auto", **engine_args: str) -> DiffusersEngine:
+    """Factory for ``--engine diffusers``."""
+    settings = parse_settings(engine_args)
+    # Fail fast, before the slow imports, on what can be checked without them.
+    check_pipeline_dir(settings.model, "model")
+    if settings.i2v_model is not None:
+        check_pipeline_dir(settings.i2v_model, "i2v_model")
+    if settings.lora_root is not None and not settings.lora_root.is_dir():
+        raise config_error(f"lora_root={settings.lora_root}: no such directory")
+    resolved = resolve_device("diffusers", device, allow_mps=True)
+    if settings.offload != "none" and resolved.type != "cuda":
+        raise config_error(f"offload={settings.offload} needs a CUDA device, not {resolved}")
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    diffusers = import_diffusers()
+    model = load_pipeline(diffusers, settings.model, "model", settings, resolved)
+    i2v = None
+    if settings.i2v_model is not None:
+        if settings.i2v_model.resolve() == settings.model.resolve():
+            i2v = model
+        else:
+            i2v = load_pipeline(diffusers, settings.i2v_model, "i2v_model", settings, resolved)
+        if not i2v.takes_image:
+            raise config_error(
+                f"i2v_model={settings.i2v_model}: {i2v.class_name} takes no image "
+                "(its __call__ has no image argument)"
+            )
+    return DiffusersEngine(settings, model, i2v, resolved)

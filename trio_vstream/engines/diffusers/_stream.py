@@ -1,0 +1,352 @@
+"""`DiffusersStream`: one session's video, made segment by segment on the shared pipeline.
+
+Each ``next_chunk`` is one pipeline call of ``segment_frames`` frames under the engine's
+`SegmentLock`: the prompt's embeddings (blended while a transition runs), a generator
+seeded ``seed + index``, a fresh scheduler, the session's LoRA, and a per-step callback
+that calls ``checkpoint()`` so a stop ends the call between steps, before the VAE
+decode. The frames come back as uint8 on the device and are copied to the host once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import torch
+
+from trio_vstream.engines.base import (
+    Checkpoint,
+    Chunk,
+    EngineError,
+    GenerationRequest,
+    PromptChange,
+)
+from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
+from trio_vstream.engines.diffusers._lora import LoadedLora
+from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers import DiffusersEngine
+
+logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+
+
+@attrs.frozen
+class StreamPlan:
+    """What ``open_stream`` validated, for ``next_chunk`` to use: every refusal happens
+    before the stream exists, so a client learns of a bad request at once."""
+
+    first: PipelineInfo
+    """Runs segment 0."""
+    following: PipelineInfo
+    """Runs the segments after it."""
+    continues: bool
+    """Whether the following segments start from the previous segment's last frame."""
+    call_kwargs: Mapping[str, Mapping[str, Any]]
+    """Per pipeline role: fixed call kwargs (size, steps, guidance, extra params)."""
+    scheduler_overrides: Mapping[str, Any]
+    config_overrides: Mapping[str, Any]
+    max_sequence_length: int | None
+    guidance_scale: float | None
+    seed: int
+    segment_frames: int
+    frame_step: int
+
+
+class DiffusersStream:
+    """One session: segments generated on the engine's shared pipeline."""
+
+    def __init__(
+        self,
+        engine: DiffusersEngine,
+        request: GenerationRequest,
+        plan: StreamPlan,
+        lora: tuple[LoadedLora, float] | None,
+    ) -> None:
+        self._engine = engine
+        self._request = request
+        self._plan = plan
+        self.seed = plan.seed
+        """The seed in use (drawn here when the request has none): echoed in video.start."""
+        self._schedule = PromptSchedule(request.prompt)
+        self._lora = lora
+        self._embeddings: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._last_frame: Any = None
+        self._frames_done = 0
+        self._next_index = 0
+        self._closed = False
+        self._image = None
+        if request.image is not None:
+            self._image = to_pil(request.image, request.width, request.height)
+
+    # ------------------------------------------------------------ interface
+
+    def interact(self, change: PromptChange) -> None:
+        """Queue a prompt change; it starts with the next segment (a running one is not
+        touched: its embeddings went into the call already)."""
+        self._schedule.push(change)
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        """The next segment's new frames (None when the video is complete); raises
+        whatever ``checkpoint`` raises when the session is over."""
+        request, plan = self._request, self._plan
+        remaining = request.num_frames - self._frames_done
+        if remaining <= 0:
+            return None
+        index = self._next_index
+        conditioning = self._schedule.next_conditioning()
+        if index == 0:
+            info, image, continuing = plan.first, self._image, False
+        elif plan.continues:
+            info, image, continuing = plan.following, self._last_frame, True
+        else:
+            info, image, continuing = plan.following, None, False
+        needed = remaining + (1 if continuing else 0)
+        count = min(plan.segment_frames, valid_frames(needed, plan.frame_step))
+        video = self._generate(checkpoint, info, conditioning, count, image, index)
+        frames = frames_to_uint8(video)
+        del video
+        if tuple(frames.shape[1:3]) != (request.height, request.width):
+            raise EngineError(
+                f"{info.class_name} made {frames.shape[2]}x{frames.shape[1]} frames "
+                f"for a {request.width}x{request.height} request"
+            )
+        # Some pipelines make more than asked for (Helios: whole 33-frame windows).
+        host = frames[:count].cpu().numpy()  # the one device-to-host copy of this chunk
+        del frames
+        if plan.continues:
+            self._last_frame = to_pil(host[-1], request.width, request.height)
+        if continuing:
+            host = host[1:]
+        host = np.ascontiguousarray(host[:remaining])
+        if host.shape[0] == 0:
+            raise EngineError(f"{info.class_name} made no new frame ({count} asked for)")
+        self._frames_done += host.shape[0]
+        self._next_index += 1
+        return conditioning.chunk(host, index)
+
+    def close(self) -> None:
+        """Drop the session's tensors and give back its LoRA; idempotent, never blocks."""
+        if self._closed:
+            return
+        self._closed = True
+        self._embeddings.clear()
+        self._last_frame = None
+        self._image = None
+        if self._lora is not None:
+            entry, self._lora = self._lora[0], None
+            self._engine.loras.release(entry)
+
+    # ------------------------------------------------------------ generation
+
+    def _generate(
+        self,
+        checkpoint: Checkpoint,
+        info: PipelineInfo,
+        conditioning: ChunkConditioning,
+        count: int,
+        image: Any,
+        index: int,
+    ) -> Any:
+        """One pipeline call of ``count`` frames, holding the lock for all of it: the
+        scheduler, the LoRA and the per-call attributes are the pipeline's, not ours."""
+        plan, request, engine = self._plan, self._request, self._engine
+        kwargs: dict[str, Any] = dict(plan.call_kwargs[info.role])
+        kwargs["num_frames"] = count
+        kwargs["generator"] = torch.Generator(device="cpu").manual_seed((plan.seed + index) % 2**64)
+        if image is not None:
+            kwargs["image"] = image
+        if info.accepts("output_type"):
+            kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk
+        with engine.lock.held(checkpoint):
+
+            def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
+                checkpoint()  # raises when the session is over: no more steps, no decode
+                return tensors
+
+            kwargs["callback_on_step_end"] = on_step_end
+            lora = self._lora
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            kwargs.update(self._prompt_kwargs(info, conditioning))
+            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
+                checkpoint()
+                logger.debug(
+                    "request %s: segment %d, %d frames on %s",
+                    request.request_id,
+                    index,
+                    count,
+                    info.class_name,
+                )
+                output = info.pipe(**kwargs)
+        video = getattr(output, "frames", None)
+        if video is None:
+            video = output[0]
+        return video
+
+    def _prompt_kwargs(self, info: PipelineInfo, conditioning: ChunkConditioning) -> dict[str, Any]:
+        """The call's prompt arguments: embeddings where the pipeline takes them (so a
+        transition can blend prompts), else the dominant prompt as text."""
+        plan, request = self._plan, self._request
+        negative_text = request.negative_prompt
+        if info.encode_params is not None and info.embed_layout != "strings":
+            mixed = self._mix(info, conditioning.mix)
+            if mixed is not None:
+                embeds, mask = mixed
+                kwargs: dict[str, Any] = {"prompt_embeds": embeds}
+                if mask is not None:
+                    kwargs["prompt_attention_mask"] = mask
+                guidance = plan.guidance_scale
+                if guidance is None or guidance > 1.0:
+                    negative, negative_mask = self._encode(info, negative_text or "")
+                    kwargs["negative_prompt_embeds"] = negative
+                    if negative_mask is not None:
+                        kwargs["negative_prompt_attention_mask"] = negative_mask
+                return kwargs
+        kwargs = {"prompt": conditioning.prompt}
+        if negative_text is not None:
+            kwargs["negative_prompt"] = negative_text
+        return kwargs
+
+    def _mix(
+        self, info: PipelineInfo, mix: tuple[tuple[str, float], ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The weighted sum of each prompt's embedding (the schedule's blend)."""
+        encoded = [(self._encode(info, prompt), weight) for prompt, weight in mix]
+        if info.embed_layout == "strings":
+            return None
+        if len(encoded) == 1:
+            return encoded[0][0]
+        first = encoded[0][0][0]
+        if any(e.shape != first.shape for (e, _), _ in encoded):
+            # Different sequence lengths cannot be blended: use the dominant prompt.
+            return encoded[0][0]
+        total = torch.zeros_like(first, dtype=torch.float32)
+        for (embeds, _), weight in encoded:
+            total += weight * embeds.float()
+        mask = None
+        masks = [m for (_, m), _ in encoded if m is not None]
+        if masks:
+            mask = masks[0]
+            for other in masks[1:]:
+                mask = torch.maximum(mask, other)
+        return total.to(first.dtype), mask
+
+    def _encode(self, info: PipelineInfo, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prompt's embedding (and mask), encoded once per stream and pipeline."""
+        key = (id(info), text)
+        cached = self._embeddings.get(key)
+        if cached is not None:
+            return cached
+        assert info.encode_params is not None
+        params = info.encode_params
+        kwargs: dict[str, Any] = {"prompt": text}
+        if "do_classifier_free_guidance" in params:
+            kwargs["do_classifier_free_guidance"] = False
+        if "max_sequence_length" in params and self._plan.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self._plan.max_sequence_length
+        with torch.no_grad():
+            result = info.pipe.encode_prompt(**kwargs)
+        entry = _embedding_of(info, result)
+        self._embeddings[key] = entry
+        return entry
+
+
+def _embedding_of(info: PipelineInfo, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read ``encode_prompt``'s result; decide the pipeline's layout the first time."""
+    parts = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    layout = info.embed_layout
+    if layout is None:
+        if len(parts) == 2 and isinstance(parts[0], torch.Tensor):
+            layout = "pair"
+        elif (
+            len(parts) == 4
+            and isinstance(parts[0], torch.Tensor)
+            and isinstance(parts[1], torch.Tensor)
+            and info.accepts("prompt_attention_mask")
+            and info.accepts("negative_prompt_attention_mask")
+        ):
+            layout = "masked"
+        else:
+            layout = "strings"
+            logger.info(
+                "diffusers engine: %s.encode_prompt returns %d values; "
+                "prompts go in as text (no blending)",
+                info.class_name,
+                len(parts),
+            )
+        info.embed_layout = layout
+    if layout == "pair":
+        return parts[0], None
+    if layout == "masked":
+        return parts[0], parts[1]
+    return torch.empty(0), None
+
+
+@contextlib.contextmanager
+def _call_overrides(info: PipelineInfo, plan: StreamPlan, *, offloaded: bool) -> Iterator[None]:
+    """A fresh scheduler (and config overrides) for one call, put back afterwards."""
+    pipe = info.pipe
+    scheduler = getattr(pipe, "scheduler", None)
+    restore_config: dict[str, Any] = {}
+    if scheduler is not None:
+        pipe.scheduler = type(scheduler).from_config(scheduler.config, **plan.scheduler_overrides)
+    for key, value in plan.config_overrides.items():
+        restore_config[key] = pipe.config.get(key)
+        pipe.register_to_config(**{key: value})
+    completed = False
+    try:
+        yield
+        completed = True
+    finally:
+        if offloaded and not completed:
+            # A stopped call skips the pipeline's own offload at its end.
+            with contextlib.suppress(Exception):
+                pipe.maybe_free_model_hooks()
+        if scheduler is not None:
+            pipe.scheduler = scheduler
+        if restore_config:
+            pipe.register_to_config(**restore_config)
+        if getattr(pipe, "_current_timestep", None) is not None:
+            pipe._current_timestep = None  # a stopped call leaves its timestep tensor here
+
+
+def frames_to_uint8(video: Any) -> torch.Tensor:
+    """A pipeline's video output to (T, H, W, 3) uint8, on the device it came on."""
+    if isinstance(video, list):
+        first = video[0]
+        if isinstance(first, list):  # lists of PIL images
+            video = np.stack([np.asarray(frame.convert("RGB")) for frame in first])
+        else:
+            video = first
+    if isinstance(video, np.ndarray):
+        video = torch.from_numpy(np.asarray(video))
+    if not isinstance(video, torch.Tensor):
+        video = torch.from_numpy(np.asarray(video))
+    if video.ndim == 5:
+        video = video[0]
+    if video.ndim != 4:
+        raise EngineError(f"pipeline returned video of shape {tuple(video.shape)}")
+    if video.shape[-1] not in (1, 3) and video.shape[1] in (1, 3):
+        video = video.permute(0, 2, 3, 1)
+    if video.shape[-1] == 1:
+        video = video.expand(-1, -1, -1, 3)
+    if video.is_floating_point():
+        video = (video.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+    elif video.dtype != torch.uint8:
+        video = video.clamp(0, 255).to(torch.uint8)
+    return video.contiguous()
+
+
+def to_pil(frame: np.ndarray, width: int, height: int) -> Any:
+    """A frame as the PIL image pipelines take as ``image=``, at the video's size (an image
+    reference may come in any size)."""
+    from PIL import Image
+
+    image = Image.fromarray(np.ascontiguousarray(frame, dtype=np.uint8))
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
+    return image

@@ -1,0 +1,124 @@
+"""Sans-IO wire protocol of the ``/v1/realtime/video`` WebSocket endpoint.
+
+Everything here is pure: text or bytes in, attrs objects (or a `ProtocolError`) out, and
+back again. Keeping I/O out means the same rules serve the Trio server, clients and tests,
+and every validation rule can be tested without a socket. Nothing here imports Trio or
+an engine.
+
+The wire format, the error texts and the order of checks follow the vllm-omni reference
+handler, because existing clients match on those texts. Where the reference coerces or
+silently ignores input (pydantic's lax mode, unknown keys), this package is strict: a
+request that says ``"num_frames": "30"`` or ``"promt": ...`` is a client bug, and a
+clear error is cheaper than a video that is not what was asked for.
+
+The public names all live here; the private modules are the seams behind them:
+
+- ``_errors``: `ErrorCode` and `ProtocolError`.
+- ``_wire``: strict JSON loading and dumping, and the strict cattrs hooks.
+- ``_validation``: ``session.start``: the request model, `Limits`, `parse_start`.
+- ``_messages``: every later message, both ways, and the converter that writes them.
+- ``_client``: `ClientProtocol`, the client side of a session as a state machine.
+"""
+
+from trio_vstream.protocol._client import (
+    CONTROL_ERROR_CODES,
+    ChunkAnnounced,
+    ChunkReceived,
+    ClientProtocol,
+    ClientState,
+    ErrorReceived,
+    Event,
+    InteractionAccepted,
+    PongReceived,
+    ServerProtocolError,
+    SessionEnded,
+    VideoStarted,
+)
+from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._messages import (
+    PING_MESSAGE,
+    STOP_MESSAGE,
+    ChunkMetadata,
+    ControlMessage,
+    Error,
+    Interaction,
+    InteractionQueued,
+    Ping,
+    Pong,
+    ServerMessage,
+    SessionDone,
+    Stop,
+    VideoStart,
+    interaction_message,
+    parse_control,
+    parse_server_message,
+    start_message,
+)
+from trio_vstream.protocol._validation import (
+    DEFAULT_LIMITS,
+    DEFAULT_TRANSITION_CHUNKS,
+    DEFAULT_VIDEO_DEFAULTS,
+    MAX_FPS,
+    PACING_PARAMS,
+    ImageInput,
+    ImageReference,
+    Limits,
+    Pacing,
+    SessionStart,
+    VideoParams,
+    VideoRequest,
+    VideoSettings,
+    parse_start,
+)
+from trio_vstream.protocol._wire import safe_text
+from trio_vstream.video import VideoDefaults
+
+__all__ = [
+    "CONTROL_ERROR_CODES",
+    "DEFAULT_LIMITS",
+    "DEFAULT_TRANSITION_CHUNKS",
+    "DEFAULT_VIDEO_DEFAULTS",
+    "MAX_FPS",
+    "PACING_PARAMS",
+    "PING_MESSAGE",
+    "STOP_MESSAGE",
+    "ChunkAnnounced",
+    "ChunkMetadata",
+    "ChunkReceived",
+    "ClientProtocol",
+    "ClientState",
+    "ControlMessage",
+    "Error",
+    "ErrorCode",
+    "ErrorReceived",
+    "Event",
+    "ImageInput",
+    "ImageReference",
+    "Interaction",
+    "InteractionAccepted",
+    "InteractionQueued",
+    "Limits",
+    "Pacing",
+    "Ping",
+    "Pong",
+    "PongReceived",
+    "ProtocolError",
+    "ServerMessage",
+    "ServerProtocolError",
+    "SessionDone",
+    "SessionEnded",
+    "SessionStart",
+    "Stop",
+    "VideoDefaults",
+    "VideoParams",
+    "VideoRequest",
+    "VideoSettings",
+    "VideoStart",
+    "VideoStarted",
+    "interaction_message",
+    "parse_control",
+    "parse_server_message",
+    "parse_start",
+    "safe_text",
+    "start_message",
+]

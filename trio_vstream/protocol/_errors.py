@@ -1,0 +1,52 @@
+"""Error codes of the wire protocol, and the one exception its parsers raise.
+
+A module of its own because everything else in the package, and the server, speak of
+these: it has no dependency of its own inside the protocol.
+"""
+
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trio_vstream.protocol._messages import Error
+
+__all__ = ["ErrorCode", "ProtocolError"]
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable ``code`` of an ``error`` message; clients branch on these."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_MESSAGE = "invalid_message"
+    UNKNOWN_TYPE = "unknown_type"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    START_TIMEOUT = "start_timeout"
+    STALL_TIMEOUT = "stall_timeout"
+    MODEL_MISMATCH = "model_mismatch"
+    INVALID_REQUEST = "invalid_request"
+    EVENT_ID_CONFLICT = "event_id_conflict"
+    INTERACTION_FAILED = "interaction_failed"
+    GENERATION_FAILED = "generation_failed"
+    ENCODING_FAILED = "encoding_failed"
+    INTERNAL_ERROR = "internal_error"
+    SERVER_BUSY = "server_busy"
+    SERVER_SHUTDOWN = "server_shutdown"
+
+
+class ProtocolError(Exception):
+    """A message the client sent was rejected; carries what goes into the `error` message."""
+
+    def __init__(self, code: ErrorCode, message: str, *, event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.event_id = event_id
+
+    def __repr__(self) -> str:
+        return f"ProtocolError({self.code!r}, {self.message!r}, event_id={self.event_id!r})"
+
+    def to_error(self, request_id: str | None = None) -> "Error":
+        """The ``error`` message to send back, so callers need not copy fields by hand."""
+        from trio_vstream.protocol._messages import Error  # here: _messages imports this module
+
+        return Error(self.code, self.message, request_id=request_id, event_id=self.event_id)

@@ -1,0 +1,486 @@
+"""Every message after ``session.start``, both ways, and their one (un)structuring converter.
+
+Client to server: `Stop`, `Ping`, `Interaction` (parsed by `parse_control`, built by
+`start_message` / `interaction_message` or ``to_json``). Server to client: `VideoStart`,
+`ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error` (built by
+``to_json``, parsed by `parse_server_message`, ours or the reference's).
+
+No message writes its own JSON: ``to_json`` is one method that hands the object to
+`_WIRE`, a cattrs converter whose hooks put ``type`` first and leave out the optional
+keys the reference leaves out. That keeps the wire text, byte for byte, a property of
+the converter rather than of six hand-written functions that drift apart.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Final, Literal, TypeAlias
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
+
+from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._validation import DEFAULT_LIMITS, Limits
+from trio_vstream.protocol._wire import (
+    LENIENT_CONVERTER,
+    Invalid,
+    dump_json,
+    load_json,
+    show,
+    validation_problems,
+)
+
+__all__ = [
+    "PING_MESSAGE",
+    "STOP_MESSAGE",
+    "ChunkMetadata",
+    "ControlMessage",
+    "Error",
+    "Interaction",
+    "InteractionQueued",
+    "Ping",
+    "Pong",
+    "ServerMessage",
+    "SessionDone",
+    "Stop",
+    "VideoStart",
+    "interaction_message",
+    "parse_control",
+    "parse_server_message",
+    "start_message",
+]
+
+
+class _Message:
+    """Base of every message class: the ``to_json`` they share, through `_WIRE`."""
+
+    TYPE: ClassVar[str]
+
+    def to_json(self) -> str:
+        """The compact text frame, exactly as the wire wants it."""
+        return dump_json(_WIRE.unstructure(self))
+
+
+# --------------------------------------------------------------------------------------
+# Client -> server control messages
+# --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Stop(_Message):
+    """``session.stop``: end the session after the chunk in flight."""
+
+    TYPE: ClassVar[str] = "session.stop"
+
+
+@attrs.frozen
+class Ping(_Message):
+    """``session.ping``: keeps the stall clock from running out; answered by `Pong`."""
+
+    TYPE: ClassVar[str] = "session.ping"
+
+
+@attrs.frozen
+class Interaction(_Message):
+    """``session.interaction``: steer the running generation towards a new prompt.
+
+    ``event_id`` is None when the client chose none: the server mints one (session.py),
+    so that this module stays free of randomness and its results stay comparable.
+    """
+
+    TYPE: ClassVar[str] = "session.interaction"
+    event_id: str | None
+    prompt: str
+    transition_chunks: int | None = None
+
+
+ControlMessage: TypeAlias = Stop | Ping | Interaction
+
+STOP_MESSAGE: Final = '{"type":"session.stop"}'
+PING_MESSAGE: Final = '{"type":"session.ping"}'
+
+
+# The wire shape of an interaction is nested ({"interaction": {"event": {...}}}); these
+# two classes describe it, so that the converter, not hand-written code, walks it. No
+# field has a default: cattrs checks fields with defaults after the others, and the
+# reference's order of checks is the order declared here (absent keys become null).
+
+
+@attrs.frozen(kw_only=True)
+class _InteractionEvent:
+    prompt: str
+    negative_prompt: None
+
+
+@attrs.frozen(kw_only=True)
+class _InteractionBody:
+    event_id: str | None
+    event: _InteractionEvent
+    transition_chunks: int | None
+
+
+def _event_id(value: Any, _: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise Invalid("session.interaction event_id must be a non-empty string")
+
+
+def _prompt(value: Any, _: Any) -> str:
+    if isinstance(value, str) and value.strip():
+        return value
+    raise Invalid("session.interaction requires a non-empty event.prompt")
+
+
+def _negative_prompt(value: Any, _: Any) -> None:
+    if value is not None:
+        raise Invalid("session.interaction negative_prompt is not supported in this release")
+
+
+def _transition_chunks(value: Any, _: Any) -> int | None:
+    # Whole floats pass (3.0 is 3), as in the reference; bools are not numbers here.
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not value.is_integer())
+    ):
+        raise Invalid("session.interaction transition_chunks must be an integer")
+    if value < 0:
+        raise Invalid("session.interaction transition_chunks must be >= 0")
+    return int(value)
+
+
+def _object_with(
+    inner: Callable[[Any, Any], Any], keys: tuple[str, ...], refusal: str
+) -> Callable[[Any, Any], Any]:
+    """Refuse a non-object, and give absent keys a null so their hooks run (and refuse)."""
+
+    def hook(value: Any, tp: Any) -> Any:
+        if not isinstance(value, dict):
+            raise Invalid(refusal)
+        return inner({**dict.fromkeys(keys), **value}, tp)
+
+    return hook
+
+
+def _make_control_converter() -> cattrs.Converter:
+    """Structures `_InteractionBody`; stops at the first problem, in the reference's order.
+
+    ``detailed_validation`` is off on purpose: the reference reports one problem per
+    message (event_id, then event, prompt, negative_prompt, then transition_chunks), and
+    the fields are declared in that order.
+    """
+    converter = cattrs.Converter(detailed_validation=False)
+    event = make_dict_structure_fn(
+        _InteractionEvent,
+        converter,
+        prompt=override(struct_hook=_prompt),
+        negative_prompt=override(struct_hook=_negative_prompt),
+    )
+    converter.register_structure_hook(
+        _InteractionEvent,
+        _object_with(
+            event, ("prompt", "negative_prompt"), "session.interaction requires event object"
+        ),
+    )
+    body = make_dict_structure_fn(
+        _InteractionBody,
+        converter,
+        event_id=override(struct_hook=_event_id),
+        transition_chunks=override(struct_hook=_transition_chunks),
+    )
+    converter.register_structure_hook(
+        _InteractionBody,
+        _object_with(
+            body,
+            ("event_id", "event", "transition_chunks"),
+            "session.interaction requires an interaction object",
+        ),
+    )
+    return converter
+
+
+_CONTROL: Final = _make_control_converter()
+
+
+def _parse_interaction(msg: dict[str, Any]) -> Interaction:
+    interaction = msg.get("interaction")
+    try:
+        body = _CONTROL.structure(interaction, _InteractionBody)
+    except Invalid as exc:
+        # Only an id the client chose, and that passed its own check, is worth echoing.
+        raw_id = interaction.get("event_id") if isinstance(interaction, dict) else None
+        known_id = raw_id if isinstance(raw_id, str) and raw_id else None
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, str(exc), event_id=known_id) from None
+    return Interaction(
+        event_id=body.event_id, prompt=body.event.prompt, transition_chunks=body.transition_chunks
+    )
+
+
+_CONTROL_TYPES: Final[Mapping[str, type[Stop | Ping]]] = {cls.TYPE: cls for cls in (Stop, Ping)}
+
+
+def parse_control(raw: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> ControlMessage:
+    """Validate a message received after ``session.start``; raises `ProtocolError`.
+
+    Whether an interaction's event_id was already used is session state, so the caller
+    checks that (``event_id_conflict``); a missing event_id comes back as None.
+    """
+    msg = load_json(
+        raw,
+        max_bytes=limits.max_control_bytes,
+        too_large="control message too large",
+        bad_json="Invalid JSON message",
+    )
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "WebSocket messages must be JSON objects")
+    msg_type = msg.get("type")
+    if msg_type == Interaction.TYPE:
+        return _parse_interaction(msg)
+    cls = _CONTROL_TYPES.get(msg_type) if isinstance(msg_type, str) else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {msg_type}")
+    return cls()
+
+
+def start_message(prompt: str, **fields: Any) -> str:
+    """Build a ``session.start`` for a client; fields go in as given (no validation)."""
+    return dump_json({"type": "session.start", "prompt": prompt, **fields})
+
+
+def interaction_message(
+    prompt: str, event_id: str | None = None, transition_chunks: int | None = None
+) -> str:
+    """Build a ``session.interaction``; a missing event_id lets the server pick one."""
+    return Interaction(event_id, prompt, transition_chunks).to_json()
+
+
+# --------------------------------------------------------------------------------------
+# Server -> client messages
+# --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class VideoStart(_Message):
+    """Accepts the session; ``config`` echoes the request so clients see what is used."""
+
+    TYPE: ClassVar[str] = "video.start"
+    request_id: str
+    format: str
+    config: dict[str, Any]
+
+
+@attrs.frozen
+class ChunkMetadata(_Message):
+    """Describes the binary message that immediately follows it."""
+
+    TYPE: ClassVar[str] = "video.chunk_metadata"
+    request_id: str
+    kind: Literal["media", "trailer"]
+    num_frames: int
+    byte_length: int
+    generation_chunk_index: int | None
+    started_event_ids: tuple[str, ...]
+    active_event_ids: tuple[str, ...]
+    completed_event_ids: tuple[str, ...]
+    #: -1 when parsed from a server that did not send it (older reference versions).
+    transport_chunk_index: int
+
+
+@attrs.frozen
+class InteractionQueued(_Message):
+    """The interaction was handed to the engine; it applies at the next chunk boundary."""
+
+    TYPE: ClassVar[str] = "session.interaction.queued"
+    request_id: str
+    event_id: str
+
+
+@attrs.frozen
+class SessionDone(_Message):
+    """Last message of a session that was not ended by an error."""
+
+    TYPE: ClassVar[str] = "session.done"
+    request_id: str
+    chunks: int
+    stopped: bool
+
+
+@attrs.frozen
+class Pong(_Message):
+    """Reply to `Ping`."""
+
+    TYPE: ClassVar[str] = "session.pong"
+
+
+@attrs.frozen
+class Error(_Message):
+    """An ``error`` message; keys whose value is ``None`` are left out, as in the reference."""
+
+    TYPE: ClassVar[str] = "error"
+    code: ErrorCode | str
+    message: str
+    request_id: str | None = None
+    event_id: str | None = None
+
+
+ServerMessage: TypeAlias = (
+    VideoStart | ChunkMetadata | InteractionQueued | SessionDone | Pong | Error
+)
+
+_SERVER_TYPES: Final[Mapping[str, type[ServerMessage]]] = {
+    cls.TYPE: cls
+    for cls in (VideoStart, ChunkMetadata, InteractionQueued, SessionDone, Pong, Error)
+}
+
+
+# --------------------------------------------------------------------------------------
+# Unstructuring: the wire text of every message
+# --------------------------------------------------------------------------------------
+
+#: Keys that go first, in this order, where a message's fields are declared otherwise.
+#: The reference writes an error's message before its code.
+_KEY_ORDER: Final[Mapping[type, tuple[str, ...]]] = {Error: ("type", "message", "code")}
+
+
+def _make_wire_converter() -> cattrs.Converter:
+    converter = cattrs.Converter()
+    # Error codes go out as their strings, known or not.
+    converter.register_unstructure_hook(ErrorCode | str, str)
+
+    def factory(cls: type) -> Callable[[Any], dict[str, Any]]:
+        if cls is Interaction:
+            return _unstructure_interaction(converter)
+        attrs.resolve_types(cls)
+        # Optional fields (default None) are left out when None, like the reference's
+        # ``exclude_none``; a required None (a trailer's generation_chunk_index) is
+        # still written as null.
+        fields = make_dict_unstructure_fn(cls, converter, _cattrs_omit_if_default=True)
+        head = _KEY_ORDER.get(cls, ("type",))
+
+        def hook(message: Any) -> dict[str, Any]:
+            payload = {"type": message.TYPE, **fields(message)}
+            return {**{key: payload[key] for key in head}, **payload}
+
+        return hook
+
+    converter.register_unstructure_hook_factory(
+        lambda cls: isinstance(cls, type) and issubclass(cls, _Message), factory
+    )
+    converter.register_unstructure_hook_factory(
+        lambda cls: cls in (_InteractionBody, _InteractionEvent),
+        lambda cls: _without_nulls(cls, converter),
+    )
+    return converter
+
+
+def _without_nulls(cls: type, converter: cattrs.Converter) -> Callable[[Any], dict[str, Any]]:
+    """The interaction's optional keys are left out when null, as clients send them."""
+    fields = make_dict_unstructure_fn(cls, converter)
+
+    def hook(value: Any) -> dict[str, Any]:
+        return {key: item for key, item in fields(value).items() if item is not None}
+
+    return hook
+
+
+def _unstructure_interaction(converter: cattrs.Converter) -> Callable[[Any], dict[str, Any]]:
+    def hook(message: Interaction) -> dict[str, Any]:
+        body = _InteractionBody(
+            event_id=message.event_id,
+            event=_InteractionEvent(prompt=message.prompt, negative_prompt=None),
+            transition_chunks=message.transition_chunks,
+        )
+        return {"type": message.TYPE, "interaction": converter.unstructure(body)}
+
+    return hook
+
+
+_WIRE: Final = _make_wire_converter()
+
+
+# --------------------------------------------------------------------------------------
+# Structuring server messages
+# --------------------------------------------------------------------------------------
+
+# The reference server sends most errors without a code; these are its fixed texts.
+_REFERENCE_ERROR_CODES: Final = (
+    ("Timeout waiting for session.start", ErrorCode.START_TIMEOUT),
+    ("Stall timeout", ErrorCode.STALL_TIMEOUT),
+    ("session.start message too large", ErrorCode.MESSAGE_TOO_LARGE),
+    ("control message too large", ErrorCode.MESSAGE_TOO_LARGE),
+    ("Invalid JSON", ErrorCode.INVALID_JSON),
+    ("Invalid session.start", ErrorCode.INVALID_REQUEST),
+    ("Model mismatch", ErrorCode.MODEL_MISMATCH),
+    ("Unknown message type", ErrorCode.UNKNOWN_TYPE),
+    ("session.start must be", ErrorCode.INVALID_MESSAGE),
+    ("Expected session.start", ErrorCode.INVALID_MESSAGE),
+    ("WebSocket messages must be", ErrorCode.INVALID_MESSAGE),
+    ("session.interaction", ErrorCode.INVALID_MESSAGE),
+    ("event_id_conflict", ErrorCode.EVENT_ID_CONFLICT),
+    ("Failed to apply interaction", ErrorCode.INTERACTION_FAILED),
+)
+
+
+def _error_code(raw_code: Any, message: str) -> ErrorCode | str:
+    if raw_code is None:
+        for prefix, code in _REFERENCE_ERROR_CODES:
+            if message.startswith(prefix):
+                return code
+        return ErrorCode.INTERNAL_ERROR
+    if isinstance(raw_code, bool) or not isinstance(raw_code, str | int):
+        raise Invalid(f"code must be a string, got {show(raw_code)}")
+    text = str(raw_code)
+    try:
+        return ErrorCode(text)
+    except ValueError:
+        return text
+
+
+def _prepare(cls: type[ServerMessage], data: dict[str, Any]) -> dict[str, Any]:
+    """Fill in what the reference leaves out, so the converter sees our full shape."""
+    if cls is ChunkMetadata:
+        data.setdefault("transport_chunk_index", -1)
+        data.setdefault("generation_chunk_index", None)
+        for key in ("started_event_ids", "active_event_ids", "completed_event_ids"):
+            data.setdefault(key, [])
+    elif cls is Error:
+        message = data.get("message")
+        if not isinstance(message, str):
+            raise Invalid(f"message must be a string, got {show(message)}")
+        data["code"] = _error_code(data.get("code"), message)
+    return data
+
+
+# `code` is already an ErrorCode or str when it reaches the converter (`_error_code`).
+LENIENT_CONVERTER.register_structure_hook(ErrorCode | str, lambda value, _: value)
+
+
+def parse_server_message(raw: str | bytes) -> ServerMessage:
+    """Parse a server's JSON message, ours or the reference's; raises `ProtocolError`.
+
+    Unknown keys are ignored so that clients keep working when servers add fields.
+    """
+    # No size limit: a client trusts its server, and the transport bounds frames anyway.
+    # Lone surrogates are let through: a server that echoes one (the reference does) is
+    # still understood; escaped as they arrive, they stay valid text for the client.
+    msg = load_json(
+        raw,
+        max_bytes=2**62,
+        too_large="server message too large",
+        bad_json="Invalid JSON message",
+        unicode_only=False,
+    )
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "Server messages must be JSON objects")
+    msg_type = msg.get("type")
+    cls = _SERVER_TYPES.get(msg_type) if isinstance(msg_type, str) else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {msg_type}")
+    try:
+        return LENIENT_CONVERTER.structure(_prepare(cls, dict(msg)), cls)
+    except cattrs.ClassValidationError as exc:
+        details = "; ".join(validation_problems(exc))
+    except Invalid as exc:
+        details = str(exc)
+    raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"Invalid {msg_type} message: {details}")

@@ -1,0 +1,451 @@
+"""``session.start``: the request model, its limits, and its resolution into settings.
+
+`parse_start` is the whole of the server's first-message handling: strict types and
+ranges (through `_wire`'s converter), the reference's ``sampling_params`` lifting,
+the inline image, pacing options, and the video geometry checked against `Limits`.
+"""
+
+import base64
+import binascii
+import math
+import re
+from typing import Any, Final, Literal
+
+import attrs
+import cattrs
+
+from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._wire import (
+    REQUEST_CONVERTER,
+    field_with_checks,
+    load_json,
+    quote,
+    show,
+    validation_problems,
+)
+from trio_vstream.video import VideoDefaults
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Limits:
+    """Upper bounds that protect the server from requests it could not serve.
+
+    The byte limits match the reference; the video limits bound GPU memory and time.
+    """
+
+    max_start_bytes: int = 4 * 1024 * 1024
+    max_control_bytes: int = 128 * 1024
+    max_width: int = 1920
+    max_height: int = 1920
+    max_num_frames: int = 2400
+    max_total_pixels: int = 1920 * 1080 * 600
+
+
+DEFAULT_LIMITS: Final = Limits()
+DEFAULT_VIDEO_DEFAULTS: Final = VideoDefaults()
+
+#: The engine's default for `Interaction.transition_chunks` (not applied here: ``None``
+#: on the wire means "let the engine decide").
+DEFAULT_TRANSITION_CHUNKS: Final = 3
+
+
+# --------------------------------------------------------------------------------------
+# Request model
+# --------------------------------------------------------------------------------------
+
+
+MAX_FPS: Final = 240
+"""Beyond any display's rate; H.264 time bases overflow far above it."""
+
+# ASCII digits only: `\d` would also match e.g. Arabic-Indic digits.
+_SECONDS_PATTERN: Final = r"[1-9][0-9]*"
+_SIZE_PATTERN: Final = r"([0-9]+)x([0-9]+)"
+
+
+@attrs.frozen(kw_only=True)
+class VideoParams:
+    """The nested ``video_params`` block; the top-level fields of the same name win."""
+
+    width: int | None = field_with_checks(ge=1)
+    height: int | None = field_with_checks(ge=1)
+    num_frames: int | None = field_with_checks(ge=1)
+    fps: int | None = field_with_checks(ge=1, le=MAX_FPS)
+
+
+@attrs.frozen(kw_only=True)
+class ImageReference:
+    """``image_reference``: upstream accepts exactly one of the two keys."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class VideoRequest:
+    """The client's request as sent, after strict type and range validation.
+
+    Fields and their order mirror upstream ``VideoGenerationRequest`` so that the
+    ``video.start`` config echo has the same shape as the reference's ``model_dump``.
+    """
+
+    model: str | None = None
+    prompt: str = field_with_checks(default=attrs.NOTHING, nonblank=True)
+    seconds: str | None = field_with_checks(
+        pattern=_SECONDS_PATTERN, pattern_hint='a whole number of seconds as a string, like "4"'
+    )
+    size: str | None = field_with_checks(
+        pattern=_SIZE_PATTERN, pattern_hint='"WIDTHxHEIGHT", like "1280x720"'
+    )
+    image_reference: ImageReference | None = None
+    video_params: VideoParams | None = None
+    user: str | None = None
+    width: int | None = field_with_checks(ge=1)
+    height: int | None = field_with_checks(ge=1)
+    fps: int | None = field_with_checks(ge=1, le=MAX_FPS)
+    num_frames: int | None = field_with_checks(ge=1)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = field_with_checks(ge=1, le=200)
+    guidance_scale: float | None = field_with_checks(ge=0, le=20)
+    guidance_scale_2: float | None = field_with_checks(ge=0, le=20)
+    boundary_ratio: float | None = field_with_checks(ge=0, le=1)
+    flow_shift: float | None = None
+    true_cfg_scale: float | None = field_with_checks(ge=0, le=20)
+    seed: int | None = None
+    quality: Literal["lossless", "high"] | None = None
+    generate_sound: bool = False
+    sound_duration: float | None = field_with_checks(gt=0)
+    enable_frame_interpolation: bool = False
+    frame_interpolation_exp: int = field_with_checks(default=1, ge=1)
+    frame_interpolation_scale: float = field_with_checks(default=1.0, gt=0)
+    frame_interpolation_model_path: str | None = None
+    lora: dict[str, Any] | None = None
+    extra_params: dict[str, Any] | None = None
+
+
+_REQUEST_FIELDS: Final = frozenset(f.name for f in attrs.fields(VideoRequest))
+
+
+@attrs.frozen
+class VideoSettings:
+    """Resolved video geometry and timing, already checked against `Limits`."""
+
+    width: int
+    height: int
+    fps: int
+    num_frames: int
+
+
+@attrs.frozen
+class ImageInput:
+    """A decoded ``data:`` URL; turning the bytes into pixels is the engine side's job."""
+
+    mime_type: str
+    data: bytes = attrs.field(repr=lambda data: f"<{len(data)} bytes>")
+
+
+@attrs.frozen
+class Pacing:
+    """vllm-omni's opt-in pacing: chunks go out at the pace of the video, not faster.
+
+    A chunk is not sent before its media time minus ``lead_seconds``, counted from
+    the first chunk's send. When delivery falls more than ``max_lag_seconds`` behind
+    the media clock (the model is slower than real time), the clock is moved up, so
+    that a recovered model does not then burst to catch up.
+    """
+
+    lead_seconds: float = 0.5
+    max_lag_seconds: float = 2.0
+
+
+PACING_PARAMS: Final = ("pace_to_media_time", "pacing_lead_seconds", "pacing_max_lag_seconds")
+"""The ``extra_params`` keys the server applies itself (never passed to an engine)."""
+
+
+@attrs.frozen
+class SessionStart:
+    """A fully validated ``session.start``: everything the server needs to begin."""
+
+    request: VideoRequest
+    video: VideoSettings
+    format: str
+    image: ImageInput | None
+    config: dict[str, Any]
+    pacing: Pacing | None = None
+    """Set when the client asked for ``extra_params.pace_to_media_time``."""
+
+
+_DATA_URL: Final = re.compile(
+    r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*?)(?P<b64>;base64)?,(?P<data>.*)",
+    re.DOTALL | re.IGNORECASE,
+)
+_IMAGE_TYPE: Final = re.compile(r"image/[a-z0-9][a-z0-9!#$&^_.+-]*")
+
+
+def _decode_image_url(url: str) -> tuple[ImageInput | None, str | None]:
+    """Decode ``data:image/...;base64,...``; anything that would need a fetch is refused.
+
+    Fetching http URLs or reading paths on behalf of a client would turn the server into
+    an SSRF / local-file-read gadget, so only inline data is accepted.
+    """
+    where = "image_reference.image_url"
+    match = _DATA_URL.fullmatch(url)
+    if match is None:
+        return None, (
+            f"{where} must be a data:image/<type>;base64,<data> URL "
+            f"(remote URLs and file paths are not fetched), got {show(url)}"
+        )
+    mime_type = match["type"].strip().lower()
+    if not _IMAGE_TYPE.fullmatch(mime_type):
+        return None, f"{where} must have an image/* media type, got {show(mime_type or '')}"
+    if match["b64"] is None:
+        return None, f"{where} must be base64-encoded (data:{mime_type};base64,...)"
+    payload = re.sub(r"[ \t\r\n]", "", match["data"])
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None, f"{where} has invalid base64 data"
+    if not data:
+        return None, f"{where} has no image data"
+    return ImageInput(mime_type=mime_type, data=data), None
+
+
+def _pacing_of(extra_params: dict[str, Any] | None, problems: list[str]) -> Pacing | None:
+    """The pacing a request asks for (None: send chunks as soon as they are ready)."""
+    extra = extra_params or {}
+    enabled = extra.get("pace_to_media_time", False)
+    if not isinstance(enabled, bool):
+        problems.append(f"extra_params.pace_to_media_time must be a boolean, got {show(enabled)}")
+        return None
+    values: dict[str, float] = {}
+    for key, field in (
+        ("pacing_lead_seconds", "lead_seconds"),
+        ("pacing_max_lag_seconds", "max_lag_seconds"),
+    ):
+        if key not in extra:
+            continue
+        value = extra[key]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 <= value <= 3600
+        ):
+            problems.append(f"extra_params.{key} must be a number of seconds in 0..3600")
+            continue
+        values[field] = float(value)
+    return Pacing(**values) if enabled else None
+
+
+def _codec_options_problem(extra_params: dict[str, Any] | None) -> str | None:
+    if not extra_params or "video_codec_options" not in extra_params:
+        return None
+    options = extra_params["video_codec_options"]
+    where = "extra_params.video_codec_options"
+    if not isinstance(options, dict):
+        return f"{where} must be an object, got {show(options)}"
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            return f"{where}[{quote(key)}] must be a string or a number, got {show(value)}"
+    return None
+
+
+# Longer digit strings cannot be within any sane limit, and int() of thousands of
+# digits is slow (and refused beyond sys.get_int_max_str_digits()).
+_MAX_DIGITS: Final = 12
+
+
+def _resolve_video(
+    request: VideoRequest, limits: Limits, defaults: VideoDefaults, problems: list[str]
+) -> VideoSettings | None:
+    """Mirror upstream ``resolve_video_params()``, then fill defaults and apply limits."""
+    nested = request.video_params or VideoParams()
+    width = request.width if request.width is not None else nested.width
+    height = request.height if request.height is not None else nested.height
+    fps = request.fps if request.fps is not None else nested.fps
+    num_frames = request.num_frames if request.num_frames is not None else nested.num_frames
+    width_from = height_from = frames_from = ""
+
+    if request.size is not None:
+        size_w, _, size_h = request.size.partition("x")
+        if len(size_w) > _MAX_DIGITS or len(size_h) > _MAX_DIGITS:
+            problems.append(f"size is too large, got {show(request.size)}")
+            return None
+        width, height = int(size_w), int(size_h)
+        if width < 1 or height < 1:
+            problems.append(f"size width and height must be >= 1, got {show(request.size)}")
+            return None
+        width_from = height_from = f" (from size {show(request.size)})"
+
+    if fps is None:
+        fps = defaults.fps
+    if num_frames is None and request.seconds is not None:
+        if len(request.seconds) > _MAX_DIGITS:
+            problems.append(f"seconds is too large, got {show(request.seconds)}")
+            return None
+        num_frames = int(request.seconds) * fps
+        frames_from = f" (seconds {show(request.seconds)} at {fps} fps)"
+
+    # Forgiving on purpose: a lone width or height takes the other from the defaults.
+    if width is None:
+        width = defaults.width
+    if height is None:
+        height = defaults.height
+    if num_frames is None:
+        num_frames = defaults.num_frames
+
+    before = len(problems)
+    for name, value, bound, source in (
+        ("width", width, limits.max_width, width_from),
+        ("height", height, limits.max_height, height_from),
+        ("num_frames", num_frames, limits.max_num_frames, frames_from),
+    ):
+        if value > bound:
+            problems.append(f"{name} must be at most {bound}, got {value}{source}")
+    total = width * height * num_frames
+    if total > limits.max_total_pixels:
+        problems.append(
+            f"width * height * num_frames must be at most {limits.max_total_pixels}, "
+            f"got {width} * {height} * {num_frames} = {total}"
+        )
+    # H.264 in yuv420p subsamples chroma 2x2, so libx264 refuses odd dimensions.
+    for name, value in (("width", width), ("height", height)):
+        if value % 2:
+            problems.append(f"{name} must be even (H.264 yuv420p), got {value}")
+    if len(problems) > before:
+        return None
+    return VideoSettings(width=width, height=height, fps=fps, num_frames=num_frames)
+
+
+def _lift_sampling_params(msg: dict[str, Any]) -> dict[str, Any]:
+    """Flatten the legacy ``sampling_params`` block the way the reference does.
+
+    A key that names a request field and is not already given at the top level is
+    lifted; everything else is kept for the model in ``extra_params``.
+    """
+    request_data = {k: v for k, v in msg.items() if k not in {"type", "format", "sampling_params"}}
+    sampling_params = msg.get("sampling_params")
+    if sampling_params is None:
+        return request_data
+    if not isinstance(sampling_params, dict):
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"Invalid session.start: sampling_params must be an object, "
+            f"got {show(sampling_params)}",
+        )
+    leftovers: dict[str, Any] = {}
+    for key, value in sampling_params.items():
+        if key in _REQUEST_FIELDS and key not in request_data:
+            request_data[key] = value
+        else:
+            leftovers[key] = value
+    if leftovers:
+        base = request_data.get("extra_params")
+        if base is None:
+            request_data["extra_params"] = leftovers
+        elif isinstance(base, dict):
+            request_data["extra_params"] = {**base, **leftovers}
+        # Otherwise extra_params is invalid and validation will say so.
+    return request_data
+
+
+def _config_of(obj: Any) -> Any:
+    """JSON form of a request with ``None`` fields dropped, like ``model_dump(exclude_none)``."""
+    if attrs.has(type(obj)):
+        return {
+            field.name: _config_of(value)
+            for field in attrs.fields(type(obj))
+            if (value := getattr(obj, field.name)) is not None
+        }
+    return obj
+
+
+# --------------------------------------------------------------------------------------
+# session.start
+# --------------------------------------------------------------------------------------
+
+
+def parse_start(
+    raw: str | bytes,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    served_model: str | None = None,
+    defaults: VideoDefaults = DEFAULT_VIDEO_DEFAULTS,
+) -> SessionStart:
+    """Validate the first message of a session; raises `ProtocolError` on any problem."""
+    msg = load_json(
+        raw,
+        max_bytes=limits.max_start_bytes,
+        too_large="session.start message too large",
+        bad_json="Invalid JSON in session.start",
+    )
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, "session.start must be a JSON object")
+    if msg.get("type") != "session.start":
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE, f"Expected session.start, got: {msg.get('type')}"
+        )
+    output_format = msg.get("format", "m4s")
+    if output_format != "m4s":
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, "Invalid session.start format: expected 'm4s'."
+        )
+
+    request_data = _lift_sampling_params(msg)
+    try:
+        request = REQUEST_CONVERTER.structure(request_data, VideoRequest)
+    except cattrs.ClassValidationError as exc:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            "Invalid session.start: " + "; ".join(validation_problems(exc)),
+        ) from None
+
+    if served_model is not None and request.model is not None and request.model != served_model:
+        raise ProtocolError(
+            ErrorCode.MODEL_MISMATCH,
+            f"Model mismatch: request specifies '{request.model}' "
+            f"but server is running '{served_model}'.",
+        )
+
+    problems: list[str] = []
+    # Refuse rather than ignore: the client would otherwise get a silent, sound-less video.
+    if request.generate_sound:
+        problems.append("generate_sound is not supported by this server")
+    if request.enable_frame_interpolation:
+        problems.append("enable_frame_interpolation is not supported by this server")
+
+    image: ImageInput | None = None
+    reference = request.image_reference
+    if reference is not None:
+        if reference.file_id is not None:
+            problems.append(
+                "image_reference.file_id is not supported: only image_url data URLs are supported"
+            )
+        elif reference.image_url is None:
+            problems.append("image_reference must contain image_url")
+        else:
+            image, problem = _decode_image_url(reference.image_url)
+            if problem is not None:
+                problems.append(problem)
+
+    codec_problem = _codec_options_problem(request.extra_params)
+    if codec_problem is not None:
+        problems.append(codec_problem)
+    pacing = _pacing_of(request.extra_params, problems)
+
+    video = _resolve_video(request, limits, defaults, problems)
+    if problems or video is None:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST, "Invalid session.start: " + "; ".join(problems)
+        )
+    return SessionStart(
+        request=request,
+        video=video,
+        format=output_format,
+        image=image,
+        config=_config_of(request),
+        pacing=pacing,
+    )
