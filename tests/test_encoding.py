@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 from av.video.frame import PictureType
 
-from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_image
+from trio_vstream.encoding import (
+    EncodingAbandoned,
+    EncodingError,
+    FragmentedMP4Encoder,
+    decode_image,
+)
 
 # Frame index i is painted as a flat colour with two channels carrying base-12 digits 20 levels
 # apart, so lossy coding (a few levels of error) cannot turn one index into another.
@@ -322,3 +327,21 @@ def test_an_image_format_without_a_decoder_is_an_encoding_error() -> None:
     svg = b"<svg xmlns='http://www.w3.org/2000/svg' width='2' height='2'/>"
     with pytest.raises(EncodingError):
         decode_image(svg)
+
+
+def test_an_abandoned_encode_stops_between_frames_and_the_encoder_only_closes() -> None:
+    encoder = FragmentedMP4Encoder(width=32, height=32, fps=8)
+    frames = np.zeros((6, 32, 32, 3), np.uint8)
+    asked = 0
+
+    def abandon_at_the_third_frame() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked == 3
+
+    with pytest.raises(EncodingAbandoned):
+        encoder.encode(frames, abandon=abandon_at_the_third_frame)
+    assert asked == 3
+    with pytest.raises(EncodingError, match="abandoned"):
+        encoder.encode(frames)
+    encoder.close()

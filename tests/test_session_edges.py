@@ -531,3 +531,52 @@ async def test_an_encoder_that_fails_to_finish_fails_the_session(
     assert summary.error_code == "encoding_failed"
     assert ws.sent[-1]["type"] == "error" and ws.sent[-1]["code"] == "encoding_failed"
     assert "session.done" not in ws.types
+
+
+async def test_a_stop_drops_the_chunk_being_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop does not wait for a whole chunk's encode whose bytes it will not send: the
+    encoder gives up between frames (the published stop -> done bound needs it on a
+    small CPU, where a 832x480 chunk takes tens of milliseconds to encode)."""
+    real_encode = FragmentedMP4Encoder.encode
+    encodes = 0
+    in_second_encode = threading.Event()
+    go_on = threading.Event()
+
+    def gated_encode(
+        self: FragmentedMP4Encoder, frames: Any, *, abandon: Callable[[], bool] | None = None
+    ) -> bytes:
+        nonlocal encodes
+        encodes += 1
+        if encodes != 2 or abandon is None:
+            return real_encode(self, frames, abandon=abandon)
+        asked = False
+
+        def ask() -> bool:
+            nonlocal asked
+            if not asked:  # hold the first frame until the test has stopped the session
+                asked = True
+                in_second_encode.set()
+                go_on.wait(10)
+            return abandon()
+
+        return real_encode(self, frames, abandon=ask)
+
+    monkeypatch.setattr(FragmentedMP4Encoder, "encode", gated_encode)
+    ws = ScriptedSocket()
+    session, _ = make_session(ws)
+    ws.feed({**START, "num_frames": 40})
+    async with trio.open_nursery() as nursery:
+        summaries: list[SessionSummary] = []
+
+        async def run() -> None:
+            summaries.append(await session.run())
+
+        nursery.start_soon(run)
+        await trio.to_thread.run_sync(in_second_encode.wait, 10)
+        session.stop()
+        go_on.set()
+    assert summaries[0].outcome is Outcome.STOPPED
+    kinds = [m["kind"] for m in ws.sent if isinstance(m, dict) and "kind" in m]
+    assert kinds == ["media"]  # the chunk whose encode was under way never went out
+    assert ws.sent[-1]["type"] == "session.done" and ws.sent[-1]["stopped"] is True
+    assert ws.sent[-1]["chunks"] == 1

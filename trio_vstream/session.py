@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -59,7 +60,12 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
-from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_image
+from trio_vstream.encoding import (
+    EncodingAbandoned,
+    EncodingError,
+    FragmentedMP4Encoder,
+    decode_image,
+)
 from trio_vstream.engines.base import (
     Chunk,
     Engine,
@@ -182,6 +188,8 @@ class Session:
         it no longer counts against the server's session limit."""
         self._producer_scope = trio.CancelScope()
         self._encode_wait = trio.CancelScope()
+        self._stopping = threading.Event()
+        """Set when the session stops or aborts: read by the encoder's thread between frames."""
         self._progress = trio.Event()
         self._stream: EngineStream | None = None
         self._encoder: FragmentedMP4Encoder | None = None
@@ -265,10 +273,12 @@ class Session:
         if self._end(outcome, error):
             self._producer_scope.cancel()
             self._encode_wait.cancel()
+            self._stopping.set()
 
     def abort(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> None:
         """End the session now, interrupting even a send stuck on the socket."""
         self._end(outcome, error)
+        self._stopping.set()
         self._producer_scope.cancel()
         self._session_scope.cancel()
         for scope in self._active_sends:
@@ -569,8 +579,16 @@ class Session:
                 encoding_since = trio.current_time()
                 try:
                     frames, data = await self._in_thread(
-                        _encode_chunk, encoder, chunk, width, height
+                        _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                     )
+                except EncodingAbandoned:
+                    logger.info(
+                        "session %s: dropped chunk %d mid-encode after %s",
+                        self.request_id,
+                        chunk.index,
+                        self.outcome.value if self.outcome else "the end",
+                    )
+                    continue
                 except Exception as exc:
                     logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
                     code = (
@@ -812,11 +830,15 @@ class Session:
 
 
 def _encode_chunk(
-    encoder: FragmentedMP4Encoder, chunk: Chunk, width: int, height: int
+    encoder: FragmentedMP4Encoder,
+    chunk: Chunk,
+    width: int,
+    height: int,
+    abandon: Callable[[], bool],
 ) -> tuple[int, bytes]:
     """Worker-thread part of delivery: tensor to array, then H.264 into fMP4."""
     frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
-    return frames.shape[0], encoder.encode(frames)
+    return frames.shape[0], encoder.encode(frames, abandon=abandon)
 
 
 def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
