@@ -82,7 +82,12 @@ class SessionCheckpoint(Checkpoint):
 
     def __call__(self) -> None:
         trio.from_thread.check_cancelled()
-        trio.from_thread.run(self._step)
+        if self._limiter is None:
+            # No turns to take: a plain call on the event loop is enough, and cheaper
+            # than running a task there.
+            trio.from_thread.run_sync(self._progressed)
+        else:
+            trio.from_thread.run(self._step)
 
     def check_cancelled(self) -> None:
         trio.from_thread.check_cancelled()
@@ -120,6 +125,9 @@ class SessionCheckpoint(Checkpoint):
                     await limiter.acquire_on_behalf_of(self)
                 self._waited += trio.current_time() - began
                 self._holding = True
+        self._progressed()
+
+    def _progressed(self) -> None:
         self._on_progress()
         self._progress.step_taken()
 
