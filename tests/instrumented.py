@@ -37,12 +37,17 @@ class InstrumentedStream:
         with engine.lock:
             self.threads_inside += 1
         try:
-            return self._inner.next_chunk(
+            chunk = self._inner.next_chunk(
                 checkpoint_calling(counting_step, checkpoint.check_cancelled)
             )
         finally:
             with engine.lock:
                 self.threads_inside -= 1
+        if chunk is not None:
+            with engine.chunk_made:
+                engine.chunks_made += 1
+                engine.chunk_made.notify_all()
+        return chunk
 
     def interact(self, change: PromptChange) -> None:
         self.changes.append(change)
@@ -61,6 +66,13 @@ class InstrumentedEngine(SyntheticEngine):
         super().__init__(settings)
         self.lock = threading.Lock()
         self.streams: list[InstrumentedStream] = []
+        self.chunk_made = threading.Condition()
+        self.chunks_made = 0
+
+    def wait_for_chunks(self, count: int, timeout: float = 30.0) -> bool:
+        """Block (in a worker thread) until the engine has made ``count`` chunks in all."""
+        with self.chunk_made:
+            return self.chunk_made.wait_for(lambda: self.chunks_made >= count, timeout)
 
     def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
         stream = InstrumentedStream(self, super().open_stream(request))

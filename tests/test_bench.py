@@ -235,7 +235,8 @@ def test_ctrl_c_stops_the_server_too(tmp_path: Path) -> None:
                 pid = int(line.split("server pid", 1)[1].split()[0])
                 break
         assert pid is not None and _alive(pid)
-        time.sleep(0.3)
+        # Interrupt once the harness reports its next step: mid-run, with the server up.
+        assert harness.stderr.readline()
         harness.send_signal(signal.SIGINT)
         assert harness.wait(timeout=30) == 130
         assert not _alive(pid)

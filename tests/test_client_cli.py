@@ -277,8 +277,7 @@ async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_p
     clip = tmp_path / "partial.mp4"
 
     async def interrupt_mid_stream(process: trio.Process) -> None:
-        while running.server.stats.chunks_sent < 2:
-            await trio.sleep(0.01)
+        assert await trio.to_thread.run_sync(running.engine.wait_for_chunks, 3)
         process.send_signal(signal.SIGINT)
 
     run = await run_cli(
