@@ -43,6 +43,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("diffusers_models")
     t2v = build_wan_t2v(root / "Wan-tiny-T2V")
     return SimpleNamespace(
+        root=root,
         t2v=t2v,
         i2v=build_wan_i2v(root / "Wan-tiny-I2V"),
         lora=build_lora(t2v, root / "lora"),

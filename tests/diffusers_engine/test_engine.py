@@ -86,7 +86,7 @@ async def test_unknown_extra_params_are_invalid_request(
 async def test_concurrent_sessions_take_whole_segments_in_turn_and_keep_their_lora(
     models: SimpleNamespace, make_engine: Any, serve: Any
 ) -> None:
-    engine = make_engine(models.t2v)
+    engine = make_engine(models.t2v, lora_root=str(models.root))
     lora = {"path": str(models.lora), "scale": 1.0}
     # Each session alone, straight on the engine: the reference frames.
     alone_plain = run_all(engine.open_stream(request(prompt="plain", num_frames=10)))
@@ -152,13 +152,15 @@ async def test_concurrent_sessions_take_whole_segments_in_turn_and_keep_their_lo
         ({"image": np.zeros((8, 8, 3), np.uint8)}, "image_reference needs an image-to-video"),
         ({"extra_params": {"generator": 3}}, "extra_params set by the engine: generator"),
         ({"extra_params": {"attention_kwargs": {}, "zzz": 1}}, "unknown extra_params .*: zzz$"),
-        ({"lora": {"path": "/no/such/lora"}}, "lora.path /no/such/lora: no such file"),
+        ({"lora": {"path": "no/such/lora"}}, "lora.path no/such/lora: no such file"),
         ({"lora": {"path": "/", "alpha": 1}}, "lora: unknown key"),
+        ({"lora": {"path": "/etc"}}, "lora.path must be inside the server's lora_root"),
+        ({"lora": {"path": "../../x"}}, "lora.path must be inside the server's lora_root"),
     ],
 )
 def test_requests_the_pipeline_cannot_serve_are_rejected_when_opened(
     models: SimpleNamespace, make_engine: Any, fields: dict[str, Any], message: str
 ) -> None:
-    engine = make_engine(models.t2v)
+    engine = make_engine(models.t2v, lora_root=str(models.root))
     with pytest.raises(InvalidRequestError, match=message):
         engine.open_stream(request(**fields))

@@ -8,14 +8,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.diffusers_engine.support import no_stop, request, run_all
+from trio_vstream.engines import InvalidRequestError
 
 
 def test_lora_is_loaded_for_its_session_and_unloaded_when_it_closes(
     models: SimpleNamespace, make_engine: Any
 ) -> None:
-    engine = make_engine(models.t2v)
+    engine = make_engine(models.t2v, lora_root=str(models.root))
     pipe = engine.model.pipe
     modules_before = {name: type(m) for name, m in pipe.transformer.named_modules()}
     params_before = sum(p.numel() for p in pipe.transformer.parameters())
@@ -35,3 +37,13 @@ def test_lora_is_loaded_for_its_session_and_unloaded_when_it_closes(
     assert sum(p.numel() for p in pipe.transformer.parameters()) == params_before
     after = run_all(engine.open_stream(request(num_frames=5)))
     np.testing.assert_array_equal(after[0].frames, plain[0].frames)
+
+
+def test_without_a_lora_root_no_request_loads_a_lora(
+    models: SimpleNamespace, make_engine: Any
+) -> None:
+    """Clients name files on the server: loading LoRAs is the operator's opt-in."""
+    engine = make_engine(models.t2v)
+    with pytest.raises(InvalidRequestError, match="loads no LoRA named in a request"):
+        engine.open_stream(request(lora={"path": str(models.lora)}))
+    assert not any("lora_A" in n for n, _ in engine.model.pipe.transformer.named_modules())

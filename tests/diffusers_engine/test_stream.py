@@ -165,7 +165,7 @@ def _count_tensors() -> int:
 def test_no_tensor_of_a_finished_session_stays_referenced(
     models: SimpleNamespace, make_engine: Any
 ) -> None:
-    engine = make_engine(models.t2v, i2v_model=str(models.i2v))
+    engine = make_engine(models.t2v, i2v_model=str(models.i2v), lora_root=str(models.root))
     image = np.full((32, 48, 3), 120, np.uint8)
     lora = {"path": str(models.lora), "scale": 0.5}
 
@@ -206,7 +206,9 @@ def test_no_tensor_of_a_finished_session_stays_referenced(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_memory_returns_to_baseline_after_a_session(models: SimpleNamespace) -> None:
     engine = load_engine(
-        "diffusers", {"model": str(models.t2v), "segment_frames": "5"}, device="cuda"
+        "diffusers",
+        {"model": str(models.t2v), "segment_frames": "5", "lora_root": str(models.root)},
+        device="cuda",
     )
     lora = {"path": str(models.lora), "scale": 0.7}
     try:

@@ -157,9 +157,19 @@ def parse_lora_spec(
     lora: Mapping[str, Any], lora_root: Path | None
 ) -> tuple[LoraSpec | None, list[str]]:
     """A request's ``lora`` as a spec (None when unusable), and every problem found with it,
-    so that one ``invalid_request`` names them all. With ``lora_root`` set, the path is
-    taken relative to it and must stay inside it: clients name files on the server."""
+    so that one ``invalid_request`` names them all.
+
+    Clients name files on the server, so LoRAs are opt-in: without ``lora_root`` none is
+    loaded; with it, the path is taken relative to it and must stay inside it (``..``
+    and symbolic links are resolved before the check).
+    """
     problems: list[str] = []
+    if lora_root is None:
+        problems.append(
+            "this server loads no LoRA named in a request (its operator can allow LoRAs "
+            "from one directory with --engine-arg lora_root=DIR)"
+        )
+        return None, problems
     unknown = sorted(set(lora) - set(LORA_KEYS))
     if unknown:
         problems.append(
@@ -178,12 +188,10 @@ def parse_lora_spec(
         problems.append("lora.weight_name must be a string")
         weight_name = None
     name = lora.get("name")
-    path = Path(raw_path).expanduser()
-    if lora_root is not None:
-        path = (lora_root / path).resolve()
-        if not path.is_relative_to(lora_root.resolve()):
-            problems.append(f"lora.path must be inside the server's lora_root ({lora_root})")
-            return None, problems
+    path = (lora_root / raw_path).resolve()
+    if not path.is_relative_to(lora_root.resolve()):
+        problems.append("lora.path must be inside the server's lora_root")
+        return None, problems
     if not path.exists():
         problems.append(f"lora.path {raw_path}: no such file or directory")
         return None, problems
