@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One command for the day a machine with a CUDA GPU is available: the CUDA tests and the
+# real-time figures of the shapes and diffusers engines, in at most 10 minutes.
+#
+#     bash bench/gpu_check.sh            # results in bench/results/gpu-<time>/
+#
+# Every step has its own time limit and the script goes on after a failed step, so one
+# run brings back everything that can be measured; the exit status is the number of
+# failed steps (0: all passed). It needs the project installed with its test and
+# diffusers extras (what `tox -e test` installs) and a CUDA build of torch.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+out=${OUT:-bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
+
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is false)" >&2
+    exit 2
+fi
+mkdir -p "$out"
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: run one step with a time limit, log it, go on
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit} s)"
+    local began=$SECONDS
+    if timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1; then
+        echo "   ok in $((SECONDS - began)) s"
+    else
+        echo "   FAILED (status $?) after $((SECONDS - began)) s; see $out/$name.log"
+        failed=$((failed + 1))
+    fi
+    tail -n 3 "$out/$name.log" | sed 's/^/   | /'
+}
+
+{ nvidia-smi || true; "$python" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'; } \
+    >"$out/machine.txt" 2>&1
+
+# The tests that skip without CUDA: the shapes engine on the GPU, the diffusers
+# engine's memory back at its baseline after a session.
+step cuda-tests 150 "$python" -m pytest -q -p no:cacheprovider -k cuda \
+    tests/test_shapes_engine.py tests/diffusers_engine
+# The shapes model's bars through a server on the GPU (fewer prompts than the CPU run:
+# speed is what this machine is for).
+step shapes-eval 180 "$python" bench/evaluate_shapes.py --count 24 --interaction-trials 8 \
+    --server-arg=--device=cuda
+# The server's overhead on a GPU-sized random Wan pipeline, against direct calls.
+step diffusers-bench 240 "$python" bench/run.py --scenario diffusers --diffusers-preset gpu \
+    --repeat 2 --output "$out/diffusers.json"
+
+echo "gpu_check: $failed failed step(s); results in $out"
+exit "$failed"
