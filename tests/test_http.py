@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionRejected
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
+from tests.instrumented import InstrumentedEngine
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
@@ -212,6 +213,33 @@ async def test_models_lists_the_served_model_with_defaults_and_limits(start_serv
     assert extension["video_defaults"] == {"width": 256, "height": 256, "fps": 24, "num_frames": 48}
     assert extension["limits"]["max_width"] == 1920
     assert extension["limits"]["max_control_bytes"] == 128 * 1024
+    assert extension["interaction_kinds"] == ["prompt"]
+
+
+class _CameraEngine(InstrumentedEngine):
+    interaction_kinds = frozenset({"prompt", "camera"})
+
+
+class _LabEngine(InstrumentedEngine):
+    """An engine written before interaction kinds: it declares none."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "interaction_kinds":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize(
+    ("engine_class", "kinds"), [(_CameraEngine, ["camera", "prompt"]), (_LabEngine, ["prompt"])]
+)
+async def test_models_lists_the_engines_interaction_kinds(
+    start_server: Any, engine_class: type[InstrumentedEngine], kinds: list[str]
+) -> None:
+    running = await start_server(engine_class=engine_class)
+    status, _, body = await http_get_with_headers(running.server.port, "/v1/models")
+    assert status == 200
+    (model,) = json.loads(body)["data"]
+    assert model["trio_vstream"]["interaction_kinds"] == kinds
 
 
 async def test_the_page_and_its_files_are_served_and_nothing_else(start_server: Any) -> None:

@@ -91,3 +91,10 @@ def test_push_from_another_thread_is_safe() -> None:
         t.join()
     c = schedule.next_conditioning()
     assert sorted(c.started_event_ids) == sorted(f"e{i}" for i in range(50))
+
+
+def test_a_camera_only_change_is_refused_at_once() -> None:
+    schedule = PromptSchedule("a")
+    with pytest.raises(ValueError, match="needs a prompt"):
+        schedule.push(PromptChange("e", None))
+    assert schedule.next_conditioning().started_event_ids == ()

@@ -33,7 +33,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
 from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol
-from trio_vstream.engines.base import Engine
+from trio_vstream.engines.base import Engine, interaction_kinds
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
     Outcome,
@@ -319,7 +319,8 @@ class VideoServer:
         """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.
 
         The ``trio_vstream`` key is this server's extension: what a page or a client
-        may ask for (the engine's defaults, the server's limits) without trial and error.
+        may ask for (the engine's defaults, the server's limits, what an interaction may
+        carry) without trial and error.
         """
         defaults = self.engine.video_defaults
         return {
@@ -335,6 +336,7 @@ class VideoServer:
                         "endpoint": VIDEO_PATH,
                         "video_defaults": attrs.asdict(defaults),
                         "limits": attrs.asdict(self.config.session.limits),
+                        "interaction_kinds": sorted(interaction_kinds(self.engine)),
                     },
                 }
             ],

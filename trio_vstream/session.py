@@ -74,6 +74,7 @@ from trio_vstream.engines.base import (
     InvalidRequestError,
     PromptChange,
     frames_to_uint8_array,
+    interaction_kinds,
 )
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
@@ -474,6 +475,20 @@ class Session:
                 ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict", event_id=event_id
             )
             return
+        change = PromptChange(event_id, message.prompt, message.transition_chunks, message.camera)
+        # An engine only ever sees the kinds it declared (a prompt-only engine could not
+        # act on a camera, and would fail or, worse, silently drop it). Like any failure
+        # here, the refusal leaves the event id unused, so the client may retry with it.
+        takes = interaction_kinds(self._res.engine)
+        refused = sorted(change.kinds - takes)
+        if refused:
+            await self._send_error(
+                ErrorCode.INTERACTION_FAILED,
+                f"this engine takes no {' or '.join(refused)} interactions "
+                f"(it takes: {', '.join(sorted(takes)) or 'none'})",
+                event_id=event_id,
+            )
+            return
         if self._stream is None:  # generation is over; nothing can take the change
             await self._send_error(
                 ErrorCode.INTERACTION_FAILED, "Failed to apply interaction", event_id=event_id
@@ -481,7 +496,7 @@ class Session:
             return
         self._event_ids.add(event_id)
         try:
-            self._stream.interact(PromptChange(event_id, message.prompt, message.transition_chunks))
+            self._stream.interact(change)
         except Exception:
             logger.exception("session %s: failed to apply interaction", self.request_id)
             self._event_ids.discard(event_id)

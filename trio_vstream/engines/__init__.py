@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Mapping
 
 from trio_vstream.engines.base import (
+    DEFAULT_INTERACTION_KINDS,
     Checkpoint,
     Chunk,
     Engine,
@@ -22,11 +23,13 @@ from trio_vstream.engines.base import (
     InvalidRequestError,
     PromptChange,
     checkpoint_calling,
+    interaction_kinds,
 )
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 
 __all__ = [
     "BUILTIN_ENGINES",
+    "DEFAULT_INTERACTION_KINDS",
     "Checkpoint",
     "Chunk",
     "ChunkConditioning",
@@ -40,6 +43,7 @@ __all__ = [
     "PromptChange",
     "PromptSchedule",
     "checkpoint_calling",
+    "interaction_kinds",
     "load_engine",
 ]
 

@@ -35,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from trio_vstream.video import VideoDefaults
+from trio_vstream.video import Camera, VideoDefaults
 
 
 class Checkpoint:
@@ -139,12 +139,30 @@ class GenerationRequest:
 
 @attrs.frozen
 class PromptChange:
-    """A ``session.interaction``: a new prompt, blended in over some chunks."""
+    """A ``session.interaction``: a new prompt, blended in over some chunks, and/or a camera.
+
+    An engine only receives the kinds it declared in ``Engine.interaction_kinds``: the
+    session refuses the others before they get here. So an engine that takes only
+    prompts (the default) can rely on ``prompt`` being set and ``camera`` being None;
+    one that also takes cameras must handle a camera-only change (``prompt`` None,
+    meaning "keep the prompt").
+    """
 
     event_id: str
-    prompt: str
+    prompt: str | None
     transition_chunks: int | None = None
     """Chunk boundaries over which to blend; ``None`` means the engine's default."""
+    camera: Camera | None = None
+    """The camera motion or pose, already validated (finite, a unit quaternion)."""
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """What this change carries, in `Engine.interaction_kinds`' terms."""
+        return frozenset(
+            kind
+            for kind, value in (("prompt", self.prompt), ("camera", self.camera))
+            if value is not None
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -195,6 +213,11 @@ class Engine(Protocol):
     video_defaults: VideoDefaults
     """Size, fps and frame count used where a request leaves them out."""
 
+    # Optional: ``interaction_kinds: frozenset[str]``, what a ``session.interaction``
+    # may carry for this engine: ``"prompt"``, ``"camera"``. Absent means prompts only
+    # (read it with `interaction_kinds`). Not a Protocol member, so that an engine
+    # written before cameras existed still satisfies ``isinstance(x, Engine)``.
+
     def open_stream(self, request: GenerationRequest) -> EngineStream:
         """Start generating for one request. Blocking; runs in a worker thread.
         Raise ``EngineError`` for requests this engine cannot serve."""
@@ -203,6 +226,14 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the model at server shutdown."""
         ...
+
+
+DEFAULT_INTERACTION_KINDS: frozenset[str] = frozenset({"prompt"})
+
+
+def interaction_kinds(engine: Engine) -> frozenset[str]:
+    """What ``engine`` takes in a ``session.interaction``; prompts only when it does not say."""
+    return frozenset(getattr(engine, "interaction_kinds", DEFAULT_INTERACTION_KINDS))
 
 
 EngineFactory = Callable[..., Engine]

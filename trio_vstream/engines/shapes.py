@@ -115,6 +115,8 @@ class ShapesEngine:
     video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
     max_concurrent_steps: int | None = 1
     """One step at a time: on CPU the cores are shared anyway, on CUDA one GPU."""
+    interaction_kinds: frozenset[str] = frozenset({"prompt"})
+    """Prompts only: the model was trained on text, with no camera."""
 
     def __init__(
         self, model: ShapesDenoiser, device: torch.device, settings: ShapesSettings

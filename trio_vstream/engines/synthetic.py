@@ -187,6 +187,8 @@ class SyntheticEngine:
 
     name = "synthetic"
     video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
+    interaction_kinds: frozenset[str] = frozenset({"prompt"})
+    """Prompts only: the colour follows the prompt, and there is no camera to move."""
 
     def __init__(self, settings: SyntheticSettings | None = None) -> None:
         self.settings = settings or SyntheticSettings()

@@ -91,7 +91,13 @@ class PromptSchedule:
         self._transition: _Transition | None = None
 
     def push(self, change: PromptChange) -> None:
-        """Queue a change for the next chunk boundary."""
+        """Queue a change for the next chunk boundary.
+
+        A camera-only change has no prompt to blend to: an engine that takes cameras
+        handles those itself. Refused here, at once, rather than as a broken mix later.
+        """
+        if change.prompt is None:
+            raise ValueError(f"PromptSchedule needs a prompt; change {change.event_id} has none")
         with self._lock:
             self._pending.append(change)
 

@@ -71,7 +71,7 @@ from trio_vstream.protocol._validation import (
     parse_start,
 )
 from trio_vstream.protocol._wire import safe_text
-from trio_vstream.video import VideoDefaults
+from trio_vstream.video import Camera, VideoDefaults
 
 __all__ = [
     "CONTROL_ERROR_CODES",
@@ -82,6 +82,7 @@ __all__ = [
     "PACING_PARAMS",
     "PING_MESSAGE",
     "STOP_MESSAGE",
+    "Camera",
     "ChunkAnnounced",
     "ChunkMetadata",
     "ChunkReceived",

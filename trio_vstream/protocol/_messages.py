@@ -11,6 +11,7 @@ keys the reference leaves out. That keeps the wire text, byte for byte, a proper
 the converter rather than of six hand-written functions that drift apart.
 """
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final, Literal, TypeAlias
 
@@ -25,9 +26,11 @@ from trio_vstream.protocol._wire import (
     Invalid,
     dump_json,
     load_json,
+    quote,
     show,
     validation_problems,
 )
+from trio_vstream.video import CAMERA_MODES, Camera
 
 __all__ = [
     "PING_MESSAGE",
@@ -81,16 +84,20 @@ class Ping(_Message):
 
 @attrs.frozen
 class Interaction(_Message):
-    """``session.interaction``: steer the running generation towards a new prompt.
+    """``session.interaction``: steer the running generation: a new prompt, a camera, or both.
 
     ``event_id`` is None when the client chose none: the server mints one (session.py),
     so that this module stays free of randomness and its results stay comparable.
+    At least one of ``prompt`` and ``camera`` is set (the parser refuses neither); the
+    camera travels in vllm-omni's ``event.multi_modal_data.camera`` shape. ``camera``
+    comes last, with a default, so that prompt-only code builds one as it always did.
     """
 
     TYPE: ClassVar[str] = "session.interaction"
     event_id: str | None
-    prompt: str
+    prompt: str | None
     transition_chunks: int | None = None
+    camera: Camera | None = None
 
 
 ControlMessage: TypeAlias = Stop | Ping | Interaction
@@ -107,8 +114,10 @@ PING_MESSAGE: Final = '{"type":"session.ping"}'
 
 @attrs.frozen(kw_only=True)
 class _InteractionEvent:
-    prompt: str
+    prompt: str | None
     negative_prompt: None
+    multi_modal_data: Camera | None
+    """Only a camera is known in ``multi_modal_data``, so it structures straight to one."""
 
 
 @attrs.frozen(kw_only=True)
@@ -124,10 +133,74 @@ def _event_id(value: Any, _: Any) -> str | None:
     raise Invalid("session.interaction event_id must be a non-empty string")
 
 
-def _prompt(value: Any, _: Any) -> str:
-    if isinstance(value, str) and value.strip():
+_NO_PROMPT: Final = "session.interaction requires a non-empty event.prompt"
+_MMD: Final = "session.interaction event.multi_modal_data"
+#: How far a rotation's norm may be from 1: a client's float32 quaternion is a unit one
+#: to about 1e-7, and a hand-written one rounded to three places still passes.
+QUATERNION_TOLERANCE: Final = 1e-3
+
+
+def _prompt(value: Any, _: Any) -> str | None:
+    # Absent is fine here (a camera may come instead; `_event` checks that one came).
+    # A prompt that is present but empty is still refused, camera or not: it is a
+    # client bug (an unfilled text box), not a way to say "keep the prompt".
+    if value is None or (isinstance(value, str) and value.strip()):
         return value
-    raise Invalid("session.interaction requires a non-empty event.prompt")
+    raise Invalid(_NO_PROMPT)
+
+
+def _only_keys(value: Any, path: str, known: tuple[str, ...]) -> dict[str, Any]:
+    """An object with no key but ``known``: an unknown one is named, not ignored."""
+    if not isinstance(value, dict):
+        raise Invalid(f"{path} must be an object, got {show(value)}")
+    for key in value:
+        if key not in known:
+            raise Invalid(f"{path}: unknown key {quote(key)}")
+    return value
+
+
+def _finite_numbers(value: Any, path: str, count: int) -> tuple[float, ...]:
+    # bool is an int subclass, but true is not a coordinate.
+    what = f"{path} must be an array of {count} finite numbers"
+    if not isinstance(value, list) or len(value) != count:
+        raise Invalid(f"{what}, got {show(value)}")
+    numbers = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            raise Invalid(f"{what}, got {show(item)} in it")
+        try:
+            number = float(item)
+        except OverflowError:  # an integer too large for a double
+            number = math.inf
+        if not math.isfinite(number):
+            raise Invalid(f"{what}, got {show(item)} in it")
+        numbers.append(number)
+    return tuple(numbers)
+
+
+def _multi_modal_data(value: Any, _: Any) -> Camera | None:
+    """``{"camera": {"mode": ..., "data": {"translation": [x,y,z], "rotation": [q]}}}``."""
+    if value is None:
+        return None
+    camera = _only_keys(value, _MMD, ("camera",)).get("camera")
+    if camera is None:
+        return None
+    path = f"{_MMD}.camera"
+    camera = _only_keys(camera, path, ("mode", "data"))
+    mode = camera.get("mode")
+    if not isinstance(mode, str) or mode not in CAMERA_MODES:
+        allowed = ", ".join(quote(name) for name in sorted(CAMERA_MODES))
+        raise Invalid(f"{path}.mode must be one of {allowed}, got {show(mode)}")
+    data = _only_keys(camera.get("data"), f"{path}.data", ("translation", "rotation"))
+    translation = _finite_numbers(data.get("translation"), f"{path}.data.translation", 3)
+    rotation = _finite_numbers(data.get("rotation"), f"{path}.data.rotation", 4)
+    norm = math.sqrt(sum(q * q for q in rotation))
+    if abs(norm - 1.0) > QUATERNION_TOLERANCE:
+        raise Invalid(
+            f"{path}.data.rotation must be a unit quaternion "
+            f"(norm 1 within {QUATERNION_TOLERANCE}), got norm {norm:.6g}"
+        )
+    return Camera(mode, translation, rotation)  # type: ignore[arg-type]
 
 
 def _negative_prompt(value: Any, _: Any) -> None:
@@ -171,16 +244,30 @@ def _make_control_converter() -> cattrs.Converter:
     the fields are declared in that order.
     """
     converter = cattrs.Converter(detailed_validation=False)
-    event = make_dict_structure_fn(
+    fields = make_dict_structure_fn(
         _InteractionEvent,
         converter,
         prompt=override(struct_hook=_prompt),
         negative_prompt=override(struct_hook=_negative_prompt),
+        multi_modal_data=override(struct_hook=_multi_modal_data),
     )
+
+    def event(value: dict[str, Any], tp: Any) -> _InteractionEvent:
+        # Neither a prompt nor any multi_modal_data: the reference's prompt error, first,
+        # as before cameras existed. An empty multi_modal_data is caught after it parsed.
+        if value["prompt"] is None and value["multi_modal_data"] is None:
+            raise Invalid(_NO_PROMPT)
+        result = fields(value, tp)
+        if result.prompt is None and result.multi_modal_data is None:
+            raise Invalid(_NO_PROMPT)
+        return result
+
     converter.register_structure_hook(
         _InteractionEvent,
         _object_with(
-            event, ("prompt", "negative_prompt"), "session.interaction requires event object"
+            event,
+            ("prompt", "negative_prompt", "multi_modal_data"),
+            "session.interaction requires event object",
         ),
     )
     body = make_dict_structure_fn(
@@ -213,7 +300,10 @@ def _parse_interaction(msg: dict[str, Any]) -> Interaction:
         known_id = raw_id if isinstance(raw_id, str) and raw_id else None
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, str(exc), event_id=known_id) from None
     return Interaction(
-        event_id=body.event_id, prompt=body.event.prompt, transition_chunks=body.transition_chunks
+        event_id=body.event_id,
+        prompt=body.event.prompt,
+        transition_chunks=body.transition_chunks,
+        camera=body.event.multi_modal_data,
     )
 
 
@@ -249,10 +339,18 @@ def start_message(prompt: str, **fields: Any) -> str:
 
 
 def interaction_message(
-    prompt: str, event_id: str | None = None, transition_chunks: int | None = None
+    prompt: str | None,
+    event_id: str | None = None,
+    transition_chunks: int | None = None,
+    *,
+    camera: Camera | None = None,
 ) -> str:
-    """Build a ``session.interaction``; a missing event_id lets the server pick one."""
-    return Interaction(event_id, prompt, transition_chunks).to_json()
+    """Build a ``session.interaction``; a missing event_id lets the server pick one.
+
+    ``prompt`` may be None when a ``camera`` is given (no validation here: a client may
+    build a message the server refuses, to test it).
+    """
+    return Interaction(event_id, prompt, transition_chunks, camera).to_json()
 
 
 # --------------------------------------------------------------------------------------
@@ -388,12 +486,26 @@ def _unstructure_interaction(converter: cattrs.Converter) -> Callable[[Any], dic
     def hook(message: Interaction) -> dict[str, Any]:
         body = _InteractionBody(
             event_id=message.event_id,
-            event=_InteractionEvent(prompt=message.prompt, negative_prompt=None),
+            event=_InteractionEvent(
+                prompt=message.prompt, negative_prompt=None, multi_modal_data=None
+            ),
             transition_chunks=message.transition_chunks,
         )
-        return {"type": message.TYPE, "interaction": converter.unstructure(body)}
+        payload = converter.unstructure(body)
+        # Written by hand: the camera's wire shape nests deeper than the type does, and
+        # a prompt-only interaction must stay byte-identical (no multi_modal_data key).
+        if message.camera is not None:
+            payload["event"]["multi_modal_data"] = {"camera": _camera_payload(message.camera)}
+        return {"type": message.TYPE, "interaction": payload}
 
     return hook
+
+
+def _camera_payload(camera: Camera) -> dict[str, Any]:
+    return {
+        "mode": camera.mode,
+        "data": {"translation": list(camera.translation), "rotation": list(camera.rotation)},
+    }
 
 
 _WIRE: Final = _make_wire_converter()

@@ -135,6 +135,8 @@ class DiffusersEngine:
     """A diffusers pipeline (and optionally an image-to-video one) shared by all sessions."""
 
     max_concurrent_steps = 1
+    interaction_kinds: frozenset[str] = frozenset({"prompt"})
+    """Prompts only: text-to-video pipelines take no camera."""
 
     def __init__(
         self,
