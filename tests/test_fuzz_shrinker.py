@@ -36,3 +36,16 @@ async def test_shrink_cuts_text_that_is_not_json() -> None:
 
     small, _ = await shrink("xxxxxxxx{BAD]]]]", says_bad, deadline=trio.current_time() + 30)
     assert small == "BAD"
+
+
+async def test_shrink_survives_input_nested_too_deeply_to_write_back() -> None:
+    """Found by the long fuzz: a failing input nested thousands deep broke the shrinker's
+    own JSON writer (a recursion); it now shrinks such input as text."""
+
+    async def is_deep(wire: Wire) -> bool:
+        return wire.count("[") >= 5000
+
+    deep = '{"x":' + "[" * 6000 + "]" * 6000 + "}"
+    small, tries = await shrink(deep, is_deep, deadline=trio.current_time() + 30, max_tries=60)
+    assert is_deep and small.count("[") >= 5000 and len(small) <= len(deep)
+    assert tries > 0

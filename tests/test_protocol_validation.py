@@ -19,6 +19,7 @@ from trio_vstream.protocol import (
     VideoDefaults,
     VideoParams,
     VideoSettings,
+    parse_control,
     parse_start,
 )
 
@@ -882,3 +883,26 @@ def test_fps_is_bounded_before_it_reaches_the_encoder(where: str) -> None:
     assert error.code is ErrorCode.INVALID_REQUEST
     assert "fps must be between 1 and 240" in error.message
     assert start_ok(start(fps=240)).video.fps == 240
+
+
+@pytest.mark.parametrize("parse", ["start", "control"])
+def test_json_nested_deeper_than_the_limit_is_refused_by_name(parse: str) -> None:
+    """Found by bench/fuzz.py: a session.start whose extra_params nested a few hundred
+    deep was accepted, then echoing it in video.start ran out of stack (internal_error)."""
+    from trio_vstream.protocol._wire import MAX_JSON_DEPTH
+
+    def nested(depth: int) -> str:
+        return "[" * depth + "]" * depth
+
+    if parse == "start":
+        ok = f'{{"type":"session.start","prompt":"a","extra_params":{{"x":{nested(29)}}}}}'
+        deep = f'{{"type":"session.start","prompt":"a","extra_params":{{"x":{nested(400)}}}}}'
+        assert parse_start(ok).config["extra_params"]["x"]
+        with pytest.raises(ProtocolError) as caught:
+            parse_start(deep)
+    else:
+        deep = f'{{"type":"session.ping","x":{nested(400)}}}'
+        with pytest.raises(ProtocolError) as caught:
+            parse_control(deep)
+    assert caught.value.code is ErrorCode.INVALID_MESSAGE
+    assert f"nests deeper than {MAX_JSON_DEPTH} levels" in caught.value.message

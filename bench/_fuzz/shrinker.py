@@ -122,7 +122,8 @@ async def shrink(
     try:
         try:
             value = parse_for_shrinking(wire)
-        except ValueError:
+            to_json(value)  # too deep to write back (a recursion): shrink the raw text only
+        except (ValueError, RecursionError):
             value = None
         else:
             for ascii in (True, False):

@@ -581,7 +581,7 @@ def parse_server_message(raw: str | bytes) -> ServerMessage:
         max_bytes=2**62,
         too_large="server message too large",
         bad_json="Invalid JSON message",
-        unicode_only=False,
+        from_client=False,
     )
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE, "Server messages must be JSON objects")

@@ -260,9 +260,10 @@ def load_json(
     max_bytes: int,
     too_large: str,
     bad_json: str,
-    unicode_only: bool = True,
+    from_client: bool = True,
 ) -> Any:
-    """Size check, then strict JSON, and (``unicode_only``) no lone surrogates.
+    """Size check, then strict JSON; from a client also no lone surrogates and no
+    nesting deeper than `MAX_JSON_DEPTH`.
 
     NaN/Infinity are refused because they are not JSON: echoing them back in
     ``video.start`` would produce text that browsers' ``JSON.parse`` rejects.
@@ -286,15 +287,16 @@ def load_json(
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_finite_float)
     except (ValueError, RecursionError):
         raise ProtocolError(ErrorCode.INVALID_JSON, bad_json) from None
-    where = _lone_surrogate_at(value) if unicode_only else None
-    if where is not None:
-        # JSON can escape half of a UTF-16 pair ("\udc80"). Such a string cannot be
-        # encoded as UTF-8: it would break an engine's tokenizer or our own reply.
-        raise ProtocolError(
-            ErrorCode.INVALID_MESSAGE,
-            f"{bad_json}: the string at {where} is not valid Unicode (a lone surrogate)",
-        )
+    problem = _shape_problem(value) if from_client else None
+    if problem is not None:
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{bad_json}: {problem}")
     return value
+
+
+MAX_JSON_DEPTH: Final = 32
+"""How deeply a client's JSON may nest. No field of the protocol needs a tenth of it,
+and echoing a deeper ``extra_params`` in ``video.start`` ran out of Python's stack
+(found by ``bench/fuzz.py``: ``internal_error`` at a depth of a few hundred)."""
 
 
 _LONE_SURROGATE: Final = re.compile("[\ud800-\udfff]")
@@ -305,22 +307,33 @@ def safe_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _lone_surrogate_at(value: Any) -> str | None:
-    """The path of the first string (key or value) holding a lone surrogate, if any."""
-    pending: list[tuple[str, Any]] = [("the top level", value)]
+def _shape_problem(value: Any) -> str | None:
+    """What makes a client's JSON unfit to go further: the first string (key or value)
+    holding a lone surrogate, or nesting deeper than `MAX_JSON_DEPTH`. Iterative, so
+    that the check itself cannot run out of stack."""
+    pending: list[tuple[str, Any, int]] = [("the top level", value, 0)]
     while pending:
-        path, item = pending.pop()
+        path, item, depth = pending.pop()
+        if isinstance(item, dict | list) and depth >= MAX_JSON_DEPTH:
+            return f"{path} nests deeper than {MAX_JSON_DEPTH} levels"
         if isinstance(item, str):
             if _LONE_SURROGATE.search(item):
-                return path
+                # JSON can escape half of a UTF-16 pair ("\udc80"). Such a string cannot
+                # be encoded as UTF-8: it would break an engine's tokenizer or our reply.
+                return f"the string at {path} is not valid Unicode (a lone surrogate)"
         elif isinstance(item, dict):
             for key, child in item.items():
                 child_path = key if path == "the top level" else f"{path}.{key}"
                 if _LONE_SURROGATE.search(key):
-                    return safe_text(child_path)
-                pending.append((child_path, child))
+                    return (
+                        f"the string at {safe_text(child_path)} is not valid Unicode "
+                        "(a lone surrogate)"
+                    )
+                pending.append((child_path, child, depth + 1))
         elif isinstance(item, list):
-            pending.extend((f"{path}[{index}]", child) for index, child in enumerate(item))
+            pending.extend(
+                (f"{path}[{index}]", child, depth + 1) for index, child in enumerate(item)
+            )
     return None
 
 
