@@ -9,11 +9,12 @@ in-memory streams.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -181,6 +182,35 @@ class RecordingEngine(SyntheticEngine):
         return stream
 
 
+@contextlib.asynccontextmanager
+async def session_in_background(session: Session) -> AsyncIterator[list[SessionSummary]]:
+    """Run ``session`` while the body plays the peer; once the block is left, the session
+    has ended and its summary is the list's one item."""
+    summaries: list[SessionSummary] = []
+
+    async def run() -> None:
+        summaries.append(await session.run())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        yield summaries
+
+
+async def sessions_at_once(running: Any, start: dict[str, Any], count: int) -> list[Transcript]:
+    """``count`` clients send the same ``session.start`` together and read to the end."""
+    transcripts = [Transcript() for _ in range(count)]
+
+    async def one(transcript: Transcript) -> None:
+        async with running.connect() as ws:
+            await ws.send_message(json.dumps(start))
+            await receive_into(ws, transcript)
+
+    async with trio.open_nursery() as nursery:
+        for transcript in transcripts:
+            nursery.start_soon(one, transcript)
+    return transcripts
+
+
 def assert_quiet_disconnect(
     summary: SessionSummary, caplog: pytest.LogCaptureFixture, *, disconnect_lines: int = 1
 ) -> None:
@@ -212,13 +242,7 @@ async def test_close_right_after_a_ping_is_a_disconnect(caplog: pytest.LogCaptur
     caplog.set_level(logging.INFO)
     ws = ScriptedSocket()
     session, _ = make_session(ws, SyntheticEngine(SyntheticSettings(step_delay=0.05)))
-    async with trio.open_nursery() as nursery:
-        summaries: list[SessionSummary] = []
-
-        async def run() -> None:
-            summaries.append(await session.run())
-
-        nursery.start_soon(run)
+    async with session_in_background(session) as summaries:
         ws.feed({**START, "num_frames": 400})
         await ws.wait_until(lambda sent: bool(sent))
         ws.hold = lambda m: isinstance(m, dict) and m["type"] == "session.pong"
@@ -242,15 +266,7 @@ async def test_a_send_that_finds_the_socket_closed_is_a_disconnect(
         session, resources = make_session(ws)
         ws.hold = lambda m: isinstance(m, bytes)
         ws.feed({**START, "num_frames": 40})
-        async with trio.open_nursery() as nursery:
-            summaries: list[SessionSummary] = []
-
-            async def run(
-                session: Session = session, summaries: list[SessionSummary] = summaries
-            ) -> None:
-                summaries.append(await session.run())
-
-            nursery.start_soon(run)
+        async with session_in_background(session) as summaries:
             await ws.held.wait()
             ws.fail_held_sends(tell_receiver=receiver_knows)
         assert_quiet_disconnect(summaries[0], caplog)
@@ -282,16 +298,7 @@ async def test_sessions_queued_behind_a_busy_engine_are_not_stalled(start_server
         stall_timeout=0.6,
         engine_class=TakingTurnsEngine,
     )
-    transcripts = [Transcript() for _ in range(3)]
-    async with trio.open_nursery() as nursery:
-        for transcript in transcripts:
-
-            async def one(transcript: Transcript = transcript) -> None:
-                async with running.connect() as ws:
-                    await ws.send_message(json.dumps({**START, "num_frames": 8}))
-                    await receive_into(ws, transcript)
-
-            nursery.start_soon(one)
+    transcripts = await sessions_at_once(running, {**START, "num_frames": 8}, 3)
     for transcript in transcripts:
         assert transcript.terminal == [transcript.json[-1]]
         assert transcript.terminal[0]["type"] == "session.done", transcript.terminal
@@ -306,17 +313,8 @@ async def test_an_engine_that_hangs_under_its_lock_stalls_every_queued_session(
         stall_timeout=0.5,
         engine_class=TakingTurnsEngine,
     )
-    transcripts = [Transcript() for _ in range(3)]
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            for transcript in transcripts:
-
-                async def one(transcript: Transcript = transcript) -> None:
-                    async with running.connect() as ws:
-                        await ws.send_message(json.dumps({**START, "num_frames": 8}))
-                        await receive_into(ws, transcript)
-
-                nursery.start_soon(one)
+        transcripts = await sessions_at_once(running, {**START, "num_frames": 8}, 3)
     for transcript in transcripts:
         assert transcript.terminal == [
             {
@@ -353,13 +351,7 @@ async def test_shutdown_while_video_start_is_sent_still_says_goodbye() -> None:
     session, _ = make_session(ws)
     ws.hold = lambda m: isinstance(m, dict) and m["type"] == "video.start"
     ws.feed({**START, "num_frames": 8})
-    async with trio.open_nursery() as nursery:
-        summaries: list[SessionSummary] = []
-
-        async def run() -> None:
-            summaries.append(await session.run())
-
-        nursery.start_soon(run)
+    async with session_in_background(session) as summaries:
         await ws.held.wait()
         session.shutdown()
         ws.release()
@@ -377,13 +369,7 @@ async def test_a_stop_after_the_last_chunk_was_generated_keeps_the_video_complet
     engine = RecordingEngine(SyntheticSettings(chunk_frames=4))
     session, _ = make_session(ws, engine)
     ws.feed({**START, "num_frames": 8})
-    async with trio.open_nursery() as nursery:
-        summaries: list[SessionSummary] = []
-
-        async def run() -> None:
-            summaries.append(await session.run())
-
-        nursery.start_soon(run)
+    async with session_in_background(session) as summaries:
         await ws.wait_until(lambda sent: bool(sent))  # video.start
         ws.hold = lambda m: isinstance(m, dict) and m["type"] == "session.pong"
         ws.feed({"type": "session.ping"})
@@ -565,13 +551,7 @@ async def test_a_stop_drops_the_chunk_being_encoded(monkeypatch: pytest.MonkeyPa
     ws = ScriptedSocket()
     session, _ = make_session(ws)
     ws.feed({**START, "num_frames": 40})
-    async with trio.open_nursery() as nursery:
-        summaries: list[SessionSummary] = []
-
-        async def run() -> None:
-            summaries.append(await session.run())
-
-        nursery.start_soon(run)
+    async with session_in_background(session) as summaries:
         await trio.to_thread.run_sync(in_second_encode.wait, 10)
         session.stop()
         go_on.set()
