@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.conftest import Transcript, decode_video, receive_into
+from tests.conftest import Transcript, decode_video, receive_into, receive_until
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
 from trio_vstream.server import ServerConfig, VideoServer
@@ -104,4 +104,53 @@ async def test_the_evaluator_judges_streamed_video_and_interactions(
     assert quality["clips"] == 2 and quality["colour"] == quality["background"] == 1.0
     interactions = await evaluate_shapes.interactions(server.url, "eval", trials=1)
     assert interactions["interaction"] == 1.0
+    server.shutdown()
+
+
+async def test_a_vllm_omni_camera_interaction_steers_the_world_end_to_end(
+    nursery: trio.Nursery, engine: ShapesEngine
+) -> None:
+    """A camera velocity sent the way vllm-omni's clients send it turns the object from
+    the chunk that reports the event on; a target pose is refused, naming why."""
+    server = VideoServer(
+        engine,
+        ServerConfig(host="127.0.0.1", port=0, session=SessionConfig(served_model="shapes")),
+    )
+    await nursery.start(server.run)
+    from trio_websocket import open_websocket_url
+
+    def camera(mode: str, translation: list[float]) -> str:
+        data = {"translation": translation, "rotation": [0, 0, 0, 1]}
+        event = {"multi_modal_data": {"camera": {"mode": mode, "data": data}}}
+        interaction = {"event_id": mode, "transition_chunks": 0, "event": event}
+        return json.dumps({"type": "session.interaction", "interaction": interaction})
+
+    start = {
+        "type": "session.start",
+        "prompt": "a red square moving right on a black background",
+        "size": "64x64",
+        "num_frames": 96,
+        "seed": 9,
+        "fps": 48,
+        # Paced, so that the interaction lands mid-video however fast this machine is.
+        "extra_params": {"pace_to_media_time": True},
+    }
+    transcript = Transcript()
+    async with open_websocket_url(server.url, max_message_size=2**26) as ws:
+        await ws.send_message(json.dumps(start))
+        await receive_until(ws, transcript, lambda m: isinstance(m, bytes))
+        await ws.send_message(camera("target", [1, 0, 0]))
+        await ws.send_message(camera("velocity", [-0.05, 0, 0]))
+        await receive_into(ws, transcript)
+    assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+    [refusal] = transcript.of_type("error")
+    assert refusal["code"] == "interaction_failed" and refusal["event_id"] == "target"
+    assert "steers by camera velocity only" in refusal["message"]
+    media = [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+    [turned] = [m["generation_chunk_index"] for m in media if "velocity" in m["started_event_ids"]]
+    assert 1 <= turned < len(media) - 1
+    frames = decode_video(transcript.video_bytes)
+    before, after = frames[: 8 * turned], frames[8 * turned :]
+    assert evaluate.analyse_clip(before).motion == "right"
+    assert evaluate.analyse_clip(after).motion == "left"
     server.shutdown()

@@ -69,6 +69,7 @@ from trio_vstream.encoding import (
 from trio_vstream.engines.base import (
     Chunk,
     Engine,
+    EngineError,
     EngineStream,
     GenerationRequest,
     InvalidRequestError,
@@ -497,12 +498,14 @@ class Session:
         self._event_ids.add(event_id)
         try:
             self._stream.interact(change)
-        except Exception:
-            logger.exception("session %s: failed to apply interaction", self.request_id)
+        except Exception as exc:
             self._event_ids.discard(event_id)
-            await self._send_error(
-                ErrorCode.INTERACTION_FAILED, "Failed to apply interaction", event_id=event_id
-            )
+            if isinstance(exc, EngineError):  # the engine refuses it and says why
+                message = f"Failed to apply interaction: {exc}"
+            else:
+                logger.exception("session %s: failed to apply interaction", self.request_id)
+                message = "Failed to apply interaction"
+            await self._send_error(ErrorCode.INTERACTION_FAILED, message, event_id=event_id)
             return
         await self._send(protocol.InteractionQueued(self.request_id, event_id))
 

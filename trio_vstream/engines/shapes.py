@@ -23,6 +23,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import secrets
 import threading
@@ -38,6 +39,7 @@ from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
     EngineConfigError,
+    EngineError,
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
@@ -61,7 +63,7 @@ from trio_vstream.models.shapes.vocab import (
     fill_slots,
     parse_prompt,
 )
-from trio_vstream.video import VideoDefaults
+from trio_vstream.video import Camera, VideoDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +117,8 @@ class ShapesEngine:
     video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
     max_concurrent_steps: int | None = 1
     """One step at a time: on CPU the cores are shared anyway, on CUDA one GPU."""
-    interaction_kinds: frozenset[str] = frozenset({"prompt"})
-    """Prompts only: the model was trained on text, with no camera."""
+    interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})
+    """Prompts, and camera velocities as steering (see `camera_motion`)."""
 
     def __init__(
         self, model: ShapesDenoiser, device: torch.device, settings: ShapesSettings
@@ -182,11 +184,9 @@ class ShapesStream:
     def __init__(self, engine: ShapesEngine, request: GenerationRequest) -> None:
         if request.lora:
             raise InvalidRequestError("the shapes engine has no LoRA support")
-        if request.extra_params:
-            raise InvalidRequestError(
-                "the shapes engine takes no extra_params, got "
-                + ", ".join(sorted(map(str, request.extra_params)))
-            )
+        self._chunk_frames = _chunk_frames_of(
+            request.extra_params, engine.model.config.chunk_frames
+        )
         for name in _IGNORED_FIELDS:
             if getattr(request, name) is not None:
                 logger.info("shapes engine ignores %s (request %s)", name, request.request_id)
@@ -203,9 +203,13 @@ class ShapesStream:
         else:
             self.seed = request.seed
         self._defaults = SeedDefaults.from_seed(self.seed)
-        self._schedule = PromptSchedule(request.prompt)
+        # The schedule blends conditioning keys: a prompt and the motion a camera set
+        # for it (see `_key`), so that steering blends and reports event ids like prompts.
+        self._prompt = request.prompt
+        self._steered_motion: str | None = None
+        self._schedule = PromptSchedule(_key(request.prompt, None))
         self._embeddings: dict[str, torch.Tensor] = {}
-        self._embedding(request.prompt)  # parse now: unknown words are logged at the start
+        self._embedding(_key(request.prompt, None))  # unknown words are logged at the start
         device = engine.device
         self._uncond = engine.null_embedding
         if request.negative_prompt:
@@ -236,15 +240,37 @@ class ShapesStream:
             logger.info("shapes engine: %s (request %s)", note, self._request.request_id)
         return fill_slots(parsed.slots, self._defaults)
 
-    def _embedding(self, prompt: str) -> torch.Tensor:
-        if prompt not in self._embeddings:
+    def _embedding(self, key: str) -> torch.Tensor:
+        if key not in self._embeddings:
+            motion, _, prompt = key.partition("|")
             slots = self.slots_for(prompt)
-            logger.debug("shapes engine: %r -> %s", prompt, slots.describe())
-            self._embeddings[prompt] = self._engine.embed(slots)
-        return self._embeddings[prompt]
+            if motion:
+                slots = attrs.evolve(slots, motion=motion)
+            logger.debug("shapes engine: %r -> %s", key, slots.describe())
+            self._embeddings[key] = self._engine.embed(slots)
+        return self._embeddings[key]
 
     def interact(self, change: PromptChange) -> None:
-        self._schedule.push(change)
+        """Queue a prompt and/or a steering camera for the next chunk.
+
+        A camera sets the motion slot, and keeps it through later prompts until one
+        names a motion of its own; a camera-only change switches at the next chunk
+        (there is no prompt to blend from, and steering should answer at once) unless
+        the client asked for a transition.
+        """
+        prompt = self._prompt if change.prompt is None else change.prompt
+        motion = self._steered_motion
+        if change.prompt is not None and parse_prompt(change.prompt).slots.motion is not None:
+            motion = None  # the new prompt says how the object moves
+        if change.camera is not None:
+            motion = camera_motion(change.camera)
+        transition = change.transition_chunks
+        if change.prompt is None and transition is None:
+            transition = 0
+        self._schedule.push(
+            PromptChange(change.event_id, _key(prompt, motion), transition, change.camera)
+        )
+        self._prompt, self._steered_motion = prompt, motion
 
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
         request = self._request
@@ -256,7 +282,7 @@ class ShapesStream:
         config = model.config
         with torch.inference_mode():
             cond = sum(
-                (weight * self._embedding(prompt) for prompt, weight in conditioning.mix),
+                (weight * self._embedding(key) for key, weight in conditioning.mix),
                 start=torch.zeros_like(self._uncond),
             )
             x0 = sample(
@@ -274,12 +300,15 @@ class ShapesStream:
             )
             checkpoint()  # the decode: resize and convert
             size = config.native_size
-            native = x0.view(config.chunk_frames, 3, size, size)
-            self._context = native[-1:].clone()
-            self._context_mask = torch.ones(1, device=native.device)
+            # A shorter chunk keeps the model's first frames and continues from the last
+            # one kept: the model always generates its full chunk, so this buys latency
+            # with throughput.
+            kept = x0.view(config.chunk_frames, 3, size, size)[: self._chunk_frames]
+            self._context = kept[-1:].clone()
+            self._context_mask = torch.ones(1, device=kept.device)
             self._hint = None
-            count = min(config.chunk_frames, remaining)
-            frames = to_uint8_frames(native[:count], request.width, request.height)
+            count = min(self._chunk_frames, remaining)
+            frames = to_uint8_frames(kept[:count], request.width, request.height)
         index = self._next_index
         self._next_index += 1
         self._frames_done += count
@@ -287,6 +316,72 @@ class ShapesStream:
 
     def close(self) -> None:
         self._embeddings.clear()
+
+
+def _key(prompt: str, motion: str | None) -> str:
+    """A conditioning key: the prompt, and the motion a camera steered it to, if any
+    (motion names never contain ``|``, so the first one splits them)."""
+    return f"{motion or ''}|{prompt}"
+
+
+def _chunk_frames_of(extra_params: Mapping[str, object], native: int) -> int:
+    """``extra_params.chunk_frames``: frames per chunk, 1 to the model's chunk (the default).
+
+    The only extra parameter this engine takes; any other is named and refused.
+    """
+    unknown = sorted(str(name) for name in extra_params if name != "chunk_frames")
+    if unknown:
+        raise InvalidRequestError(
+            f"the shapes engine takes only extra_params.chunk_frames, got {', '.join(unknown)}"
+        )
+    value = extra_params.get("chunk_frames", native)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= native:
+        raise InvalidRequestError(
+            f"extra_params.chunk_frames must be an integer from 1 to {native}, got {value!r}"
+        )
+    return value
+
+
+#: Below this, a camera's translation or turn counts as none: the object stays still.
+_STILL = 1e-6
+
+
+def camera_motion(camera: Camera) -> str:
+    """The shapes world's motion for a camera velocity: its steering rule.
+
+    The world is a flat picture seen from the front, so a camera velocity steers the
+    object along the picture's axes: +X right, -X left; +Y up and +Z (forward, the
+    W key) up, -Y and -Z down; when the translation is zero, a turn steers the same
+    way (yaw right or left, pitch up or down); no translation and no turn is "still".
+    The strongest axis wins, since the object moves along one axis at a time. A
+    ``target`` pose is refused: the world has no camera to place.
+    """
+    if camera.mode != "velocity":
+        raise EngineError(
+            f"the shapes engine steers by camera velocity only, not a {camera.mode!r} pose: "
+            "its world has no camera to place"
+        )
+    x, y, z = camera.translation
+    across, up = x, y + z
+    if max(abs(across), abs(up)) < _STILL:
+        across, up = _turn(camera.rotation)
+        if max(abs(across), abs(up)) < _STILL:
+            return "still"
+    if abs(across) >= abs(up):
+        return "right" if across > 0 else "left"
+    return "up" if up > 0 else "down"
+
+
+def _turn(rotation: tuple[float, float, float, float]) -> tuple[float, float]:
+    """(yaw, pitch) of a unit quaternion as a steer: yaw right positive, pitch up positive.
+
+    Unity's frame is left-handed: a positive turn about +Y looks right, a positive
+    turn about +X looks down.
+    """
+    qx, qy, qz, qw = rotation
+    yaw = math.atan2(2.0 * (qw * qy + qx * qz), 1.0 - 2.0 * (qx * qx + qy * qy))
+    pitch = math.asin(max(-1.0, min(1.0, 2.0 * (qw * qx - qy * qz))))
+    return yaw, -pitch
 
 
 def to_uint8_frames(native: torch.Tensor, width: int, height: int) -> torch.Tensor:
