@@ -34,7 +34,7 @@ from bench._context import RunContext
 from bench._output import now, progress
 from bench._server import Endpoint, ServerProcess, cpu_seconds, fetch_stats, minor_faults
 from bench._settings import BENCH_DIR, PROMPT, Settings, Target, make_target
-from bench._stats import Figures, percentile
+from bench._stats import CATALOGUE, Figures, percentile
 from trio_vstream import protocol
 from trio_vstream.engines.base import Checkpoint
 
@@ -48,6 +48,8 @@ def diffusers_available() -> bool:
 
 DIFFUSERS_PRESETS: Final = ("tiny", "cpu", "gpu")
 DIFFUSERS_OVERHEAD_LIMIT_PCT: Final = 5.0
+CHUNKED_FIRST_CHUNK_SLACK: Final = 1.5
+"""How far over 1/k the chunked first-chunk fraction may be (its own decode, noise)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -230,6 +232,78 @@ def _engine_sequence(
     return {"segment_ms": times}
 
 
+CATALOGUE.update(
+    {  # the chunked measurement's figures, declared beside it (bench/_stats.py is shared)
+        "diffusers.chunked.whole_call_ms": (
+            "ms",
+            "random Helios: the pipeline's single call for the whole k-chunk video",
+        ),
+        "diffusers.chunked.first_chunk_ms": (
+            "ms",
+            "random Helios streamed by the engine: open_stream -> first chunk",
+        ),
+        "diffusers.chunked.streamed_total_ms": (
+            "ms",
+            "random Helios streamed by the engine: open_stream -> last chunk",
+        ),
+        "diffusers.chunked.first_chunk_fraction": (
+            "ratio",
+            "random Helios: first streamed chunk / single call for the whole video (ideal 1/k)",
+        ),
+    }
+)
+
+HELIOS_SIZE: Final = 64
+"""The chunked measurement's frame size: the smallest the tiny Helios takes."""
+HELIOS_CHUNK_FRAMES: Final = 33
+
+
+def _chunked_sequence(
+    engine: Any, preset: DiffusersPreset, chunks: int, seed: int
+) -> dict[str, Any]:
+    """A chunk-autoregressive pipeline (a random Helios) streamed chunk by chunk by the
+    engine, against the pipeline's own single call for the same video: the first chunk
+    should come after about 1/``chunks`` of the call's time (plus a chunk's decode)."""
+    import torch
+
+    from trio_vstream.engines import GenerationRequest
+
+    frames = chunks * HELIOS_CHUNK_FRAMES
+    pipe = engine.model.pipe
+    started = time.perf_counter()
+    pipe(
+        prompt=PROMPT,
+        height=HELIOS_SIZE,
+        width=HELIOS_SIZE,
+        num_frames=frames,
+        num_inference_steps=preset.steps,
+        guidance_scale=1.0,
+        generator=torch.Generator(device="cpu").manual_seed(seed),
+        output_type="pt",
+    )
+    whole_ms = (time.perf_counter() - started) * 1000
+    request = GenerationRequest(
+        request_id="diffusers-bench-chunked",
+        prompt=PROMPT,
+        width=HELIOS_SIZE,
+        height=HELIOS_SIZE,
+        fps=16,
+        num_frames=frames,
+        num_inference_steps=preset.steps,
+        guidance_scale=1.0,
+        seed=seed,
+    )
+    times: list[float] = []
+    started = time.perf_counter()
+    stream = engine.open_stream(request)
+    try:
+        while stream.next_chunk(Checkpoint()) is not None:
+            times.append((time.perf_counter() - started) * 1000)
+    finally:
+        stream.close()
+    return {"whole_call_ms": whole_ms, "chunk_done_ms": times}
+
+
 def _steady_fps(times_ms: Sequence[float], frames: int) -> float:
     """Frames per second over the segments after the first."""
     steady = times_ms[1:]
@@ -267,7 +341,19 @@ def diffusers_worker(config_json: str) -> int:
     from trio_vstream.engines import load_engine
 
     engine = load_engine("diffusers", preset.engine_args(model), device=preset.device)
-    sequences = {"pipeline": _pipeline_sequence, "engine": _engine_sequence}
+    helios: list[Any] = []
+
+    def chunked(_: Any, preset: DiffusersPreset, chunks: int, seed: int) -> dict[str, Any]:
+        if not helios:  # built and loaded on first use, in the worker's thread
+            path = model.parent / "Helios-random-tiny"
+            if not path.exists():
+                diffusers_tiny.build_helios(path)
+            args = {"model": str(path), "threads": "1"}
+            helios.append(load_engine("diffusers", args, device=preset.device))
+            _chunked_sequence(helios[0], preset, 1, seed)  # warm-up: first-use costs out
+        return _chunked_sequence(helios[0], preset, chunks, seed)
+
+    sequences = {"pipeline": _pipeline_sequence, "engine": _engine_sequence, "chunked": chunked}
     with ThreadPoolExecutor(max_workers=1) as thread:
         threads = thread.submit(_torch_threads).result()
         print(
@@ -284,6 +370,8 @@ def diffusers_worker(config_json: str) -> int:
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps(result), file=replies)
     engine.close()
+    for other in helios:
+        other.close()
     return 0
 
 
@@ -452,6 +540,22 @@ class DiffusersScenario:
         self.figures.add(run, "diffusers.engine.first_segment_ms", times[:1])
         self.figures.add(run, "diffusers.engine.segment_ms", times[1:])
 
+    async def _chunked(self, run: int, seed: int) -> None:
+        """First chunk vs whole call, for a streamed random Helios (in the worker)."""
+        worker = self.worker
+        assert worker is not None
+        result = await worker.call(
+            self.s.session_timeout_s, what="chunked", segments=self.segments, seed=seed
+        )
+        if "error" in result:
+            progress(f"  !! diffusers: chunked: {result['error']}")
+            return
+        whole, done = result["whole_call_ms"], result["chunk_done_ms"]
+        self.figures.add(run, "diffusers.chunked.whole_call_ms", [whole])
+        self.figures.add(run, "diffusers.chunked.first_chunk_ms", done[:1])
+        self.figures.add(run, "diffusers.chunked.streamed_total_ms", done[-1:])
+        self.figures.add(run, "diffusers.chunked.first_chunk_fraction", [done[0] / whole])
+
     async def _server(self, ctx: RunContext, seed: int) -> None:
         frames = self.segments * self.preset.segment_frames
         client = SessionClient(
@@ -529,6 +633,8 @@ class DiffusersScenario:
                 for label, step in steps:
                     progress(f"{tag}: {label}, {self.segments} segments")
                     await step()
+                progress(f"{tag}: chunked Helios, {self.segments} chunks, streamed vs one call")
+                await self._chunked(run, seed)
             ctx.windows.append({"scenario": "diffusers", "start": started, "end": now()})
             info["windows"] = ctx.windows
             await ctx.check_after("diffusers")
@@ -567,6 +673,11 @@ class DiffusersScenario:
         status = "N/A" if measured is None else "PASS"
         if measured is not None and measured > DIFFUSERS_OVERHEAD_LIMIT_PCT:
             status = "FAIL"
+        fraction = self.figures.stat("diffusers.chunked.first_chunk_fraction", "median")
+        ideal = 1 / self.segments
+        chunked_status = "N/A" if fraction is None else "PASS"
+        if fraction is not None and fraction > CHUNKED_FIRST_CHUNK_SLACK * ideal:
+            chunked_status = "FAIL"
         leftovers = [c for c in self.checks if c["ok"] is False]
         cleanup = "PASS" if not leftovers else "FAIL"
         if not self.checks or any(c["ok"] is None for c in self.checks):
@@ -581,6 +692,16 @@ class DiffusersScenario:
                 "threshold": DIFFUSERS_OVERHEAD_LIMIT_PCT,
                 "status": status,
                 "note": f"{server:.1f} ms vs {inproc:.1f} ms" if measured is not None else "",
+            },
+            {
+                "target": "diffusers: chunked first chunk",
+                "rule": f"a random Helios streamed in {self.segments} chunks: time to the "
+                "first chunk / time of the single pipeline call for the whole video <= "
+                f"{CHUNKED_FIRST_CHUNK_SLACK} / {self.segments} (ideal 1/k, plus one decode)",
+                "measured": fraction,
+                "threshold": CHUNKED_FIRST_CHUNK_SLACK * ideal,
+                "status": chunked_status,
+                "note": "" if fraction is None else f"ideal {ideal:.3f}",
             },
             {
                 "target": "diffusers: cleanup",

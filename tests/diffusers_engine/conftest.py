@@ -50,6 +50,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     )
 
 
+@pytest.fixture(scope="session")
+def helios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Chunk-autoregressive pipeline directories, by variant: ``base``
+    (HeliosPipeline), ``pyramid`` (HeliosPyramidPipeline), ``distilled`` (the pyramid
+    pipeline distilled, with HeliosDMDScheduler)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from trio_vstream.engines.diffusers.tiny import HELIOS_VARIANTS, build_helios
+
+    root = tmp_path_factory.mktemp("helios_models")
+    return {v: build_helios(root / f"Helios-tiny-{v}", variant=v) for v in HELIOS_VARIANTS}
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
     """Load engines as ``--engine diffusers`` does (CPU, 5-frame segments, one thread);

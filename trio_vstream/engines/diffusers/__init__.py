@@ -13,7 +13,11 @@ to the server as soon as it is decoded. With an image-to-video pipeline
 ``image=``) every segment after the first continues from the last frame of
 the previous one (whose copy, the new segment's first frame, is dropped);
 without one, segments are independent clips seeded ``seed + index``. A
-request's ``image_reference`` conditions the first segment.
+request's ``image_reference`` conditions the first segment. A
+chunk-autoregressive pipeline (Helios) is streamed chunk by chunk instead:
+each segment is one chunk of the model's own loop, continued from the
+session's history latents (``_history``), so the frames are exactly those
+of the pipeline's single call and sessions take turns at chunk boundaries.
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -34,7 +38,8 @@ session using it closes.
 Layout. This module holds the engine (request planning) and its factory; the
 private modules hold one concern each: ``_settings`` (engine args),
 ``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
-``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments).
+``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
+``_history`` (a chunk-autoregressive session's history).
 ``tiny`` builds tiny random pipelines for the tests and the benchmark.
 """
 
@@ -50,6 +55,8 @@ import torch
 
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.diffusers._history import ENGINE_SET_ARGS as CHUNK_LOOP_ARGS
+from trio_vstream.engines.diffusers._history import chunk_latent_frames
 from trio_vstream.engines.diffusers._loading import (
     PipelineInfo,
     check_pipeline_dir,
@@ -152,11 +159,27 @@ class DiffusersEngine:
         self.lock = SegmentLock()
         self.loras = LoraAdapters(self.lock)
         self.name = settings.name or settings.model.resolve().name or "diffusers"
+        self.chunked = model.streams_chunks
+        """One call per chunk, continued from the session's history latents (Helios)."""
+        if self.chunked and i2v is not None:
+            raise config_error(
+                f"i2v_model: {model.class_name} continues each chunk from its own history "
+                "latents and takes image_reference itself; leave i2v_model out"
+            )
         self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
+        if self.chunked:
+            self.continuation = None
         pipelines = [model] + ([i2v] if i2v is not None else [])
         self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
         self.frame_step = math.lcm(*(p.frame_step for p in pipelines))
-        if settings.segment_frames is not None:
+        if self.chunked:
+            segment = (chunk_latent_frames(model) - 1) * self.frame_step + 1
+            if settings.segment_frames not in (None, segment):
+                raise config_error(
+                    f"segment_frames: {model.class_name} makes {segment}-frame chunks, one per "
+                    f"call; leave segment_frames out or set it to {segment}"
+                )
+        elif settings.segment_frames is not None:
             segment = settings.segment_frames
             if (segment - 1) % self.frame_step:
                 raise config_error(
@@ -235,7 +258,14 @@ class DiffusersEngine:
         for info in used:
             call_kwargs[info.role]["height"] = request.height
             call_kwargs[info.role]["width"] = request.width
-        put("num_inference_steps", request.num_inference_steps, "num_inference_steps")
+        steps = request.num_inference_steps
+        stages = model.default("pyramid_num_inference_steps_list")
+        pyramid = isinstance(stages, list) and not model.accepts("num_inference_steps")
+        if steps is not None and pyramid:
+            # A pyramid pipeline (HeliosPyramidPipeline) counts steps per resolution stage.
+            put("pyramid_num_inference_steps_list", [steps] * len(stages), "num_inference_steps")
+        else:
+            put("num_inference_steps", steps, "num_inference_steps")
         put("guidance_scale", request.guidance_scale, "guidance_scale")
         put("true_cfg_scale", request.true_cfg_scale, "true_cfg_scale")
         if request.guidance_scale_2 is not None:
@@ -282,21 +312,21 @@ class DiffusersEngine:
                 problems.append(f"flow_shift is not supported by the scheduler ({names})")
 
         extra = dict(request.extra_params)
-        reserved = sorted(k for k in extra if k in _ENGINE_SET_ARGS)
+        engine_set = set(_ENGINE_SET_ARGS) | (set(CHUNK_LOOP_ARGS) if self.chunked else set())
+        reserved = sorted(k for k in extra if k in engine_set)
         if reserved:
             hints = [
-                f"{k} (use {_ENGINE_SET_ARGS[k]})" if _ENGINE_SET_ARGS[k] else k for k in reserved
+                f"{k} (use {_ENGINE_SET_ARGS[k]})" if _ENGINE_SET_ARGS.get(k) else k
+                for k in reserved
             ]
             problems.append(f"extra_params set by the engine: {', '.join(hints)}")
         unknown = sorted(
-            k
-            for k in extra
-            if k not in _ENGINE_SET_ARGS and not all(info.accepts(k) for info in used)
+            k for k in extra if k not in engine_set and not all(info.accepts(k) for info in used)
         )
         if unknown:
             problems.append(f"unknown extra_params for {model.class_name}: {', '.join(unknown)}")
         for key, value in extra.items():
-            if key not in _ENGINE_SET_ARGS and key not in unknown:
+            if key not in engine_set and key not in unknown:
                 for info in used:
                     call_kwargs[info.role][key] = value
 
@@ -321,6 +351,7 @@ class DiffusersEngine:
             first=first,
             following=following,
             continues=continuation is not None,
+            chunked=self.chunked,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,
             config_overrides=config_overrides,

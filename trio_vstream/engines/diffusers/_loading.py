@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
 from trio_vstream.video import VideoDefaults
 
@@ -159,6 +160,9 @@ class PipelineInfo:
     """Valid frame counts are ``frame_step * n + 1`` (1: any count)."""
     encode_params: frozenset[str] | None
     """``encode_prompt``'s parameters, or None when prompts go in as strings."""
+    streams_chunks: bool = False
+    """Whether ``__call__`` is chunk-autoregressive and takes its history back in
+    (Helios): then each call makes one chunk, continued from the session's history."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -237,6 +241,7 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         size_multiple=max(2, multiple),
         frame_step=max(1, int(temporal)),
         encode_params=encode_params,
+        streams_chunks=streams_chunks(params),
     )
 
 

@@ -5,6 +5,9 @@ Each ``next_chunk`` is one pipeline call of ``segment_frames`` frames under the 
 seeded ``seed + index``, a fresh scheduler, the session's LoRA, and a per-step callback
 that calls ``checkpoint()`` so a stop ends the call between steps, before the VAE
 decode. The frames come back as uint8 on the device and are copied to the host once.
+For a chunk-autoregressive pipeline (Helios) a segment is one chunk of the model's own
+loop, and `ChunkHistory` carries the session's history latents and generator into the
+next call instead of a frame.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     PromptChange,
 )
+from trio_vstream.engines.diffusers._history import ChunkHistory
 from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
 from trio_vstream.engines.diffusers._lora import LoadedLora
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
@@ -46,6 +50,9 @@ class StreamPlan:
     """Runs the segments after it."""
     continues: bool
     """Whether the following segments start from the previous segment's last frame."""
+    chunked: bool
+    """One call per chunk of a chunk-autoregressive pipeline, continued from the
+    session's history latents (`ChunkHistory`), not from a frame."""
     call_kwargs: Mapping[str, Mapping[str, Any]]
     """Per pipeline role: fixed call kwargs (size, steps, guidance, extra params)."""
     scheduler_overrides: Mapping[str, Any]
@@ -79,6 +86,9 @@ class DiffusersStream:
         self._frames_done = 0
         self._next_index = 0
         self._closed = False
+        self._history: ChunkHistory | None = None
+        if plan.chunked:
+            self._history = ChunkHistory(plan.first, plan.seed)
         self._image = None
         if request.image is not None:
             self._image = to_pil(request.image, request.width, request.height)
@@ -101,12 +111,16 @@ class DiffusersStream:
         conditioning = self._schedule.next_conditioning()
         if index == 0:
             info, image, continuing = plan.first, self._image, False
+        elif plan.chunked:
+            info, image, continuing = plan.following, None, False
         elif plan.continues:
             info, image, continuing = plan.following, self._last_frame, True
         else:
             info, image, continuing = plan.following, None, False
         needed = remaining + (1 if continuing else 0)
         count = min(plan.segment_frames, valid_frames(needed, plan.frame_step))
+        if plan.chunked:
+            count = plan.segment_frames  # a whole chunk, so its noise is the single call's
         video = self._generate(checkpoint, info, conditioning, count, image, index)
         frames = frames_to_uint8(video)
         del video
@@ -136,6 +150,8 @@ class DiffusersStream:
         self._closed = True
         self._embeddings.clear()
         self._last_frame = None
+        if self._history is not None:
+            self._history.clear()
         self._image = None
         if self._lora is not None:
             entry, self._lora = self._lora[0], None
@@ -157,18 +173,32 @@ class DiffusersStream:
         plan, request, engine = self._plan, self._request, self._engine
         kwargs: dict[str, Any] = dict(plan.call_kwargs[info.role])
         kwargs["num_frames"] = count
-        kwargs["generator"] = torch.Generator(device="cpu").manual_seed((plan.seed + index) % 2**64)
-        if image is not None:
-            kwargs["image"] = image
+        history = self._history
+        if history is None:
+            seed = (plan.seed + index) % 2**64
+            kwargs["generator"] = torch.Generator(device="cpu").manual_seed(seed)
+            if image is not None:
+                kwargs["image"] = image
+        made: list[torch.Tensor] = []  # the chunk's latents, for the history
         if info.accepts("output_type"):
             kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk
         with engine.lock.held(checkpoint):
 
             def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
                 checkpoint()  # raises when the session is over: no more steps, no decode
+                if history is not None:
+                    made[:] = [tensors["latents"]]  # after the last step: the chunk's latents
                 return tensors
 
             kwargs["callback_on_step_end"] = on_step_end
+            if history is not None:
+                kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+                if index == 0 and image is not None:
+                    checkpoint()  # the first frame's VAE encode
+                    history.start_from_image(
+                        info.pipe, image, height=request.height, width=request.width
+                    )
+                kwargs.update(history.call_kwargs())
             lora = self._lora
             engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
             kwargs.update(self._prompt_kwargs(info, conditioning))
@@ -182,6 +212,10 @@ class DiffusersStream:
                     info.class_name,
                 )
                 output = info.pipe(**kwargs)
+            if history is not None:
+                if not made:
+                    raise EngineError(f"{info.class_name} ran no denoising step")
+                history.record(made[0])
         video = getattr(output, "frames", None)
         if video is None:
             video = output[0]

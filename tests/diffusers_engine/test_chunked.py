@@ -1,0 +1,267 @@
+"""Chunk-autoregressive pipelines (Helios, its pyramid and distilled variants), streamed
+chunk by chunk: each ``next_chunk`` is one chunk of the model's own loop, and the frames,
+joined, are exactly those of the pipeline's single call."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.diffusers_engine.support import Stopped, no_stop, request, run_all
+from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
+from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.diffusers._stream import frames_to_uint8
+
+CHUNK = 33
+"""Frames per Helios chunk: 9 latent frames."""
+
+
+def helios_request(**fields: Any) -> Any:
+    """64x64 (the smallest the tiny Helios takes), one step (per pyramid stage)."""
+    values: dict[str, Any] = {"width": 64, "height": 64, "num_inference_steps": 1}
+    values.update(fields)
+    return request(**values)
+
+
+def single_call(pipe: Any, variant: str, *, num_frames: int, seed: int = 1, **kw: Any) -> Any:
+    """The pipeline's own output for the whole video, in one call, as uint8 frames."""
+    steps = {"num_inference_steps": 1} if variant == "base" else {}
+    if variant != "base":
+        steps = {"pyramid_num_inference_steps_list": [1, 1, 1]}
+    output = pipe(
+        prompt="a red fox in the snow",
+        height=64,
+        width=64,
+        num_frames=num_frames,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="pt",
+        **steps,
+        **kw,
+    )
+    return frames_to_uint8(output.frames).numpy()
+
+
+class Watch:
+    """Counts the real transformer calls and VAE decodes of a pipeline, keeping the
+    prompt embeddings each transformer call got."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.forwards = 0
+        self.decodes = 0
+        self.embeds: list[torch.Tensor] = []
+
+        def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            self.forwards += 1
+            self.embeds.append(kwargs["encoder_hidden_states"].detach().clone())
+
+        self._hook = pipe.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
+        decode = pipe.vae.decode
+
+        def counting_decode(*args: Any, **kwargs: Any) -> Any:
+            self.decodes += 1
+            return decode(*args, **kwargs)
+
+        pipe.vae.decode = counting_decode
+
+    def remove(self) -> None:
+        self._hook.remove()
+        del self.pipe.vae.decode
+
+
+@pytest.fixture
+def watch() -> Iterator[list[Watch]]:
+    """Watches to take off the shared pipelines after the test, whatever happens."""
+    watches: list[Watch] = []
+    yield watches
+    for w in watches:
+        w.remove()
+
+
+@pytest.mark.parametrize("variant", ["base", "pyramid", "distilled"])
+def test_streamed_chunks_equal_the_single_call(
+    variant: str, helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+) -> None:
+    engine = make_engine(helios[variant], segment_frames=str(CHUNK))
+    assert engine.chunked
+    pipe = engine.model.pipe
+    w = Watch(pipe)
+    watch.append(w)
+    frames = 97 if variant == "base" else 65  # three chunks; two where the loop is the same
+    stream = engine.open_stream(helios_request(num_frames=frames))
+    first = stream.next_chunk(no_stop)
+    # The first chunk is handed over after the first chunk's work only: one chunk's
+    # steps (pyramid: three stages of one step) and one decode, not the video's.
+    steps_per_chunk = 1 if variant == "base" else 3
+    assert (w.forwards, w.decodes) == (steps_per_chunk, 1)
+    chunks = [first, *run_all(stream)]
+    assert [c.frames.shape[0] for c in chunks] == {97: [33, 33, 31], 65: [33, 32]}[frames]
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    streamed = np.concatenate([c.frames for c in chunks])
+    reference = single_call(pipe, variant, num_frames=frames)
+    assert reference.shape == streamed.shape == (frames, 64, 64, 3)
+    np.testing.assert_array_equal(streamed, reference)  # exact: the same arithmetic
+
+
+def test_image_reference_streams_as_the_single_call(
+    helios: dict[str, Path], make_engine: Any
+) -> None:
+    from PIL import Image
+
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    image = (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)
+    chunks = run_all(engine.open_stream(helios_request(num_frames=65, image=image)))
+    streamed = np.concatenate([c.frames for c in chunks])
+    reference = single_call(engine.model.pipe, "base", num_frames=65, image=Image.fromarray(image))
+    np.testing.assert_array_equal(streamed, reference)
+    plain = run_all(engine.open_stream(helios_request(num_frames=65)))
+    assert not np.array_equal(np.concatenate([c.frames for c in plain]), streamed)
+
+
+def test_sessions_take_turns_at_chunk_boundaries_each_with_its_own_history(
+    helios: dict[str, Path], make_engine: Any
+) -> None:
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    a = engine.open_stream(helios_request(num_frames=65, seed=1))
+    b = engine.open_stream(helios_request(num_frames=65, seed=2))
+    try:
+        order = [a, b, a, b]
+        made = {id(a): [], id(b): []}
+        for stream in order:
+            made[id(stream)].append(stream.next_chunk(no_stop).frames)
+            assert not engine.lock.locked  # the pipeline is free between chunks
+        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
+    finally:
+        a.close()
+        b.close()
+    pipe = engine.model.pipe
+    for stream, seed in ((a, 1), (b, 2)):
+        reference = single_call(pipe, "base", num_frames=65, seed=seed)
+        np.testing.assert_array_equal(np.concatenate(made[id(stream)]), reference)
+
+
+def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
+    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+) -> None:
+    engine = make_engine(helios["pyramid"], segment_frames=str(CHUNK))
+    w = Watch(engine.model.pipe)
+    watch.append(w)
+    stream = engine.open_stream(helios_request(num_frames=99, num_inference_steps=2))
+    calls = 0
+    stop_at = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        if stop_at and calls >= stop_at:
+            raise Stopped
+
+    checkpoint = checkpoint_calling(step)
+    try:
+        assert stream.next_chunk(checkpoint) is not None
+        per_chunk = calls  # 1 before the call + 6 steps (3 stages of 2)
+        assert per_chunk == 7 and (w.forwards, w.decodes) == (6, 1)
+        stop_at = calls + 3  # the second chunk's third checkpoint: after its second step
+        with pytest.raises(Stopped):
+            stream.next_chunk(checkpoint)
+    finally:
+        stream.close()
+    assert w.forwards == 6 + 2  # no step after the stop
+    assert w.decodes == 1  # the stopped chunk was not decoded
+    assert not engine.lock.locked
+
+
+def test_interaction_blends_embeddings_from_the_next_chunk_on(
+    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+) -> None:
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    pipe = engine.model.pipe
+    w = Watch(pipe)
+    watch.append(w)
+    stream = engine.open_stream(helios_request(prompt="a red fox", num_frames=4 * CHUNK))
+    try:
+        stream.next_chunk(no_stop)
+        stream.interact(PromptChange("e1", "a blue whale", transition_chunks=2))
+        chunks = [stream.next_chunk(no_stop) for _ in range(3)]
+        assert stream.next_chunk(no_stop) is None
+    finally:
+        stream.close()
+
+    def encode(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return pipe.encode_prompt(
+                prompt=text, do_classifier_free_guidance=False, max_sequence_length=512
+            )[0]
+
+    fox, whale = encode("a red fox"), encode("a blue whale")
+    assert not torch.allclose(fox, whale)
+    expected = [fox, 0.5 * fox + 0.5 * whale, whale, whale]
+    assert len(w.embeds) == 4  # one step a chunk, no guidance
+    for used, target in zip(w.embeds, expected, strict=True):
+        torch.testing.assert_close(used, target, rtol=1e-5, atol=1e-6)
+    assert chunks[0].started_event_ids == ("e1",) and chunks[0].active_event_ids == ("e1",)
+    assert chunks[1].completed_event_ids == ("e1",)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every torch tensor alive in the process (CPU: the model's weights, the
+    session's history, anything leaked)."""
+    gc.collect()
+    total = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                total += obj.untyped_storage().nbytes()
+    return total
+
+
+def test_memory_stays_flat_over_many_chunks(helios: dict[str, Path], make_engine: Any) -> None:
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    chunks = 7
+    stream = engine.open_stream(helios_request(num_frames=chunks * CHUNK))
+    sizes: list[int] = []
+    held: list[int] = []
+    try:
+        for _ in range(chunks):
+            chunk = stream.next_chunk(no_stop)
+            assert chunk is not None and chunk.frames.shape[0] == CHUNK
+            del chunk
+            sizes.append(_live_tensor_bytes())
+            held.append(stream._history.held_latent_frames)
+        assert stream.next_chunk(no_stop) is None
+    finally:
+        stream.close()
+    assert held[:3] == [9, 18, 19] and set(held[2:]) == {19}  # the history window, no more
+    # From the third chunk on (the window is full), nothing grows, chunk after chunk: not
+    # even one latent frame's worth (a chunk adds nine to a history that is not trimmed).
+    latent_frame = 16 * 8 * 8 * 4  # channels x 8x8 x float32
+    assert max(sizes[2:]) - min(sizes[2:]) < latent_frame, sizes
+
+
+def test_chunk_loop_arguments_are_the_engines(helios: dict[str, Path], make_engine: Any) -> None:
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    with pytest.raises(InvalidRequestError, match=r"history_sizes.*video_latents"):
+        engine.open_stream(
+            helios_request(extra_params={"video_latents": None, "history_sizes": [8, 2, 1]})
+        )
+    with pytest.raises(EngineConfigError, match="33-frame chunks"):
+        make_engine(helios["base"], segment_frames="17")
+
+
+def test_pyramid_steps_are_per_stage(
+    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+) -> None:
+    engine = make_engine(helios["distilled"], segment_frames=str(CHUNK))
+    w = Watch(engine.model.pipe)
+    watch.append(w)
+    run_all(engine.open_stream(helios_request(num_frames=CHUNK, num_inference_steps=2)))
+    assert w.forwards == 3 * 2

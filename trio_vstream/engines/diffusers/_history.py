@@ -1,0 +1,171 @@
+"""`ChunkHistory`: one session's state for a chunk-autoregressive pipeline (Helios).
+
+Helios makes a video in chunks of ``num_latent_frames_per_chunk`` latent frames, each
+conditioned on the last ``sum(history_sizes)`` latent frames made before it and on the
+first frame's latent, and each decoded on its own. Its ``__call__`` runs every chunk of
+a video in one call, which would hold the shared pipeline for a whole video and hand
+the frames over only at its end. So the engine calls it once per chunk instead, with the
+history passed back in through the call's own continuation arguments (``video_latents``
+for the history, ``image_latents`` for the first frame's latent, their noising turned
+off: they are the model's own clean latents, as inside one call). One generator per
+session carries on from call to call, drawing what one long call would draw, in the same
+order; so the frames are exactly those of the single call (tested).
+
+The history kept is the pipeline's fixed window, whatever the video's length: memory
+stays flat over any number of chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers._loading import PipelineInfo
+
+HISTORY_ARGS: tuple[str, ...] = (
+    "video_latents",
+    "image_latents",
+    "add_noise_to_video_latents",
+    "add_noise_to_image_latents",
+    "history_sizes",
+    "num_latent_frames_per_chunk",
+)
+"""What a pipeline's ``__call__`` must take for the engine to stream it chunk by chunk."""
+
+ENGINE_SET_ARGS: tuple[str, ...] = (
+    *HISTORY_ARGS,
+    "fake_image_latents",
+    "keep_first_frame",
+    "is_skip_first_chunk",
+    "image_noise_sigma_min",
+    "image_noise_sigma_max",
+    "video_noise_sigma_min",
+    "video_noise_sigma_max",
+)
+"""Chunk-loop arguments a request may not set: the engine sets them, or relies on their
+defaults, to carry one chunk's state into the next call."""
+
+
+def streams_chunks(params: Collection[str]) -> bool:
+    """Whether a ``__call__`` with these parameters is chunk-autoregressive (Helios's
+    signature): then the engine calls it once per chunk with the history passed in."""
+    return all(name in params for name in HISTORY_ARGS)
+
+
+def chunk_latent_frames(info: PipelineInfo) -> int:
+    """Latent frames per chunk: the pipeline's own default (9 for Helios)."""
+    value = info.default("num_latent_frames_per_chunk")
+    return int(value) if isinstance(value, int) and value > 0 else 9
+
+
+def history_latent_frames(info: PipelineInfo) -> int:
+    """How many latent frames of history a chunk sees: ``sum(history_sizes)`` (19)."""
+    sizes = info.default("history_sizes")
+    if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(s, int) for s in sizes):
+        return int(sum(sizes))
+    return 19
+
+
+class ChunkHistory:
+    """The latents one session's next chunk is conditioned on, and its generator."""
+
+    def __init__(self, info: PipelineInfo, seed: int) -> None:
+        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        """One for the whole session: the next chunk draws what the single call would."""
+        self._window = history_latent_frames(info)
+        self._chunk_latents = chunk_latent_frames(info)
+        self._amplified_first = info.accepts("is_amplify_first_chunk")
+        self._history: torch.Tensor | None = None
+        self._first: torch.Tensor | None = None
+        self._image_noised: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.chunks = 0
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The continuation arguments of the next chunk's call."""
+        kwargs: dict[str, Any] = {"generator": self.generator}
+        if self.chunks == 0:
+            if self._image_noised is not None:
+                image_latents, fake = self._image_noised
+                kwargs["image_latents"] = image_latents
+                kwargs["fake_image_latents"] = fake
+                kwargs["add_noise_to_image_latents"] = False
+            return kwargs
+        kwargs["video_latents"] = self._history
+        kwargs["image_latents"] = self._first
+        kwargs["add_noise_to_video_latents"] = False
+        kwargs["add_noise_to_image_latents"] = False
+        if self._amplified_first:
+            kwargs["is_amplify_first_chunk"] = False  # only the video's first chunk is
+        return kwargs
+
+    def record(self, latents: torch.Tensor) -> None:
+        """Take in the chunk just made: the history keeps its last window, no more."""
+        if self._first is None:
+            self._first = latents[:, :, 0:1].clone()  # keep_first_frame, as the call does
+        joined = latents if self._history is None else torch.cat([self._history, latents], dim=2)
+        self._history = joined[:, :, -self._window :].clone()
+        self._image_noised = None
+        self.chunks += 1
+
+    def start_from_image(self, pipe: Any, image: Any, *, height: int, width: int) -> None:
+        """Encode and noise a first frame (``image_reference``) as the call would, so the
+        noised latents can be passed in and kept for the following chunks.
+
+        The call noises them itself but keeps them to itself; done here, with the same
+        generator in the same order, the first chunk sees what it would have seen.
+        """
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width)
+        vae = pipe.vae
+        device = pipe._execution_device
+        z_dim = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(
+            device, vae.dtype
+        )
+        with torch.no_grad():
+            image_latents, fake = pipe.prepare_image_latents(
+                pixels,
+                latents_mean=mean,
+                latents_std=inv_std,
+                num_latent_frames_per_chunk=self._chunk_latents,
+                dtype=torch.float32,
+                device=device,
+                generator=self.generator,
+            )
+        image_latents = _noised(image_latents, self.generator, device, (0.111, 0.135))
+        fake = _noised(fake, self.generator, device, (0.111, 0.135))
+        self._image_noised = (image_latents, fake)
+        self._first = image_latents
+        # The call puts the fake latent at the end of its zero history.
+        self._history = fake
+
+    def clear(self) -> None:
+        """Drop the tensors (the stream is closing)."""
+        self._history = None
+        self._first = None
+        self._image_noised = None
+
+    @property
+    def held_latent_frames(self) -> int:
+        """Latent frames of history held now; bounded by the window (for tests)."""
+        return 0 if self._history is None else int(self._history.shape[2])
+
+
+def _noised(
+    latents: torch.Tensor,
+    generator: torch.Generator,
+    device: torch.device,
+    sigma_range: tuple[float, float],
+) -> torch.Tensor:
+    """``sigma * noise + (1 - sigma) * latents``, sigma drawn in ``sigma_range``: the
+    call's own image noising (``image_noise_sigma_*`` and ``video_noise_sigma_*`` keep
+    their defaults; a request may not set them for a chunk-streamed pipeline)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    low, high = sigma_range
+    sigma = torch.rand(1, device=device, generator=generator) * (high - low) + low
+    noise = randn_tensor(latents.shape, generator=generator, device=device)
+    return sigma * noise + (1 - sigma) * latents
