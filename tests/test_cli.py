@@ -177,6 +177,15 @@ def test_sigint_with_no_sessions_exits_zero(
         (["--engine", "synthetic", "--engine-arg", "colour=red"], "unknown engine arg(s) colour"),
         (["--engine-arg", "novalue"], "expected KEY=VALUE"),
         (["--max-sessions", "0"], "must be > 0"),
+        (
+            ["--allow-image-urls", "https://images.example.org"],
+            "--allow-image-urls: 'https://images.example.org' is not a host name",
+        ),
+        (["--allow-image-urls", "*.example.org"], "'*.example.org' is not a host name"),
+        (["--allow-image-urls", "example.org:443"], "'example.org:443' is not a host name"),
+        (["--allow-image-urls"], "expected at least one argument"),
+        (["--image-url-max-bytes", "0"], "must be > 0"),
+        (["--image-url-max-redirects", "-1"], "must be >= 0"),
     ],
 )
 def test_bad_arguments_fail_with_a_clear_message(args: list[str], message: str) -> None:
@@ -188,6 +197,66 @@ def test_bad_arguments_fail_with_a_clear_message(args: list[str], message: str) 
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_image_urls_are_off_unless_hosts_are_listed() -> None:
+    from trio_vstream.cli import build_parser, image_url_config
+    from trio_vstream.image_fetch import ImageFetchConfig, public_addresses_only
+
+    default = image_url_config(build_parser().parse_args(["serve"]))
+    assert default == ImageFetchConfig() and not default.enabled
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--allow-image-urls",
+            "Images.Example.org",
+            "cdn.example.org.,[2001:db8::1]",
+            "--allow-image-urls",
+            "192.0.2.7",
+            "--image-url-max-bytes",
+            "1000",
+            "--image-url-timeout",
+            "2.5",
+            "--image-url-max-redirects",
+            "0",
+        ]
+    )
+    config = image_url_config(args)
+    assert config.allowed_hosts == {
+        "images.example.org",
+        "cdn.example.org",
+        "2001:db8::1",
+        "192.0.2.7",
+    }
+    assert (config.max_bytes, config.timeout, config.max_redirects) == (1000, 2.5, 0)
+    # The command line never touches the test-only injection points.
+    assert config.ssl_context is None and config.address_policy is public_addresses_only
+
+
+async def test_the_server_refuses_image_urls_it_may_not_fetch() -> None:
+    """Through a real process: a listed host that is loopback is still refused, and so
+    is any host not listed, each with its reason."""
+
+    async def error_for(url: str, image_url: str) -> dict[str, Any]:
+        start = {
+            "type": "session.start",
+            "prompt": "a red circle",
+            "size": "64x48",
+            "num_frames": 2,
+            "image_reference": {"image_url": image_url},
+        }
+        async with open_websocket_url(url) as ws:
+            await ws.send_message(json.dumps(start))
+            return json.loads(await ws.get_message())
+
+    with serving("--engine", "synthetic", "--allow-image-urls", "localhost") as (_, url, _):
+        with trio.fail_after(30):
+            loopback = await error_for(url, "https://localhost:9/x.png")
+            unlisted = await error_for(url, "https://example.org/x.png")
+    assert loopback["code"] == unlisted["code"] == "invalid_request"
+    assert "'localhost' resolves to" in loopback["message"]
+    assert "a loopback address" in loopback["message"]
+    assert "its host 'example.org' is not one this server fetches from" in unlisted["message"]
 
 
 def test_custom_engine_factory_by_module_path() -> None:

@@ -702,3 +702,13 @@ async def test_interactions_after_a_stop_are_reported_as_not_sent(nursery: trio.
         'warning: interaction-1 "later" (at 3 s) not sent: the session was stopped at 0.25 s'
     ]
     assert result.interactions[0].not_sent == "the session was stopped at 0.25 s"
+
+
+def test_a_scheduled_interaction_needs_a_prompt_or_a_camera() -> None:
+    from trio_vstream.video import Camera
+
+    with pytest.raises(ValueError, match="a prompt, a camera, or both"):
+        ScheduledInteraction(at=1.0)
+    camera = Camera("velocity", (0.0, 0.0, 0.05), (0.0, 0.0, 0.0, 1.0))
+    both = ScheduledInteraction(at=1.0, prompt="a road", camera=camera)
+    assert both.describe() == '"a road" + camera velocity:0,0,0.05:0,0,0,1'

@@ -431,3 +431,117 @@ def test_param_values_are_json_when_they_parse() -> None:
     assert _param('extra_params={"a": [1]}') == ("extra_params", {"a": [1]})
     assert _param("guidance_scale=NaN") == ("guidance_scale", "NaN")  # not JSON
     assert _param("note=a=b") == ("note", "a=b")
+
+
+# ---------------------------------------------------------------- cameras (issue 15)
+
+
+def test_camera_flag_parses_mode_translation_and_rotation() -> None:
+    from trio_vstream.client._cli import _camera
+    from trio_vstream.video import Camera
+
+    assert _camera("2:velocity:0,0,0.05") == (
+        2.0,
+        Camera("velocity", (0.0, 0.0, 0.05), (0.0, 0.0, 0.0, 1.0)),
+    )
+    assert _camera("0.5:target:1,-2,3:0,1,0,0") == (
+        0.5,
+        Camera("target", (1.0, -2.0, 3.0), (0.0, 1.0, 0.0, 0.0)),
+    )
+
+
+def test_keys_flag_is_vllm_omnis_wasd_mapping() -> None:
+    from trio_vstream.client._cli import _keys
+    from trio_vstream.protocol import key_velocity
+
+    assert _keys("1.5:w") == (1.5, key_velocity([{"w"}]))
+    assert _keys("3:WJ") == (3.0, key_velocity([{"w", "j"}]))
+    assert _keys("4:-")[1].translation == (0.0, 0.0, 0.0)  # none held: a still camera
+    assert _keys("4:-")[1].rotation == (0.0, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--camera", "2:velocity", "expected SECONDS:MODE:X,Y,Z"),
+        ("--camera", "-1:velocity:0,0,1", "expected SECONDS:MODE:X,Y,Z"),
+        ("--camera", "nan:velocity:0,0,1", "expected SECONDS:MODE:X,Y,Z"),
+        ("--camera", "2:spin:0,0,1", "MODE must be target or velocity, got 'spin'"),
+        ("--camera", "2:velocity:0,0", "the translation X,Y,Z must be 3 numbers"),
+        ("--camera", "2:velocity:0,0,x", "the translation X,Y,Z must be 3 finite numbers"),
+        ("--camera", "2:velocity:0,0,inf", "the translation X,Y,Z must be 3 finite numbers"),
+        ("--camera", "2:velocity:0,0,1:0,0,1", "the rotation QX,QY,QZ,QW must be 4 numbers"),
+        ("--camera", "2:velocity:0,0,1:0,0,0,2", "must be a unit quaternion"),
+        ("--camera", "2:velocity:0,0,1:0:0", "expected SECONDS:MODE:X,Y,Z"),
+        ("--keys", "2:wx", "expected SECONDS:KEYS"),
+        ("--keys", "2:", "expected SECONDS:KEYS"),
+        ("--keys", "w", "expected SECONDS:KEYS"),
+        ("--keys", "-3:w", "expected SECONDS:KEYS"),
+    ],
+)
+def test_camera_usage_errors_exit_2_and_name_the_problem(
+    flag: str,
+    value: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        # FLAG=VALUE: a negative time would otherwise read as an option to argparse.
+        sys.exit(cli.main(["client", "x", "-o", "o.mp4", f"{flag}={value}"]))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and message in err
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_cli_sends_cameras_at_their_media_time(start_server: Any, tmp_path: Path) -> None:
+    from tests.test_server_camera import CameraEngine
+    from trio_vstream.protocol import key_velocity
+    from trio_vstream.video import Camera
+
+    running = await start_server(
+        SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2), engine_class=CameraEngine
+    )
+    run = await run_cli(
+        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "c.mp4"), "--json",
+        "--num-frames", "30", "--keys", "0.1:wl", "--camera", "0.2:target:1,2,3:0,1,0,0",
+        "--interact", "0.15:a blue one",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    interactions = run.summary["interactions"]
+    forward_right = key_velocity([{"w", "l"}])
+    assert [(i["event_id"], i["prompt"], i["queued"]) for i in interactions] == [
+        ("interaction-1", None, True),
+        ("interaction-2", "a blue one", True),
+        ("interaction-3", None, True),
+    ]
+    assert interactions[2]["camera"] == {
+        "mode": "target",
+        "data": {"translation": [1.0, 2.0, 3.0], "rotation": [0.0, 1.0, 0.0, 0.0]},
+    }
+    changes = running.engine.streams[0].changes
+    assert [(c.event_id, c.prompt, c.camera) for c in changes] == [
+        ("interaction-1", None, forward_right),
+        ("interaction-2", "a blue one", None),
+        ("interaction-3", None, Camera("target", (1.0, 2.0, 3.0), (0.0, 1.0, 0.0, 0.0))),
+    ]
+    assert all(i["started_in_chunk"] is not None for i in interactions)
+
+
+async def test_cli_camera_refused_by_a_prompt_only_engine_is_a_warning(
+    start_server: Any, tmp_path: Path
+) -> None:
+    running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
+    run = await run_cli(
+        tmp_path, "a red circle", "--url", running.url, "-o", str(tmp_path / "c.mp4"),
+        "--num-frames", "16", "--keys", "0.1:w",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert (
+        "warning: interaction-1 camera velocity:0,0,0.05:0,0,0,1 (at 0.1 s) rejected by the "
+        "server: interaction_failed: this engine takes no camera interactions (it takes: prompt)"
+    ) in run.stderr
+    assert running.engine.streams[0].changes == []

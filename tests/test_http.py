@@ -214,6 +214,7 @@ async def test_models_lists_the_served_model_with_defaults_and_limits(start_serv
     assert extension["limits"]["max_width"] == 1920
     assert extension["limits"]["max_control_bytes"] == 128 * 1024
     assert extension["interaction_kinds"] == ["prompt"]
+    assert extension["max_batch"] == 1  # the synthetic engine steps each session alone
 
 
 class _CameraEngine(InstrumentedEngine):

@@ -159,3 +159,40 @@ def test_prompt_only_wire_text_is_unchanged() -> None:
     assert interaction_message("a dog", event_id="e1") == (
         '{"type":"session.interaction","interaction":{"event_id":"e1","event":{"prompt":"a dog"}}}'
     )
+
+
+# ------------------------------------------------------ the client's side: ClientProtocol
+
+
+def streaming_client() -> Any:
+    from trio_vstream.protocol import ClientProtocol
+
+    machine = ClientProtocol()
+    machine.start(prompt="a road")
+    machine.receive('{"type":"video.start","request_id":"r","format":"m4s","config":{}}')
+    return machine
+
+
+def test_client_protocol_sends_a_camera_with_or_without_a_prompt() -> None:
+    machine = streaming_client()
+    camera = Camera("velocity", (0.0, 0.0, 0.05), (0.0, 0.0, 0.0, 1.0))
+    alone = machine.interact(camera=camera, event_id="c1")
+    data = {"translation": [0.0, 0.0, 0.05], "rotation": [0.0, 0.0, 0.0, 1.0]}
+    event = {"multi_modal_data": {"camera": {"mode": "velocity", "data": data}}}
+    assert json.loads(alone) == {
+        "type": "session.interaction",
+        "interaction": {"event_id": "c1", "event": event},
+    }
+    assert parse_control(alone) == Interaction("c1", None, None, camera)
+    both = machine.interact("a forest", transition_chunks=2, camera=camera)
+    assert parse_control(both) == Interaction(None, "a forest", 2, camera)
+    # Prompt-only interactions are byte for byte what they were.
+    assert machine.interact("a dog", event_id="e1") == interaction_message("a dog", "e1")
+
+
+def test_client_protocol_refuses_an_interaction_with_neither() -> None:
+    machine = streaming_client()
+    with pytest.raises(ValueError, match="a prompt, a camera, or both"):
+        machine.interact()
+    with pytest.raises(ValueError):
+        machine.interact(None, event_id="e1", transition_chunks=1)

@@ -13,6 +13,7 @@ from trio_vstream.protocol import (
     Error,
     ErrorCode,
     ImageInput,
+    ImageURL,
     Limits,
     ProtocolError,
     SessionStart,
@@ -693,7 +694,7 @@ def test_data_url_with_parameters() -> None:
     "url",
     [
         "http://example.com/cat.png",
-        "https://example.com/cat.png",
+        "ftp://example.com/cat.png",
         "file:///etc/passwd",
         "/etc/passwd",
         "cat.png",
@@ -703,9 +704,43 @@ def test_data_url_with_parameters() -> None:
 def test_only_data_urls_are_accepted(url: str) -> None:
     message = invalid_request(image_reference={"image_url": url})
     assert message.startswith(
-        "image_reference.image_url must be a data:image/<type>;base64,<data> URL "
-        "(remote URLs and file paths are not fetched)"
+        "image_reference.image_url must be a data:image/<type>;base64,<data> URL or an "
+        "https:// URL (other URLs and file paths are not fetched)"
     )
+
+
+def test_an_https_url_is_parsed_not_fetched() -> None:
+    """Whether it is fetched is the server's choice (trio_vstream.image_fetch)."""
+    url = "https://Images.Example.org.:8443/cats/1.png?size=big#top"
+    result = start_ok(start(image_reference={"image_url": url}))
+    assert result.image == ImageURL(
+        url=url, host="images.example.org", port=8443, target="/cats/1.png?size=big"
+    )
+    assert isinstance(result.image, ImageURL)
+    assert result.image.authority == "images.example.org:8443"
+    assert result.config["image_reference"] == {"image_url": url}
+    v6 = ImageURL.parse("HTTPS://[2001:DB8::1]")
+    assert (v6.host, v6.port, v6.target, v6.authority) == ("2001:db8::1", 443, "/", "[2001:db8::1]")
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("https://user:pw@example.com/x.png", "must not hold a user name or password"),
+        ("https://example.com:99999/x.png", "has an invalid port"),
+        ("https://example.com:0/x.png", "has an invalid port"),
+        ("https:///x.png", "has no host"),
+        ("https://exa mple.com/x.png", "holds spaces or control characters"),
+        ("https://example.com/x.png\r\nX-Evil: 1", "holds spaces or control characters"),
+        ("https://bücher.example/x.png", "holds non-ASCII characters (percent-encode them)"),
+        ("https://-bad-.example/x.png", "has an invalid host name"),
+        ("https://[not-v6]/x.png", "is not a valid URL"),
+        ("https://example.com/" + "a" * 2048, "is longer than 2048 characters"),
+    ],
+)
+def test_bad_https_urls(url: str, reason: str) -> None:
+    message = invalid_request(image_reference={"image_url": url})
+    assert message.startswith(f"image_reference.image_url {reason}, got "), message
 
 
 @pytest.mark.parametrize(
@@ -734,7 +769,7 @@ def test_bad_data_urls(url: str, expected: str) -> None:
 
 def test_file_id_is_refused() -> None:
     assert invalid_request(image_reference={"file_id": "file-123"}) == (
-        "image_reference.file_id is not supported: only image_url data URLs are supported"
+        "image_reference.file_id is not supported: use image_url (a data: or https:// URL)"
     )
 
 

@@ -18,6 +18,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    checkpoint_calling,
     frames_to_uint8_array,
 )
 from trio_vstream.engines.shapes import ShapesEngine, create_engine, default_weights_path
@@ -100,7 +101,7 @@ def test_cancellation_mid_sampling_stops_within_one_step(engine: ShapesEngine) -
     try:
         stream = engine.open_stream(request(num_inference_steps=8))
         with pytest.raises(Stop):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(checkpoint_calling(checkpoint))
         stream.close()
     finally:
         hook.remove()

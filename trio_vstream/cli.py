@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import ipaddress
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from trio_vstream import access, memory, protocol
+from trio_vstream import access, image_fetch, memory, protocol
 from trio_vstream.client import add_client_arguments, run_client
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
@@ -46,6 +49,16 @@ def _positive(kind: type[int] | type[float]):  # type: ignore[no-untyped-def]
         return value
 
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +180,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="the certificate's private key (if not in the certificate file)",
     )
+    fetching = image_fetch.ImageFetchConfig()
+    parser.add_argument(
+        "--allow-image-urls",
+        dest="image_url_hosts",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="HOST",
+        help="fetch session.start image_reference https:// URLs from these hosts only (exact "
+        "names; repeatable). Off by default: a server that fetches URLs its clients name can be "
+        "made to reach internal services; non-public addresses are always refused",
+    )
+    parser.add_argument(
+        "--image-url-max-bytes",
+        type=_positive(int),
+        default=fetching.max_bytes,
+        help="largest image fetched from a URL (default %(default)s)",
+    )
+    parser.add_argument(
+        "--image-url-timeout",
+        type=_positive(float),
+        default=fetching.timeout,
+        help="seconds for the whole fetch of an image URL, redirects included "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--image-url-max-redirects",
+        type=_non_negative_int,
+        default=fetching.max_redirects,
+        help="redirects followed, each to an allowed host (default %(default)s)",
+    )
     for name, help_text in (
         ("max_width", "largest width accepted"),
         ("max_height", "largest height accepted"),
@@ -228,6 +272,33 @@ def access_policy(args: argparse.Namespace) -> access.AccessPolicy:
     return access.AccessPolicy(api_keys=tuple(dict.fromkeys(keys)), allowed_origins=tuple(origins))
 
 
+def image_url_config(args: argparse.Namespace) -> image_fetch.ImageFetchConfig:
+    """What ``--allow-image-urls`` and its limits ask for; raises ``ValueError`` on a host
+    that is not a bare name or address (a scheme, port, path or wildcard would never match
+    a URL's host, and the operator would wonder why nothing is fetched)."""
+    hosts: list[str] = []
+    for entry in args.image_url_hosts:
+        for host in filter(None, (part.strip() for part in entry.split(","))):
+            with contextlib.suppress(ValueError):  # an IP address, brackets optional for v6
+                hosts.append(str(ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))))
+                continue
+            try:
+                parsed = protocol.ImageURL.parse(f"https://{host}/")
+            except ValueError:
+                parsed = None
+            if parsed is None or not re.fullmatch(r"[A-Za-z0-9._-]+", host):
+                raise ValueError(
+                    f"--allow-image-urls: {host!r} is not a host name like images.example.org"
+                )
+            hosts.append(parsed.host)
+    return image_fetch.ImageFetchConfig(
+        allowed_hosts=frozenset(hosts),
+        max_bytes=args.image_url_max_bytes,
+        timeout=args.image_url_timeout,
+        max_redirects=args.image_url_max_redirects,
+    )
+
+
 def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     if args.ssl_certfile is None:
         if args.ssl_keyfile is not None:
@@ -248,6 +319,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         policy = access_policy(args)
         context = tls_context(args)
+        image_urls = image_url_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -278,6 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
             stall_timeout=args.stall_timeout,
             limits=limits,
             served_model=args.model or engine.name,
+            image_urls=image_urls,
         ),
     )
     # Everything loaded so far lives as long as the process: keep the garbage
@@ -308,6 +381,11 @@ async def _serve_until_signalled(engine: Engine, config: ServerConfig) -> None:
             print(f"trio_vstream serving {server.url} (engine: {engine.name})", flush=True)
             if config.access.needs_key:
                 logger.info("API keys required: %d configured", len(config.access.api_keys))
+            if config.session.image_urls.enabled:
+                logger.info(
+                    "image_reference URLs fetched from: %s",
+                    ", ".join(sorted(config.session.image_urls.allowed_hosts)),
+                )
             async for signum in signals:
                 if server.shutting_down:
                     logger.warning("%s again: stopping now", signal.Signals(signum).name)

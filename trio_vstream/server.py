@@ -33,7 +33,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
 from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol
-from trio_vstream.engines.base import Engine, interaction_kinds
+from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
     Outcome,
@@ -43,6 +43,7 @@ from trio_vstream.session import (
     SessionConfig,
     SessionSummary,
 )
+from trio_vstream.steps import EngineProgress, StepBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,18 @@ class VideoServer:
         steps = engine.max_concurrent_steps
         self.metrics = metrics.ServerMetrics(self.served_model)
         self._started_at = int(time.time())
+        progress = EngineProgress()
+        batch = max_batch(engine)
+        # A batching engine's steps all go through its batcher, one batch at a time:
+        # step slots on top would only make sessions wait for each other's turns.
+        self.batcher = StepBatcher(batch, progress) if batch > 1 else None
         self._resources = ServerResources(
             engine=engine,
             config=config.session,
             stats=self.stats,
-            step_limiter=trio.CapacityLimiter(steps) if steps else None,
+            step_limiter=trio.CapacityLimiter(steps) if steps and not self.batcher else None,
+            engine_progress=progress,
+            batcher=self.batcher,
             # Each session runs at most two blocking calls at once (engine, encoder).
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
@@ -153,6 +161,8 @@ class VideoServer:
             )
             self.port = listeners[0].socket.getsockname()[1]
             listener.start_soon(self._return_memory_when_idle)
+            if self.batcher is not None:  # lives as long as the sessions it serves
+                handlers.start_soon(self.batcher.run)
             logger.info("serving %s with engine %s", self.url, self.engine.name)
             task_status.started(self)
             await self._shutdown_requested.wait()
@@ -337,6 +347,7 @@ class VideoServer:
                         "video_defaults": attrs.asdict(defaults),
                         "limits": attrs.asdict(self.config.session.limits),
                         "interaction_kinds": sorted(interaction_kinds(self.engine)),
+                        "max_batch": self.batcher.max_batch if self.batcher else 1,
                     },
                 }
             ],
@@ -355,6 +366,8 @@ class VideoServer:
             "streams_open": stats.streams_open,
             "worker_threads": stats.worker_threads,
             "chunks_sent": stats.chunks_sent,
+            "batches": self.batcher.batches if self.batcher else 0,
+            "batch_rows": self.batcher.rows if self.batcher else 0,
             "threads_alive": threading.active_count(),
             "rss_bytes": _rss_bytes(),
             "recent_sessions": [attrs.asdict(s, value_serializer=_jsonable) for s in self._recent],

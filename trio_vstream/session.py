@@ -77,9 +77,10 @@ from trio_vstream.engines.base import (
     frames_to_uint8_array,
     interaction_kinds,
 )
+from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
-from trio_vstream.steps import EngineProgress, SessionCheckpoint
+from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class SessionConfig:
     """How long to wait for a last message to go out and for the client's close reply."""
     limits: protocol.Limits = protocol.DEFAULT_LIMITS
     served_model: str | None = None
+    image_urls: ImageFetchConfig = attrs.field(factory=ImageFetchConfig)
+    """Whether (off by default), from where and how ``image_reference`` https URLs are fetched."""
 
 
 class Outcome(enum.Enum):
@@ -166,6 +169,8 @@ class ServerResources:
     encode_limiter: trio.CapacityLimiter
     engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
     metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
+    batcher: StepBatcher | None = None
+    """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
 
 
 class Session:
@@ -196,7 +201,7 @@ class Session:
         self._stream: EngineStream | None = None
         self._encoder: FragmentedMP4Encoder | None = None
         self._checkpoint = SessionCheckpoint(
-            resources.step_limiter, resources.engine_progress, self._touch
+            resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
         self._event_ids: set[str] = set()
         self._chunks_sent = 0
@@ -209,6 +214,8 @@ class Session:
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
         self._pacing: protocol.Pacing | None = None
+        self._scripted: dict[int, list[PromptChange]] = {}
+        """``extra_params.camera_action_script``'s cameras, by the chunk they go before."""
         self._media_clock: float | None = None
         """Trio time at which the video's media time 0 was (or would have been) sent."""
 
@@ -390,10 +397,20 @@ class Session:
         codec_options = extra.pop("video_codec_options", None)
         for key in protocol.PACING_PARAMS:  # the server paces, never the engine
             extra.pop(key, None)
+        extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
+        self._script_cameras(start.camera_script)
         image: np.ndarray | None = None
         if start.image is not None:
+            source = start.image
+            if isinstance(source, protocol.ImageURL):  # cancelled with the session
+                try:
+                    source = await fetch_image(source, self._config.image_urls)
+                except ImageFetchError as exc:
+                    raise _Failure(
+                        ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}"
+                    ) from exc
             try:
-                image = await self._in_thread(decode_image, start.image.data)
+                image = await self._in_thread(decode_image, source.data)
             except EncodingError as exc:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
@@ -440,6 +457,30 @@ class Session:
             raise _Failure(ErrorCode.GENERATION_FAILED, _describe(exc)) from exc
         self._res.stats.streams_open += 1
         return generation_request
+
+    def _script_cameras(self, script: tuple[protocol.ScriptedCamera, ...]) -> None:
+        """Turn a camera script into the changes `_generate_chunks` hands the engine.
+
+        Each goes in as the camera interaction a client could have sent before that
+        chunk, with the server's event id ``script-<chunk index>``: reserved here, so a
+        client that sends one gets ``event_id_conflict``, and the ids the server mints
+        for clients (uuid hex) never look like one. An engine that takes no cameras
+        refuses the start: silently dropping the script would be a different video.
+        """
+        if not script:
+            return
+        takes = interaction_kinds(self._res.engine)
+        if "camera" not in takes:
+            raise _Failure(
+                ErrorCode.INVALID_REQUEST,
+                f"Invalid session.start: extra_params.{protocol.CAMERA_SCRIPT_PARAM}: this "
+                f"engine takes no camera interactions (it takes: {', '.join(sorted(takes))})",
+            )
+        for entry in script:
+            event_id = f"script-{entry.chunk_index}"
+            self._event_ids.add(event_id)
+            change = PromptChange(event_id, None, 0, entry.camera)
+            self._scripted.setdefault(entry.chunk_index, []).append(change)
 
     # --------------------------------------------------------- receive loop
 
@@ -557,9 +598,13 @@ class Session:
     async def _generate_chunks(
         self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
     ) -> None:
+        index = 0  # of the chunk about to be generated
         while True:
             began = trio.current_time()
             try:
+                # A camera script's entries for this chunk, queued at its boundary.
+                for change in self._scripted.pop(index, ()):
+                    stream.interact(change)
                 chunk = await self._in_thread(stream.next_chunk, self._checkpoint)
             except trio.Cancelled:
                 raise
@@ -574,6 +619,7 @@ class Session:
                 # shutdown no longer interrupts.
                 self._generated_all = True
                 return
+            index += 1
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()

@@ -6,16 +6,24 @@ session's engine is stopped (within one step), where sessions take turns on
 the engine's step slots, and where progress is recorded for the stall guard.
 `EngineProgress` carries that progress to the sessions queued behind others,
 so that waiting in line is never mistaken for a hang.
+
+For an engine that batches (``max_batch`` > 1), `StepBatcher` is the one task
+that runs its steps: each session's worker thread hands its row over and waits
+for its own result, so a session's generation loop still awaits its own chunk,
+while the batcher runs the rows of every session that is stepping as one call.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import attrs
 import trio
 
-from trio_vstream.engines.base import Checkpoint
+from trio_vstream.engines.base import Checkpoint, EngineError, In, Out, RunBatch, batch_result
 
 
 class EngineProgress:
@@ -67,10 +75,12 @@ class SessionCheckpoint(Checkpoint):
         limiter: trio.CapacityLimiter | None,
         progress: EngineProgress,
         on_progress: Callable[[], None],
+        batcher: StepBatcher | None = None,
     ) -> None:
         self._limiter = limiter
         self._progress = progress
         self._on_progress = on_progress
+        self._batcher = batcher
         self._holding = False
         self._waited = 0.0
         self._waiting_since: float | None = None
@@ -101,6 +111,20 @@ class SessionCheckpoint(Checkpoint):
             yield
         finally:
             trio.from_thread.run_sync(self._leave_queue, queued)
+
+    @contextlib.contextmanager
+    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
+        batcher = self._batcher
+        if batcher is None:  # the engine steps alone: the base class's way
+            with super().batched(run_batch) as step:
+                yield step
+            return
+        trio.from_thread.check_cancelled()
+        member = trio.from_thread.run_sync(batcher.join, run_batch, self._on_progress)
+        try:
+            yield lambda row: trio.from_thread.run(batcher.step, member, row)
+        finally:
+            trio.from_thread.run_sync(batcher.leave, member)
 
     def _enter_queue(self, queued: contextlib.AbstractContextManager[None]) -> None:
         queued.__enter__()
@@ -136,3 +160,143 @@ class SessionCheckpoint(Checkpoint):
         if self._holding and self._limiter is not None:
             self._limiter.release_on_behalf_of(self)
             self._holding = False
+
+
+@attrs.define(eq=False)
+class _Member:
+    """A session inside ``checkpoint.batched(run_batch)``: the batcher waits for its rows."""
+
+    run_batch: RunBatch[Any, Any]
+    on_progress: Callable[[], None]
+    row: _Row | None = None
+    """Its row while waiting or in a running batch; None while it works between steps."""
+
+
+@attrs.define(eq=False)
+class _Row:
+    member: _Member
+    data: Any
+    order: int
+    """When it was handed over: the oldest waiting row's group runs first."""
+    done: trio.Event = attrs.Factory(trio.Event)
+    in_flight: bool = False
+    results: Sequence[Any] = ()
+    index: int = 0
+
+
+class StepBatcher:
+    """Runs the steps of every session of one engine as batches, from one task.
+
+    Rows gather per ``run_batch`` function (an engine's batched step). A batch
+    runs once every session inside ``batched()`` has handed over its next row,
+    or once ``max_batch`` rows wait; the rows that waited longest go first, so
+    with more sessions than ``max_batch`` they take turns, and a new session's
+    row joins at the next step. A session that is stopped while its row waits
+    takes it back; while its row is in a running batch, it waits for that one
+    step to end (its result is dropped), so a stop takes effect within one step
+    and nothing of the session is left in use after it. The batched call runs
+    in a worker thread of its own, outside the sessions' thread limit, which
+    the waiting sessions' threads hold.
+    """
+
+    def __init__(self, max_batch: int, progress: EngineProgress) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self._progress = progress
+        self._members: dict[Any, set[_Member]] = {}
+        self._queues: dict[Any, deque[_Row]] = {}
+        self._changed = trio.Event()
+        self._thread = trio.CapacityLimiter(1)
+        self._handed_over = 0
+        self.batches = 0
+        """Batched calls run so far."""
+        self.rows = 0
+        """Rows run so far (``rows / batches`` is the mean batch size)."""
+
+    async def run(self) -> None:
+        """The batching task: runs until cancelled (with the server's sessions)."""
+        while True:
+            rows = self._next_batch()
+            if rows is None:
+                await self._changed.wait()
+                self._changed = trio.Event()
+                continue
+            await self._run_batch(rows)
+
+    # -- called from sessions' threads through trio.from_thread
+
+    def join(self, run_batch: RunBatch[Any, Any], on_progress: Callable[[], None]) -> _Member:
+        member = _Member(run_batch, on_progress)
+        self._members.setdefault(run_batch, set()).add(member)
+        self._queues.setdefault(run_batch, deque())
+        return member
+
+    def leave(self, member: _Member) -> None:
+        members = self._members.get(member.run_batch)
+        if members is not None and member in members:
+            members.discard(member)
+            if not members:
+                del self._members[member.run_batch]
+            self._changed.set()  # the batch may have been waiting for this member
+
+    async def step(self, member: _Member, data: Any) -> Any:
+        self._handed_over += 1
+        row = _Row(member, data, self._handed_over)
+        member.row = row
+        self._queues[member.run_batch].append(row)
+        self._changed.set()
+        try:
+            with self._progress.queued(member, member.on_progress):
+                await row.done.wait()
+        except trio.Cancelled:
+            if row.in_flight:
+                with trio.CancelScope(shield=True):
+                    await row.done.wait()
+            else:
+                self._queues[member.run_batch].remove(row)
+                member.row = None
+            self.leave(member)
+            raise
+        return batch_result(row.results, row.index, len(row.results))
+
+    # -- the batching task
+
+    def _next_batch(self) -> list[_Row] | None:
+        """The rows of the next batch, or None when no group is ready."""
+        ready: list[deque[_Row]] = []
+        for run_batch, queue in self._queues.items():
+            members = self._members.get(run_batch, set())
+            if queue and (len(queue) >= self.max_batch or all(m.row is not None for m in members)):
+                ready.append(queue)
+        if not ready:
+            return None
+        queue = min(ready, key=lambda q: q[0].order)
+        return [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+
+    async def _run_batch(self, rows: list[_Row]) -> None:
+        run_batch = rows[0].member.run_batch
+        for row in rows:
+            row.in_flight = True
+        try:
+            results: Sequence[Any] = await trio.to_thread.run_sync(
+                _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
+            )
+        except Exception as exc:  # the whole batch failed: every row fails with it
+            results = [exc] * len(rows)
+        self.batches += 1
+        self.rows += len(rows)
+        for index, row in enumerate(rows):
+            row.results, row.index = results, index
+            row.in_flight = False
+            row.member.row = None  # now, not when its task wakes: the next batch waits for it
+            row.member.on_progress()
+            row.done.set()
+        self._progress.step_taken()
+
+
+def _call_batch(run_batch: RunBatch[Any, Any], data: list[Any]) -> Sequence[Any]:
+    results = run_batch(data)
+    if len(results) != len(data):
+        raise EngineError(f"run_batch returned {len(results)} results for {len(data)} rows")
+    return results

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
+from trio_vstream import protocol
 from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
 from trio_vstream.client._results import (
     ScheduledInteraction,
@@ -33,6 +34,7 @@ from trio_vstream.client._results import (
     StreamResult,
 )
 from trio_vstream.client._stream import bearer, seconds_text, stream_video
+from trio_vstream.video import CAMERA_MODES, Camera
 
 __all__ = ["API_KEY_ENV", "DEFAULT_URL", "add_client_arguments", "run_client"]
 
@@ -127,6 +129,84 @@ def _interaction(text: str) -> tuple[float, str]:
     return at, prompt
 
 
+_CAMERA_USAGE: Final = (
+    "expected SECONDS:MODE:X,Y,Z[:QX,QY,QZ,QW] like '2:velocity:0,0,0.05' "
+    "(MODE velocity or target; the rotation defaults to 0,0,0,1)"
+)
+_KEYS_USAGE: Final = (
+    "expected SECONDS:KEYS like '1.5:w' or '3:wj', KEYS from "
+    f"{''.join(protocol.CAMERA_KEYS)} (any case), or '-' for none held (a still camera)"
+)
+
+
+def _at(text: str) -> float | None:
+    """Media time in seconds, or None when it is not one (negative, nan, inf, not a number)."""
+    try:
+        at = float(text)
+    except ValueError:
+        return None
+    return at if math.isfinite(at) and at >= 0 else None
+
+
+def _numbers(text: str, count: int, what: str) -> tuple[float, ...]:
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {count} finite numbers separated by commas, got {text!r}"
+            )
+        values.append(value)
+    if len(values) != count:
+        raise argparse.ArgumentTypeError(
+            f"{what} must be {count} numbers separated by commas, got {len(values)} in {text!r}"
+        )
+    return tuple(values)
+
+
+def _camera(text: str) -> tuple[float, Camera]:
+    """``--camera SECONDS:MODE:X,Y,Z[:QX,QY,QZ,QW]``, checked as strictly as the server.
+
+    The last check is the server's own parser on the message this camera makes, so a
+    camera the command line takes is one the server takes (a rotation that is not a
+    unit quaternion fails here, before minutes of generation, not mid-video).
+    """
+    parts = text.split(":")
+    at = _at(parts[0])
+    if len(parts) not in (3, 4) or at is None:
+        raise argparse.ArgumentTypeError(f"{_CAMERA_USAGE}, got {text!r}")
+    mode = parts[1]
+    if mode not in CAMERA_MODES:
+        modes = " or ".join(sorted(CAMERA_MODES))
+        raise argparse.ArgumentTypeError(f"MODE must be {modes}, got {mode!r} in {text!r}")
+    translation = _numbers(parts[2], 3, "the translation X,Y,Z")
+    rotation = (
+        _numbers(parts[3], 4, "the rotation QX,QY,QZ,QW") if len(parts) == 4 else (0, 0, 0, 1)
+    )
+    camera = Camera(mode, translation, rotation)  # type: ignore[arg-type]
+    try:
+        protocol.parse_control(protocol.interaction_message(None, "check", camera=camera))
+    except protocol.ProtocolError as exc:
+        raise argparse.ArgumentTypeError(
+            f"the server would refuse {text!r}: {exc.message}"
+        ) from None
+    return at, camera
+
+
+def _keys(text: str) -> tuple[float, Camera]:
+    """``--keys SECONDS:KEYS``: held keys as vllm-omni's example client turns them into a
+    velocity camera (`protocol.key_velocity`); the keys themselves are never sent."""
+    at_text, sep, keys = text.partition(":")
+    at = _at(at_text)
+    held = set(keys.lower()) if keys != "-" else set()
+    if not sep or at is None or not keys or not held <= set(protocol.CAMERA_KEYS):
+        raise argparse.ArgumentTypeError(f"{_KEYS_USAGE}, got {text!r}")
+    return at, protocol.key_velocity([held])
+
+
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``client`` subcommand's flags; kept here so cli.py only wires it in."""
     parser.add_argument("prompt", help="what to generate")
@@ -181,6 +261,26 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECONDS:PROMPT",
         help="change the prompt once the video reaches SECONDS of media time (repeatable)",
+    )
+    steering.add_argument(
+        "--camera",
+        dest="cameras",
+        type=_camera,
+        action="append",
+        default=[],
+        metavar="SECONDS:MODE:X,Y,Z[:QX,QY,QZ,QW]",
+        help="send a camera (velocity: motion per step; target: a pose) once the video "
+        "reaches SECONDS of media time (repeatable; for engines that take cameras)",
+    )
+    steering.add_argument(
+        "--keys",
+        dest="key_cameras",
+        type=_keys,
+        action="append",
+        default=[],
+        metavar="SECONDS:KEYS",
+        help="like --camera, from held keys: w/s forward/back, a/d left/right (0.05 a "
+        "step), j/l yaw 6 degrees, i/k pitch 4 degrees; '-' for none (repeatable)",
     )
     steering.add_argument(
         "--transition-chunks",
@@ -437,6 +537,9 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     interactions = [
         ScheduledInteraction(at=at, prompt=prompt, transition_chunks=args.transition_chunks)
         for at, prompt in args.interactions
+    ] + [
+        ScheduledInteraction(at=at, camera=camera, transition_chunks=args.transition_chunks)
+        for at, camera in [*args.cameras, *args.key_cameras]
     ]
 
     run = _Run()
@@ -484,7 +587,7 @@ def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: Te
     if not result.rejected:
         for record in result.interactions:
             what = (
-                f"{record.event_id} {json.dumps(record.interaction.prompt, ensure_ascii=False)}"
+                f"{record.event_id} {record.interaction.describe()}"
                 f" (at {seconds_text(record.interaction.at)} s)"
             )
             if record.error is result.error and record.error is not None:

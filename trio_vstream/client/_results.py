@@ -7,12 +7,14 @@ benchmark and tests; nothing here does I/O.
 from __future__ import annotations
 
 import enum
+import json
 from fractions import Fraction
 from typing import Any
 
 import attrs
 
 from trio_vstream import protocol
+from trio_vstream.video import Camera
 
 __all__ = [
     "InteractionRecord",
@@ -57,7 +59,7 @@ class StreamConnectError(Exception):
 
 @attrs.frozen(kw_only=True)
 class ScheduledInteraction:
-    """A prompt change to send once the video has reached ``at`` seconds of media time.
+    """A prompt change, a camera, or both, to send once the video reaches ``at`` seconds.
 
     Media time (frames received / fps), not wall time: a script then means the same
     thing however fast the server generates. Against a server faster than real time a
@@ -68,10 +70,45 @@ class ScheduledInteraction:
     """
 
     at: float
-    prompt: str
+    prompt: str | None = None
     transition_chunks: int | None = None
     event_id: str | None = None
     """None: the client picks ``interaction-N``, so acknowledgements can be matched."""
+    camera: Camera | None = None
+    """Sent as ``event.multi_modal_data.camera`` (only engines that take cameras accept
+    it; the server answers others with ``interaction_failed``)."""
+
+    def __attrs_post_init__(self) -> None:
+        # Here, not at send time: a schedule that cannot be sent should fail when made.
+        if self.prompt is None and self.camera is None:
+            raise ValueError("a scheduled interaction needs a prompt, a camera, or both")
+
+    def describe(self) -> str:
+        """What it changes, in words, for warnings: the prompt (quoted) and/or the camera."""
+        parts = []
+        if self.prompt is not None:
+            parts.append(json.dumps(self.prompt, ensure_ascii=False))
+        if self.camera is not None:
+            parts.append(f"camera {camera_text(self.camera)}")
+        return " + ".join(parts)
+
+
+def camera_text(camera: Camera) -> str:
+    """``velocity:0,0,0.05:0,0,0,1``: short, and what ``--camera`` takes back."""
+    numbers = [
+        ",".join(f"{round(x, 6):g}" for x in v) for v in (camera.translation, camera.rotation)
+    ]
+    return f"{camera.mode}:{numbers[0]}:{numbers[1]}"
+
+
+def camera_json(camera: Camera | None) -> dict[str, Any] | None:
+    """The camera in its wire shape (``--json``), or None."""
+    if camera is None:
+        return None
+    return {
+        "mode": camera.mode,
+        "data": {"translation": list(camera.translation), "rotation": list(camera.rotation)},
+    }
 
 
 @attrs.define(kw_only=True)
@@ -244,6 +281,7 @@ class StreamResult:
                 {
                     "event_id": record.event_id,
                     "prompt": record.interaction.prompt,
+                    "camera": camera_json(record.interaction.camera),
                     "at_s": record.interaction.at,
                     "sent_s": _round(_since(self.video_start_at, record.sent_at)),
                     "sent_media_s": _round(record.sent_media_time),

@@ -352,7 +352,10 @@ class _StreamRun:
             if media < item.at:
                 return
             message = self.machine.interact(
-                item.prompt, event_id=record.event_id, transition_chunks=item.transition_chunks
+                item.prompt,
+                event_id=record.event_id,
+                transition_chunks=item.transition_chunks,
+                camera=item.camera,
             )
             try:
                 await ws.send_message(message)

@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import numpy as np
 
 from trio_vstream.video import Camera, VideoDefaults
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+RunBatch = Callable[[Sequence[In]], Sequence["Out | Exception"]]
+"""An engine's batched step: one result (or an ``Exception``, failing that row) per row."""
 
 
 class Checkpoint:
@@ -70,6 +75,43 @@ class Checkpoint:
     def waiting(self) -> Iterator[None]:
         """Mark the session as queued behind others while inside."""
         yield
+
+    @contextlib.contextmanager
+    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
+        """Run steps together with other sessions' steps: ``with checkpoint.batched(f) as step``.
+
+        Inside, ``step(row)`` is one step whose work is ``run_batch(rows)[i]``:
+        ``run_batch`` takes the rows of several sessions at once (each row
+        everything one step needs: latents, timestep, conditioning) and returns
+        one result per row, in order; a result that is an ``Exception`` fails only
+        its row's session (raised from its ``step``), while an exception raised by
+        ``run_batch`` fails every row in the batch. ``step`` is also a checkpoint:
+        it raises when the session is over, and a stopped session's row leaves the
+        batch at the next step boundary. Stay inside only while stepping (one
+        chunk's denoising loop, say): the server waits for every session inside to
+        send its next row before it runs a batch, so slow work between steps holds
+        the others back. The rows of one batch all come from calls with the same
+        ``run_batch``, called from one thread at a time.
+
+        The server batches only engines that declare ``max_batch`` > 1. This base
+        runs each row alone: a step, then ``run_batch([row])``.
+        """
+
+        def step(row: In) -> Out:
+            self()
+            return batch_result(run_batch([row]), 0, 1)
+
+        yield step
+
+
+def batch_result(results: Sequence[Out | Exception], index: int, rows: int) -> Out:
+    """Row ``index``'s result of a ``run_batch`` over ``rows`` rows: raised if it failed."""
+    if len(results) != rows:
+        raise EngineError(f"run_batch returned {len(results)} results for {rows} rows")
+    result = results[index]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 class _FunctionCheckpoint(Checkpoint):
@@ -213,6 +255,10 @@ class Engine(Protocol):
     video_defaults: VideoDefaults
     """Size, fps and frame count used where a request leaves them out."""
 
+    # Optional: ``max_batch: int``, how many sessions' steps the engine runs as one
+    # batch (see `Checkpoint.batched`); absent or 1 means each session steps alone, taking
+    # turns by ``max_concurrent_steps``. Read it with `max_batch`.
+    #
     # Optional: ``interaction_kinds: frozenset[str]``, what a ``session.interaction``
     # may carry for this engine: ``"prompt"``, ``"camera"``. Absent means prompts only
     # (read it with `interaction_kinds`). Not a Protocol member, so that an engine
@@ -234,6 +280,14 @@ DEFAULT_INTERACTION_KINDS: frozenset[str] = frozenset({"prompt"})
 def interaction_kinds(engine: Engine) -> frozenset[str]:
     """What ``engine`` takes in a ``session.interaction``; prompts only when it does not say."""
     return frozenset(getattr(engine, "interaction_kinds", DEFAULT_INTERACTION_KINDS))
+
+
+def max_batch(engine: Engine) -> int:
+    """How many sessions' steps ``engine`` runs together; 1 when it does not batch."""
+    value = getattr(engine, "max_batch", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(f"engine {engine.name}: max_batch must be an integer >= 1")
+    return value
 
 
 EngineFactory = Callable[..., Engine]

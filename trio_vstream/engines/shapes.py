@@ -27,7 +27,7 @@ import math
 import random
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -55,7 +55,7 @@ from trio_vstream.models.shapes.model import (
     slot_vectors,
 )
 from trio_vstream.models.shapes.render import position_hint
-from trio_vstream.models.shapes.sampler import sample
+from trio_vstream.models.shapes.sampler import StepInput, denoise, sample
 from trio_vstream.models.shapes.vocab import (
     SLOT_NAMES,
     SeedDefaults,
@@ -90,6 +90,9 @@ class ShapesSettings:
     """Timestep shift when the request has no ``flow_shift``."""
     threads: int | None = None
     """torch CPU threads (default: torch's own choice)."""
+    max_batch: int = 8
+    """Sessions whose steps run as one batch; 1 steps each session alone. On a 2-core
+    CPU a batch of 8 makes about twice the frames per second of single steps."""
 
 
 def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
@@ -101,7 +104,7 @@ def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
             values[name] = Path(raw).expanduser()
         elif name == "steps":
             values[name] = parse_number_arg("shapes", name, raw, int, minimum=1, maximum=_MAX_STEPS)
-        elif name == "threads":
+        elif name in ("threads", "max_batch"):
             values[name] = parse_number_arg("shapes", name, raw, int, minimum=1)
         elif name == "flow_shift":
             values[name] = parse_number_arg("shapes", name, raw, float, minimum=1e-3)
@@ -126,6 +129,7 @@ class ShapesEngine:
         self.model = model
         self.device = device
         self.settings = settings
+        self.max_batch = settings.max_batch
         self._reported_words: set[str] = set()
         self._lock = threading.Lock()
         with torch.inference_mode():
@@ -152,6 +156,21 @@ class ShapesEngine:
                 ", ".join(repr(w) for w in new),
                 request_id,
             )
+
+    def run_batch(self, steps: Sequence[StepInput]) -> list[torch.Tensor | Exception]:
+        """One denoising step for the rows of several sessions, as one model call.
+
+        A row whose prediction is not finite fails alone (its session ends with the
+        error, the others go on); the model itself is shared, so anything else that
+        goes wrong fails the whole batch.
+        """
+        with torch.inference_mode():
+            results: list[torch.Tensor | Exception] = list(denoise(self.model, steps))
+        for i, x0 in enumerate(results):
+            assert isinstance(x0, torch.Tensor)
+            if not bool(torch.isfinite(x0).all()):
+                results[i] = EngineError("the shapes model predicted non-finite values")
+        return results
 
     def warm_up(self) -> None:
         """One tiny sampling pass, so the first real chunk does not pay for kernel setup."""
@@ -285,19 +304,20 @@ class ShapesStream:
                 (weight * self._embedding(key) for key, weight in conditioning.mix),
                 start=torch.zeros_like(self._uncond),
             )
-            x0 = sample(
-                model,
-                cond=cond[None],
-                uncond=self._uncond[None],
-                context=self._context,
-                context_mask=self._context_mask,
-                generator=self._generator,
-                steps=self._steps,
-                guidance_scale=self._guidance,
-                shift=self._shift,
-                checkpoint=checkpoint,
-                hint=self._hint,
-            )
+            with checkpoint.batched(self._engine.run_batch) as step:
+                x0 = sample(
+                    model,
+                    cond=cond[None],
+                    uncond=self._uncond[None],
+                    context=self._context,
+                    context_mask=self._context_mask,
+                    generator=self._generator,
+                    steps=self._steps,
+                    guidance_scale=self._guidance,
+                    shift=self._shift,
+                    hint=self._hint,
+                    step=step,
+                )
             checkpoint()  # the decode: resize and convert
             size = config.native_size
             # A shorter chunk keeps the model's first frames and continues from the last

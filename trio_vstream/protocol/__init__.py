@@ -18,8 +18,16 @@ The public names all live here; the private modules are the seams behind them:
 - ``_validation``: ``session.start``: the request model, `Limits`, `parse_start`.
 - ``_messages``: every later message, both ways, and the converter that writes them.
 - ``_client``: `ClientProtocol`, the client side of a session as a state machine.
+- ``_camera_keys``: WASD/IJKL key states as velocity cameras (vllm-omni's mapping).
+- ``_camera_script``: ``extra_params.camera_action_script``, one camera per chunk.
 """
 
+from trio_vstream.protocol._camera_keys import CAMERA_KEYS, key_velocity
+from trio_vstream.protocol._camera_script import (
+    CAMERA_SCRIPT_PARAM,
+    FRAMES_PER_SCRIPT_CHUNK,
+    ScriptedCamera,
+)
 from trio_vstream.protocol._client import (
     CONTROL_ERROR_CODES,
     ChunkAnnounced,
@@ -62,6 +70,7 @@ from trio_vstream.protocol._validation import (
     PACING_PARAMS,
     ImageInput,
     ImageReference,
+    ImageURL,
     Limits,
     Pacing,
     SessionStart,
@@ -74,10 +83,13 @@ from trio_vstream.protocol._wire import safe_text
 from trio_vstream.video import Camera, VideoDefaults
 
 __all__ = [
+    "CAMERA_KEYS",
+    "CAMERA_SCRIPT_PARAM",
     "CONTROL_ERROR_CODES",
     "DEFAULT_LIMITS",
     "DEFAULT_TRANSITION_CHUNKS",
     "DEFAULT_VIDEO_DEFAULTS",
+    "FRAMES_PER_SCRIPT_CHUNK",
     "MAX_FPS",
     "PACING_PARAMS",
     "PING_MESSAGE",
@@ -95,6 +107,7 @@ __all__ = [
     "Event",
     "ImageInput",
     "ImageReference",
+    "ImageURL",
     "Interaction",
     "InteractionAccepted",
     "InteractionQueued",
@@ -104,6 +117,7 @@ __all__ = [
     "Pong",
     "PongReceived",
     "ProtocolError",
+    "ScriptedCamera",
     "ServerMessage",
     "ServerProtocolError",
     "SessionDone",
@@ -117,6 +131,7 @@ __all__ = [
     "VideoStart",
     "VideoStarted",
     "interaction_message",
+    "key_velocity",
     "parse_control",
     "parse_server_message",
     "parse_start",

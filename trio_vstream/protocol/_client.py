@@ -22,6 +22,8 @@ API::
             case ErrorReceived(error, ends_session): ...
             case SessionEnded(done): ...
     proto.interact("a dog", event_id="e1", transition_chunks=2)   # -> str
+    proto.interact(camera=key_velocity([{"w"}]))                  # a camera (key_velocity:
+                                                                  # vllm-omni's WASD mapping)
     proto.ping()                                                  # -> str
     proto.stop()                                                  # -> str
 
@@ -57,6 +59,7 @@ from trio_vstream.protocol._messages import (
     parse_server_message,
     start_message,
 )
+from trio_vstream.video import Camera
 
 __all__ = [
     "CONTROL_ERROR_CODES",
@@ -261,11 +264,25 @@ class ClientProtocol:
         return start_message(prompt, **fields)
 
     def interact(
-        self, prompt: str, event_id: str | None = None, transition_chunks: int | None = None
+        self,
+        prompt: str | None = None,
+        event_id: str | None = None,
+        transition_chunks: int | None = None,
+        *,
+        camera: Camera | None = None,
     ) -> str:
-        """A ``session.interaction`` text (no event_id: the server picks one)."""
+        """A ``session.interaction`` text: a new prompt, a camera, or both.
+
+        No event_id: the server picks one. Neither a prompt nor a camera raises
+        `ValueError` (a message every server refuses is a caller bug, like a second
+        ``start``); a camera is sent as given, in ``event.multi_modal_data.camera``.
+        """
+        if prompt is None and camera is None:
+            raise ValueError("an interaction needs a prompt, a camera, or both")
         self._require("interact", ClientState.STARTING, ClientState.STREAMING)
-        return interaction_message(prompt, event_id=event_id, transition_chunks=transition_chunks)
+        return interaction_message(
+            prompt, event_id=event_id, transition_chunks=transition_chunks, camera=camera
+        )
 
     def ping(self) -> str:
         """A ``session.ping`` text; keeps a quiet session from hitting the stall timeout."""

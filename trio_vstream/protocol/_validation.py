@@ -7,13 +7,16 @@ the inline image, pacing options, and the video geometry checked against `Limits
 
 import base64
 import binascii
+import ipaddress
 import math
 import re
-from typing import Any, Final, Literal
+import urllib.parse
+from typing import Any, Final, Literal, Self
 
 import attrs
 import cattrs
 
+from trio_vstream.protocol._camera_script import ScriptedCamera, camera_script_of
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._wire import (
     REQUEST_CONVERTER,
@@ -147,6 +150,79 @@ class ImageInput:
     data: bytes = attrs.field(repr=lambda data: f"<{len(data)} bytes>")
 
 
+MAX_IMAGE_URL_CHARS: Final = 2048
+"""Longer ``https://`` image URLs are refused (browsers and servers stop near here too)."""
+
+# Dot-separated DNS labels (underscores too: some real hosts have them).
+_LABEL: Final = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOST_NAME: Final = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}")
+
+
+@attrs.frozen
+class ImageURL:
+    """An ``https://`` image URL, checked for form but not fetched.
+
+    Whether to fetch it (from which hosts, within which limits) is the server's decision,
+    made in ``trio_vstream.image_fetch``; the protocol stays free of I/O. ``host`` is
+    lower-case, without the brackets of an IPv6 literal or a trailing dot, ready to be
+    compared with an allow list; ``target`` is the HTTP request target (path and query,
+    never the fragment).
+    """
+
+    url: str
+    host: str
+    port: int
+    target: str
+
+    @property
+    def authority(self) -> str:
+        """The ``Host`` header: the host, with the port when it is not 443."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == 443 else f"{host}:{self.port}"
+
+    @classmethod
+    def parse(cls, text: str) -> Self:
+        """Parse an ``https://`` URL; raises ``ValueError`` saying what is wrong with it.
+
+        Strict on purpose, because the result names a host the server may connect to:
+        credentials, spaces and control characters (which could split an HTTP request
+        line), non-ASCII host names (their ``xn--`` form is accepted) and malformed
+        ports are refused rather than repaired.
+        """
+        if len(text) > MAX_IMAGE_URL_CHARS:
+            raise ValueError(f"is longer than {MAX_IMAGE_URL_CHARS} characters")
+        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in text):
+            raise ValueError("holds spaces or control characters")
+        if not text.isascii():
+            raise ValueError("holds non-ASCII characters (percent-encode them)")
+        try:
+            parts = urllib.parse.urlsplit(text)
+        except ValueError:  # e.g. brackets around something that is no IPv6 address
+            raise ValueError("is not a valid URL") from None
+        if parts.scheme.lower() != "https":
+            raise ValueError("must be an https:// URL")
+        if "@" in parts.netloc:
+            raise ValueError("must not hold a user name or password")
+        try:
+            port = 443 if parts.port is None else parts.port
+        except ValueError:
+            raise ValueError("has an invalid port") from None
+        if port == 0:
+            raise ValueError("has an invalid port")
+        host = (parts.hostname or "").removesuffix(".")
+        if not host:
+            raise ValueError("has no host")
+        try:
+            host = str(ipaddress.ip_address(host))
+        except ValueError:
+            if parts.netloc.startswith("[") or not _HOST_NAME.fullmatch(host):
+                raise ValueError("has an invalid host name") from None
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        return cls(url=text, host=host, port=port, target=target)
+
+
 @attrs.frozen
 class Pacing:
     """vllm-omni's opt-in pacing: chunks go out at the pace of the video, not faster.
@@ -172,10 +248,13 @@ class SessionStart:
     request: VideoRequest
     video: VideoSettings
     format: str
-    image: ImageInput | None
+    image: ImageInput | ImageURL | None
+    """Inline image data, or an https URL the server fetches if its operator allows."""
     config: dict[str, Any]
     pacing: Pacing | None = None
     """Set when the client asked for ``extra_params.pace_to_media_time``."""
+    camera_script: tuple[ScriptedCamera, ...] = ()
+    """``extra_params.camera_action_script``, one camera per chunk (see `_camera_script`)."""
 
 
 _DATA_URL: Final = re.compile(
@@ -185,18 +264,24 @@ _DATA_URL: Final = re.compile(
 _IMAGE_TYPE: Final = re.compile(r"image/[a-z0-9][a-z0-9!#$&^_.+-]*")
 
 
-def _decode_image_url(url: str) -> tuple[ImageInput | None, str | None]:
-    """Decode ``data:image/...;base64,...``; anything that would need a fetch is refused.
+def _decode_image_url(url: str) -> tuple[ImageInput | ImageURL | None, str | None]:
+    """Decode ``data:image/...;base64,...``, or parse (never fetch) an ``https://`` URL.
 
-    Fetching http URLs or reading paths on behalf of a client would turn the server into
-    an SSRF / local-file-read gadget, so only inline data is accepted.
+    Reading paths or fetching other URLs on behalf of a client would turn the server
+    into an SSRF / local-file-read gadget, so nothing else is accepted; whether an https
+    URL is fetched at all is the server's choice (off unless its operator lists hosts).
     """
     where = "image_reference.image_url"
+    if url[:6].lower() == "https:":
+        try:
+            return ImageURL.parse(url), None
+        except ValueError as exc:
+            return None, f"{where} {exc}, got {show(url)}"
     match = _DATA_URL.fullmatch(url)
     if match is None:
         return None, (
-            f"{where} must be a data:image/<type>;base64,<data> URL "
-            f"(remote URLs and file paths are not fetched), got {show(url)}"
+            f"{where} must be a data:image/<type>;base64,<data> URL or an https:// URL "
+            f"(other URLs and file paths are not fetched), got {show(url)}"
         )
     mime_type = match["type"].strip().lower()
     if not _IMAGE_TYPE.fullmatch(mime_type):
@@ -417,12 +502,12 @@ def parse_start(
     if request.enable_frame_interpolation:
         problems.append("enable_frame_interpolation is not supported by this server")
 
-    image: ImageInput | None = None
+    image: ImageInput | ImageURL | None = None
     reference = request.image_reference
     if reference is not None:
         if reference.file_id is not None:
             problems.append(
-                "image_reference.file_id is not supported: only image_url data URLs are supported"
+                "image_reference.file_id is not supported: use image_url (a data: or https:// URL)"
             )
         elif reference.image_url is None:
             problems.append("image_reference must contain image_url")
@@ -437,6 +522,8 @@ def parse_start(
     pacing = _pacing_of(request.extra_params, problems)
 
     video = _resolve_video(request, limits, defaults, problems)
+    num_frames = video.num_frames if video is not None else None
+    camera_script = camera_script_of(request.extra_params, num_frames, problems)
     if problems or video is None:
         raise ProtocolError(
             ErrorCode.INVALID_REQUEST, "Invalid session.start: " + "; ".join(problems)
@@ -448,4 +535,5 @@ def parse_start(
         image=image,
         config=_config_of(request),
         pacing=pacing,
+        camera_script=camera_script,
     )

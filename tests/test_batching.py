@@ -1,0 +1,251 @@
+"""The step batcher: sessions' steps run as one batch, and each session still gets its own.
+
+Each "session" here is a Trio task running an engine-like loop in a worker thread,
+stepping through ``checkpoint.batched(run_batch)`` exactly as an engine does; rows are
+numbers and a step adds one, so every result says whose row it was and how far it got.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_vstream.engines.base import EngineError
+from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
+
+
+class Recorder:
+    """A ``run_batch`` over (session, value) rows that records every batch it runs."""
+
+    def __init__(self, fail: Callable[[Any], Exception | None] = lambda row: None) -> None:
+        self.batches: list[list[str]] = []
+        self.fail = fail
+        self.release = threading.Event()
+        self.release.set()
+        self.entered: trio.Event | None = None
+
+    def __call__(self, rows: Sequence[tuple[str, int]]) -> list[Any]:
+        self.batches.append([name for name, _ in rows])
+        if self.entered is not None:
+            trio.from_thread.run_sync(self.entered.set)
+        self.release.wait()
+        return [self.fail((name, v)) or (name, v + 1) for name, v in rows]
+
+
+def stepping(
+    run_batch: Recorder, name: str, steps: int, barrier: threading.Barrier | None = None
+) -> Callable[[SessionCheckpoint], int]:
+    """A session's engine work: ``steps`` batched steps, returning the final value."""
+
+    def work(checkpoint: SessionCheckpoint) -> int:
+        value = 0
+        with checkpoint.batched(run_batch) as step:
+            if barrier is not None:
+                barrier.wait()  # every session has joined before anyone steps
+            for _ in range(steps):
+                got_name, value = step((name, value))
+                assert got_name == name
+        return value
+
+    return work
+
+
+async def session(
+    batcher: StepBatcher | None,
+    work: Callable[[SessionCheckpoint], int],
+    results: dict[str, Any],
+    name: str,
+    scope: trio.CancelScope | None = None,
+) -> None:
+    checkpoint = SessionCheckpoint(None, EngineProgress(), lambda: None, batcher)
+    try:
+        with scope or trio.CancelScope():
+            results[name] = await trio.to_thread.run_sync(work, checkpoint)
+            return
+        results[name] = "cancelled"
+    except Exception as exc:
+        results[name] = exc
+
+
+async def test_sessions_stepping_together_run_as_one_batch(nursery: trio.Nursery) -> None:
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch, results = Recorder(), {}
+    barrier = threading.Barrier(4)
+    async with trio.open_nursery() as sessions:
+        for name in "abcd":
+            sessions.start_soon(
+                session, batcher, stepping(run_batch, name, 5, barrier), results, name
+            )
+    assert results == dict.fromkeys("abcd", 5)  # each got its own five steps
+    assert [sorted(batch) for batch in run_batch.batches] == [list("abcd")] * 5
+    assert (batcher.batches, batcher.rows) == (5, 20)
+
+
+async def test_without_a_batcher_each_row_runs_alone() -> None:
+    run_batch, results = Recorder(), {}
+    async with trio.open_nursery() as sessions:
+        for name in "ab":
+            sessions.start_soon(session, None, stepping(run_batch, name, 3), results, name)
+    assert results == {"a": 3, "b": 3}
+    assert sorted(run_batch.batches) == [["a"]] * 3 + [["b"]] * 3
+
+
+async def test_max_batch_is_respected_and_sessions_take_turns(nursery: trio.Nursery) -> None:
+    """Rows run oldest first: with 5 sessions and batches of 2, a row handed over waits
+    for at most two batches. The sessions are Trio tasks calling the batcher directly, so
+    every row is handed over before the next batch is chosen (no thread timing)."""
+    batcher = StepBatcher(2, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch = Recorder()
+    waited: dict[str, list[int]] = {name: [] for name in "abcde"}
+
+    async def stepper(name: str) -> None:
+        member = batcher.join(run_batch, lambda: None)
+        try:
+            value = 0
+            for _ in range(4):
+                handed_over = batcher.batches
+                _, value = await batcher.step(member, (name, value))
+                waited[name].append(batcher.batches - handed_over)
+        finally:
+            batcher.leave(member)
+        assert value == 4
+
+    async with trio.open_nursery() as sessions:
+        for name in "abcde":
+            sessions.start_soon(stepper, name)
+    assert max(len(batch) for batch in run_batch.batches) == 2
+    assert sum(len(batch) for batch in run_batch.batches) == 20
+    assert max(max(counts) for counts in waited.values()) == 3, waited  # 2 before, 1 its own
+
+
+async def test_a_new_session_joins_the_running_batch_at_the_next_step(
+    nursery: trio.Nursery,
+) -> None:
+    """A short video started while a long one runs is done long before the long one."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch, results = Recorder(), {}
+    run_batch.entered = trio.Event()
+    order: list[str] = []
+
+    async def then_record(name: str, steps: int) -> None:
+        await session(batcher, stepping(run_batch, name, steps), results, name)
+        order.append(name)
+
+    async with trio.open_nursery() as sessions:
+        sessions.start_soon(then_record, "long", 200)
+        await run_batch.entered.wait()  # the long video is stepping
+        sessions.start_soon(then_record, "short", 3)
+    assert results == {"long": 200, "short": 3}
+    assert order == ["short", "long"]
+    joined = [i for i, batch in enumerate(run_batch.batches) if "short" in batch]
+    assert all(sorted(run_batch.batches[i]) == ["long", "short"] for i in joined)
+
+
+async def test_a_stopped_session_takes_its_waiting_row_back_at_once(nursery: trio.Nursery) -> None:
+    batcher = StepBatcher(1, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch, results = Recorder(), {}
+    run_batch.release.clear()
+    run_batch.entered = trio.Event()
+    scope = trio.CancelScope()
+    b_ended = trio.Event()
+
+    async def b() -> None:
+        await session(batcher, stepping(run_batch, "b", 2), results, "b", scope)
+        b_ended.set()
+
+    async with trio.open_nursery() as sessions:
+        sessions.start_soon(session, batcher, stepping(run_batch, "a", 2), results, "a")
+        try:
+            await run_batch.entered.wait()  # a's first step runs, and holds the batch
+            sessions.start_soon(b)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            with trio.fail_after(10):
+                await b_ended.wait()  # b's row was only waiting: b ends while a's step runs
+            assert not run_batch.release.is_set()
+        finally:
+            run_batch.release.set()
+    assert results == {"a": 2, "b": "cancelled"}
+    assert run_batch.batches == [["a"], ["a"]]
+
+
+async def test_a_session_stopped_mid_step_waits_for_that_step_only(nursery: trio.Nursery) -> None:
+    """Its row's result is dropped, it leaves, and the others go on without it."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch, results = Recorder(), {}
+    barrier = threading.Barrier(2)
+    scope = trio.CancelScope()
+    async with trio.open_nursery() as sessions:
+        sessions.start_soon(session, batcher, stepping(run_batch, "a", 5, barrier), results, "a")
+        run_batch.release.clear()
+        run_batch.entered = trio.Event()
+        sessions.start_soon(
+            session, batcher, stepping(run_batch, "b", 5, barrier), results, "b", scope
+        )
+        await run_batch.entered.wait()  # the first batch, with both rows, is running
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert "b" not in results  # b waits for the step its row is in
+        run_batch.entered = None
+        run_batch.release.set()
+    assert results == {"a": 5, "b": "cancelled"}
+    assert sorted(run_batch.batches[0]) == ["a", "b"]
+    assert run_batch.batches[1:] == [["a"]] * 4  # nobody waits for b's next row
+
+
+async def test_a_failed_row_fails_only_its_session(nursery: trio.Nursery) -> None:
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    def fail(row: tuple[str, int]) -> Exception | None:
+        return ValueError("row b broke") if row == ("b", 2) else None
+
+    run_batch, results = Recorder(fail), {}
+    barrier = threading.Barrier(3)
+    async with trio.open_nursery() as sessions:
+        for name in "abc":
+            sessions.start_soon(
+                session, batcher, stepping(run_batch, name, 4, barrier), results, name
+            )
+    assert results["a"] == 4 and results["c"] == 4
+    assert isinstance(results["b"], ValueError) and str(results["b"]) == "row b broke"
+
+
+async def test_a_batch_that_raises_fails_every_row_in_it(nursery: trio.Nursery) -> None:
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    def broken(rows: Sequence[tuple[str, int]]) -> list[Any]:
+        raise RuntimeError("out of memory")
+
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+    async with trio.open_nursery() as sessions:
+        for name in "ab":
+            work = stepping(broken, name, 2, barrier)  # type: ignore[arg-type]
+            sessions.start_soon(session, batcher, work, results, name)
+    assert [str(results[name]) for name in "ab"] == ["out of memory"] * 2
+
+
+async def test_a_wrong_number_of_results_is_an_engine_error(nursery: trio.Nursery) -> None:
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    results: dict[str, Any] = {}
+    await session(batcher, stepping(lambda rows: [], "a", 1), results, "a")  # type: ignore[arg-type]
+    assert isinstance(results["a"], EngineError)
+    assert str(results["a"]) == "run_batch returned 0 results for 1 rows"
+
+
+def test_max_batch_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        StepBatcher(0, EngineProgress())
