@@ -201,6 +201,9 @@ async def test_a_server_batches_its_sessions_by_default(
     assert stats["batch_rows"] == (3 * 4 * 4 if batches else 0)
     if batches:
         assert stats["batches"] < stats["batch_rows"]
+    exposition = server.metrics.exposition().decode()
+    count = f'trio_vstream_batch_rows_count{{model="shapes"}} {float(stats["batches"])}'
+    assert count in exposition, exposition
     models = server.models()["data"][0]["trio_vstream"]
     assert models["max_batch"] == max_batch
     server.shutdown()

@@ -102,6 +102,13 @@ class ServerMetrics:
             ["model"],
             registry=registry,
         )
+        self._batch_rows = Histogram(
+            "trio_vstream_batch_rows",
+            "Rows (sessions' steps) per batched engine step, for engines that batch.",
+            ["model"],
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
         # Labelled children exist from the start, so a fresh server exposes zeros
         # rather than nothing.
         for metric in (self._sessions_active, self._frames_sent, self._bytes_sent):
@@ -114,6 +121,7 @@ class ServerMetrics:
             self._engine,
             self._encode_wait,
             self._engine_wait,
+            self._batch_rows,
         ):
             metric.labels(model)
 
@@ -144,6 +152,9 @@ class ServerMetrics:
     def chunk_sent(self, frames: int, size: int) -> None:
         self._frames_sent.labels(self.model).inc(frames)
         self._bytes_sent.labels(self.model).inc(size)
+
+    def batch_run(self, rows: int) -> None:
+        self._batch_rows.labels(self.model).observe(rows)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -107,7 +107,7 @@ class VideoServer:
         batch = max_batch(engine)
         # A batching engine's steps all go through its batcher, one batch at a time:
         # step slots on top would only make sessions wait for each other's turns.
-        self.batcher = StepBatcher(batch, progress) if batch > 1 else None
+        self.batcher = StepBatcher(batch, progress, self.metrics.batch_run) if batch > 1 else None
         self._resources = ServerResources(
             engine=engine,
             config=config.session,

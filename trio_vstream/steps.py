@@ -199,11 +199,18 @@ class StepBatcher:
     the waiting sessions' threads hold.
     """
 
-    def __init__(self, max_batch: int, progress: EngineProgress) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        progress: EngineProgress,
+        on_batch: Callable[[int], None] = lambda rows: None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self._progress = progress
+        self._on_batch = on_batch
+        """Told each batch's row count (the server's metrics)."""
         self._members: dict[Any, set[_Member]] = {}
         self._queues: dict[Any, deque[_Row]] = {}
         self._changed = trio.Event()
@@ -286,6 +293,7 @@ class StepBatcher:
             results = [exc] * len(rows)
         self.batches += 1
         self.rows += len(rows)
+        self._on_batch(len(rows))
         for index, row in enumerate(rows):
             row.results, row.index = results, index
             row.in_flight = False
