@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,21 +45,28 @@ pytestmark = [
 ]
 
 
+SYNTHETIC = (
+    "--engine",
+    "synthetic",
+    "--engine-arg",
+    f"step_delay={STEP_DELAY}",
+    "--engine-arg",
+    f"chunk_frames={CHUNK_FRAMES}",
+)
+"""The engine flags of `serve`'s server unless a test names others."""
+
+
 @contextlib.contextmanager
-def serve(log: Path, *extra: str) -> Iterator[str]:
-    """A server with the synthetic engine on a free port; yields ``http://host:port``."""
+def serve(log: Path, *extra: str, engine: Sequence[str] = SYNTHETIC) -> Iterator[str]:
+    """A server (the synthetic engine unless ``engine`` names another) on a free port;
+    yields ``http://host:port``."""
     command = [
         sys.executable,
         "-m",
         "trio_vstream",
         "--port",
         "0",
-        "--engine",
-        "synthetic",
-        "--engine-arg",
-        f"step_delay={STEP_DELAY}",
-        "--engine-arg",
-        f"chunk_frames={CHUNK_FRAMES}",
+        *engine,
         "--log-level",
         "WARNING",
         *extra,
@@ -97,8 +104,9 @@ def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+@contextlib.contextmanager
+def launch_chromium() -> Iterator[Browser]:
+    """Debian's chromium, headless, through Playwright."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM),
@@ -110,19 +118,35 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
-@pytest.fixture
-def page(browser: Browser, base_url: str) -> Iterator[Page]:
-    """The player, loaded, with the server's defaults in the form."""
+@contextlib.contextmanager
+def open_player(browser: Browser, url: str) -> Iterator[Page]:
+    """The player at ``url``, loaded, with the server's defaults in the form; fails the
+    test if the page raised a JavaScript error meanwhile."""
     context = browser.new_context(viewport={"width": 1000, "height": 900}, accept_downloads=True)
     page = context.new_page()
     page.set_default_timeout(WAIT_MS)
     script_errors: list[str] = []
     page.on("pageerror", lambda error: script_errors.append(str(error)))
-    page.goto(f"{base_url}/")
-    page.wait_for_function("document.body.dataset.ready === 'true'")
-    yield page
-    context.close()
+    try:
+        page.goto(f"{url}/")
+        page.wait_for_function("document.body.dataset.ready === 'true'")
+        yield page
+    finally:
+        context.close()
     assert script_errors == [], "the page raised JavaScript errors"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with launch_chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser: Browser, base_url: str) -> Iterator[Page]:
+    """The player, loaded, with the server's defaults in the form."""
+    with open_player(browser, base_url) as page:
+        yield page
 
 
 def sent_messages(page: Page) -> list[dict[str, Any]]:

@@ -16,9 +16,53 @@ const DEFAULT_ENDPOINT = "/v1/realtime/video";
 // An interaction's life, in order; "failed" can happen at any point.
 const EVENT_STATES = ["sent", "queued", "started", "active", "completed"];
 
+// ---------------------------------------------------------------------------------
+// Camera controls (engines whose /v1/models entry lists "camera")
+// ---------------------------------------------------------------------------------
+
+// vllm-omni's example client's steps (camera_utils.wasd_to_camera_payload): 0.05 a step
+// along X or Z, turns of 6 degrees (yaw) and 4 degrees (pitch). Unity's frame: +X right,
+// +Y up, +Z forward, left-handed, so a positive turn about +Y looks right and a positive
+// turn about +X looks down: "look up" is a negative pitch.
+const MOVE_STEP = 0.05;
+const YAW_DEGREES = 6;
+const PITCH_DEGREES = 4;
+const NO_TURN = [0, 0, 0, 1];
+
+function axisAngle(axis, degrees) {
+  const half = (degrees * Math.PI) / 360;
+  const sine = Math.sin(half);
+  return [axis[0] * sine, axis[1] * sine, axis[2] * sine, Math.cos(half)];
+}
+
+// Each control is one velocity camera (transition_chunks 0). A press sends one, and the
+// motion lasts until the next press, as in vllm-omni's client: nothing is sent on release,
+// since a release that stopped the motion would cancel a short tap before the next chunk.
+export const CAMERA_CONTROLS = {
+  forward: { label: "W: forward", translation: [0, 0, MOVE_STEP], rotation: NO_TURN },
+  back: { label: "S: back", translation: [0, 0, -MOVE_STEP], rotation: NO_TURN },
+  left: { label: "A: left", translation: [-MOVE_STEP, 0, 0], rotation: NO_TURN },
+  right: { label: "D: right", translation: [MOVE_STEP, 0, 0], rotation: NO_TURN },
+  "look-up": { label: "↑: look up", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], -PITCH_DEGREES) },
+  "look-down": { label: "↓: look down", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], PITCH_DEGREES) },
+  "turn-left": { label: "←: turn left", translation: [0, 0, 0], rotation: axisAngle([0, 1, 0], -YAW_DEGREES) },
+  "turn-right": { label: "→: turn right", translation: [0, 0, 0], rotation: axisAngle([0, 1, 0], YAW_DEGREES) },
+  still: { label: "X: still", translation: [0, 0, 0], rotation: NO_TURN },
+};
+
+// By key position (KeyboardEvent.code), so WASD sits under the same fingers on any layout.
+const CAMERA_KEYS = {
+  KeyW: "forward", KeyS: "back", KeyA: "left", KeyD: "right",
+  ArrowUp: "look-up", ArrowDown: "look-down", ArrowLeft: "turn-left", ArrowRight: "turn-right",
+  KeyI: "look-up", KeyK: "look-down", KeyJ: "turn-left", KeyL: "turn-right",
+  KeyX: "still",
+};
+// Latencies kept for the running median.
+const LATENCY_WINDOW = 50;
+
 const server = {
   model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
-  formFilled: false,
+  formFilled: false, interactionKinds: null,
 };
 let session = null;
 
@@ -119,6 +163,13 @@ function showError(code, message) {
 
 function formatMs(ms) {
   return ms == null ? "–" : `${Math.round(ms)} ms`;
+}
+
+function median(values) {
+  if (values.length === 0) return null;
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = Math.floor(sorted.length / 2);
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
 }
 
 function wsUrl(endpoint) {
@@ -230,9 +281,13 @@ class Session {
     this.sourceBuffer = null;
     this.codec = null;
     this.times = { sent: null, videoStart: null, firstChunk: null, lastChunk: null };
+    this.running = false;     // video.start came and no terminal message yet
+    this.awaitingFrame = [];  // started events whose first frame is not on screen yet
+    this.keyLatencies = [];   // ms, camera interactions: sent -> first frame showing it
 
     this.video = $("video");
     this.openMediaSource();
+    this.renderLatency();
 
     this.opened = false;
     this.received = 0;        // messages of any kind
@@ -279,8 +334,46 @@ class Session {
     this.onTimeUpdate = () => {
       this.followLiveEdge();
       this.pump();
+      if (this.frameCallback == null) this.frameShown(this.video.currentTime, performance.now());
     };
     this.video.addEventListener("timeupdate", this.onTimeUpdate);
+    this.watchFrames();
+  }
+
+  // When the first frame of a chunk that starts an interaction is shown: each presented
+  // frame's media time where requestVideoFrameCallback exists, else currentTime on
+  // timeupdate and on the figures' ticker (coarser, within a quarter second).
+  watchFrames() {
+    if (typeof this.video.requestVideoFrameCallback !== "function") {
+      this.frameCallback = null;
+      return;
+    }
+    const onFrame = (now, frame) => {
+      this.frameCallback = this.video.requestVideoFrameCallback(onFrame);
+      this.frameShown(frame.mediaTime, frame.expectedDisplayTime ?? now);
+    };
+    this.frameCallback = this.video.requestVideoFrameCallback(onFrame);
+  }
+
+  frameShown(mediaTime, when) {
+    if (this.awaitingFrame.length === 0) return;
+    // Frame k starts at k / fps; a little slack for the container's time rounding.
+    const slack = Math.min(1e-3, 0.25 / this.fps);
+    const shown = this.awaitingFrame.filter((record) => mediaTime >= record.startTime - slack);
+    if (shown.length === 0) return;
+    this.awaitingFrame = this.awaitingFrame.filter((record) => !shown.includes(record));
+    for (const record of shown) {
+      const ms = Math.max(0, when - record.sentAt);
+      record.latencyMs = ms;
+      record.item.dataset.latencyMs = ms.toFixed(1);
+      record.item.dataset.shownAt = String(mediaTime); // the media time of that frame
+      record.item.querySelector(".event-shown").textContent = `, on screen ${formatMs(ms)} after sending`;
+      if (record.camera) {
+        this.keyLatencies.push(ms);
+        if (this.keyLatencies.length > LATENCY_WINDOW) this.keyLatencies.shift();
+      }
+    }
+    this.renderLatency();
   }
 
   addSourceBuffer() {
@@ -373,6 +466,8 @@ class Session {
         const seed = message.config?.seed;
         this.seed = seed == null ? null : exactSeed(raw, seed);
         setStatus("Streaming.", "streaming");
+        this.running = true;
+        setCameraEnabled(true);
         break;
       }
       case "video.chunk_metadata":
@@ -384,6 +479,8 @@ class Session {
         break;
       case "session.done":
         this.terminal = "done";
+        this.running = false;
+        setCameraEnabled(false);
         setStatus(`session.done: ${message.chunks} chunks${message.stopped ? ", stopped" : ""}.`, "done");
         this.finishMedia();
         break;
@@ -393,6 +490,8 @@ class Session {
           this.setEventState(message.event_id, "failed");
         } else {
           this.terminal = "error";
+          this.running = false;
+          setCameraEnabled(false);
           setStatus(`Ended with error ${message.code}.`, "error");
         }
         break;
@@ -427,6 +526,7 @@ class Session {
 
   onClose(event) {
     this.closed = true;
+    this.running = false;
     clearInterval(this.ticker);
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
     if (!this.terminal && !this.opened && this.received === 0) {
@@ -458,12 +558,24 @@ class Session {
   }
 
   interact(prompt, transitionChunks) {
+    return this.sendInteraction({ prompt }, transitionChunks, prompt, false);
+  }
+
+  // A camera as vllm-omni sends it: {mode, data: {translation, rotation}}.
+  interactCamera(camera, label) {
+    return this.sendInteraction({ multi_modal_data: { camera } }, 0, `camera ${label}`, true);
+  }
+
+  sendInteraction(event, transitionChunks, label, camera) {
     const eventId = `interaction-${this.nextEvent++}`;
-    const interaction = { event_id: eventId, event: { prompt } };
+    const interaction = { event_id: eventId, event };
     if (transitionChunks != null) interaction.transition_chunks = transitionChunks;
     this.ws.send(JSON.stringify({ type: "session.interaction", interaction }));
-    this.addEvent(eventId, prompt);
+    const record = this.addEvent(eventId, label);
+    record.sentAt = performance.now();
+    record.camera = camera;
     this.setEventState(eventId, "sent");
+    return eventId;
   }
 
   // Chunk metadata says which events this chunk starts, blends and completes.
@@ -487,13 +599,15 @@ class Session {
     state.className = "event-state";
     const at = document.createElement("span");
     at.className = "event-at";
-    item.append(id, " ", text, " ", state, " ", at);
+    const shown = document.createElement("span");
+    shown.className = "event-at event-shown";
+    item.append(id, " ", text, " ", state, " ", at, shown);
     $("timeline").append(item);
     const marker = document.createElement("span");
     marker.className = "marker";
     marker.title = eventId;
     $("track").append(marker);
-    const record = { item, marker, state: null };
+    const record = { item, marker, state: null, sentAt: null, camera: false };
     this.events.set(eventId, record);
     return record;
   }
@@ -513,7 +627,25 @@ class Session {
       const total = this.expectedFrames / this.fps;
       record.marker.style.left = `${Math.min(100, (100 * at) / total)}%`;
       record.marker.classList.add("placed");
+      if (record.sentAt != null) {
+        record.startTime = at;
+        this.awaitingFrame.push(record);
+      }
     }
+  }
+
+  renderLatency() {
+    const last = this.keyLatencies.at(-1);
+    const figure = $("fig-key-latency");
+    figure.textContent = formatMs(last);
+    if (last == null) delete figure.dataset.ms;
+    else figure.dataset.ms = last.toFixed(1);
+    const p50 = median(this.keyLatencies);
+    const p50Figure = $("fig-key-p50");
+    p50Figure.textContent = p50 == null ? "–" : `${formatMs(p50)} (of ${this.keyLatencies.length})`;
+    if (p50 == null) delete p50Figure.dataset.ms;
+    else p50Figure.dataset.ms = p50.toFixed(1);
+    p50Figure.dataset.count = String(this.keyLatencies.length);
   }
 
   render() {
@@ -535,12 +667,17 @@ class Session {
       ahead = Math.max(0, end - this.video.currentTime);
     }
     $("fig-buffered").textContent = ahead == null ? "–" : `${ahead.toFixed(2)} s`;
+    if (this.frameCallback == null && this.video.readyState >= 2) {
+      this.frameShown(this.video.currentTime, performance.now());
+    }
     const total = this.expectedFrames / this.fps;
     $("track-fill").style.width = `${Math.min(100, (100 * end) / total)}%`;
   }
 
   dispose() {
     clearInterval(this.ticker);
+    if (this.frameCallback != null) this.video.cancelVideoFrameCallback(this.frameCallback);
+    this.frameCallback = undefined;
     this.video.removeEventListener("timeupdate", this.onTimeUpdate);
     if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
   }
@@ -625,6 +762,76 @@ function setIdleControls() {
   $("start").disabled = false;
   $("stop").disabled = true;
   $("send").disabled = true;
+  setCameraEnabled(false);
+}
+
+// ---------------------------------------------------------------------------------
+// Camera keys and buttons
+// ---------------------------------------------------------------------------------
+
+function cameraOffered() {
+  return server.interactionKinds?.includes("camera") ?? false;
+}
+
+function setCameraEnabled(enabled) {
+  for (const button of document.querySelectorAll("[data-camera]")) button.disabled = !enabled;
+}
+
+function showCameraControls() {
+  const offered = cameraOffered();
+  $("camera-panel").hidden = !offered;
+  for (const figure of document.querySelectorAll(".camera-only")) figure.hidden = !offered;
+  // A prompt-only list hides nothing: an engine that takes no prompts hides the prompt form.
+  $("interact-form").hidden = server.interactionKinds != null && !server.interactionKinds.includes("prompt");
+}
+
+// Sends a camera interaction in the running session; its event id, or null when no
+// session is streaming. Exported for tests, which also send what the controls cannot
+// (a "target" pose, say).
+export function sendCamera(camera, label) {
+  if (!session?.running || session.ws.readyState !== WebSocket.OPEN) return null;
+  return session.interactCamera(camera, label);
+}
+
+function sendControl(name) {
+  if (!cameraOffered()) return null;
+  const control = CAMERA_CONTROLS[name];
+  const data = { translation: control.translation, rotation: control.rotation };
+  return sendCamera({ mode: "velocity", data }, control.label);
+}
+
+// Typing goes to the field: letters and arrows there are text editing, not steering.
+function isTextField(element) {
+  if (!(element instanceof Element)) return false;
+  if (element.isContentEditable || element.matches("textarea, select")) return true;
+  return element.matches("input") &&
+    !["checkbox", "radio", "button", "submit", "reset", "image", "color", "file"].includes(element.type);
+}
+
+function cameraButton(name) {
+  return document.querySelector(`[data-camera="${name}"]`);
+}
+
+window.addEventListener("keydown", (event) => {
+  const name = CAMERA_KEYS[event.code];
+  if (!name || event.ctrlKey || event.metaKey || event.altKey || event.isComposing) return;
+  if (!cameraOffered() || !session?.running || isTextField(event.target)) return;
+  // The key is ours: no page scroll, no seek in a focused video.
+  event.preventDefault();
+  cameraButton(name)?.classList.add("pressed");
+  // One press, one interaction: a held key's auto-repeat does not flood the server.
+  if (event.repeat) return;
+  sendControl(name);
+});
+window.addEventListener("keyup", (event) => {
+  const name = CAMERA_KEYS[event.code];
+  if (name) cameraButton(name)?.classList.remove("pressed");
+});
+window.addEventListener("blur", () => {
+  for (const button of document.querySelectorAll("[data-camera].pressed")) button.classList.remove("pressed");
+});
+for (const button of document.querySelectorAll("[data-camera]")) {
+  button.addEventListener("click", () => sendControl(button.dataset.camera));
 }
 
 function save() {
@@ -663,6 +870,8 @@ async function loadDefaults() {
     server.engine = info.engine ?? null;
     server.endpoint = info.endpoint ?? DEFAULT_ENDPOINT;
     server.defaults = info.video_defaults ?? null;
+    server.interactionKinds = Array.isArray(info.interaction_kinds) ? info.interaction_kinds : null;
+    showCameraControls();
     const d = server.defaults;
     // Once per page: a later reload of the defaults (after a key is entered or
     // forgotten) must not undo what the user typed meanwhile.
