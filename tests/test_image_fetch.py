@@ -71,6 +71,8 @@ class Reply:
     """Read the request, then never answer (until the client goes away)."""
     endless: bool = False
     """Answer 200 image/png with a chunked body that never ends."""
+    hold: trio.Event | None = None
+    """Answer only once this is set."""
 
 
 @attrs.define
@@ -110,6 +112,8 @@ class ImageHost:
                     pass
                 self.client_left.set()
                 return
+            if reply.hold is not None:
+                await reply.hold.wait()
             length = [] if reply.endless else [("Content-Length", str(len(reply.body)))]
             response = h11.Response(status_code=reply.status, headers=reply.headers + length)
             await stream.send_all(connection.send(response) or b"")
@@ -495,3 +499,41 @@ async def test_a_shutdown_during_the_fetch_ends_it_at_once(
     assert [(e["type"], e["code"]) for e in transcript.json] == [("error", "server_shutdown")]
     assert running.summaries[0].outcome.value == "shutdown"
     assert running.engine.streams == []
+
+
+async def test_a_client_that_leaves_during_the_fetch_ends_it_at_once(
+    start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
+) -> None:
+    """The session reads while it prepares: a close ends the fetch, not its timeout."""
+    image_host.routes["/slow.png"] = Reply(stall=True)
+    running = await start_server(image_urls=test_config(authority, timeout=60))
+    with trio.fail_after(10):
+        async with running.connect() as ws:
+            start = {**START, "image_reference": {"image_url": image_host.url("/slow.png")}}
+            await ws.send_message(json.dumps(start))
+            await image_host.request_seen.wait()
+        await image_host.client_left.wait()
+        await running.wait_sessions_ended(1)
+    assert running.summaries[0].outcome.value == "disconnected"
+    assert running.engine.streams == []
+
+
+async def test_messages_sent_while_the_session_prepares_are_answered_after_it(
+    start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
+) -> None:
+    hold = trio.Event()
+    image_host.routes["/late.png"] = Reply(hold=hold)
+    running = await start_server(image_urls=test_config(authority, timeout=60))
+    transcript = Transcript()
+    with trio.fail_after(20):
+        async with running.connect() as ws:
+            start = {**START, "image_reference": {"image_url": image_host.url("/late.png")}}
+            await ws.send_message(json.dumps(start))
+            await image_host.request_seen.wait()
+            await ws.send_message(json.dumps({"type": "session.ping"}))
+            await ws.send_message(json.dumps({"type": "session.stop"}))
+            hold.set()
+            await receive_into(ws, transcript)
+    types = [m["type"] for m in transcript.json]
+    assert types[0] == "video.start" and "session.pong" in types
+    assert transcript.terminal[-1]["type"] == "session.done"

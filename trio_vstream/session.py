@@ -84,6 +84,9 @@ from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 
 logger = logging.getLogger(__name__)
 
+_EARLY_MESSAGES = 16
+"""Control messages kept while a session prepares, before ``video.start``."""
+
 T = TypeVar("T")
 
 
@@ -332,7 +335,13 @@ class Session:
         if start is None:
             return
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
-        request = await self._prepare(start)
+        # Preparing may take a while (an image fetch, the engine opening its stream): a
+        # client that goes away meanwhile ends it at once, and what it sends is kept.
+        early: list[str | bytes] = []
+        async with trio.open_nursery() as preparing:
+            preparing.start_soon(self._hold_early_messages, early)
+            request = await self._prepare(start)
+            preparing.cancel_scope.cancel()
         # From here a shutdown lets the session say goodbye properly, rather than
         # cutting the video.start about to be sent.
         self._streaming = True
@@ -350,7 +359,7 @@ class Session:
             request.fps,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_loop)
+            nursery.start_soon(self._receive_loop, early)
             nursery.start_soon(self._stall_guard)
             await self._generate()
             nursery.cancel_scope.cancel()
@@ -484,10 +493,21 @@ class Session:
 
     # --------------------------------------------------------- receive loop
 
-    async def _receive_loop(self) -> None:
+    async def _hold_early_messages(self, early: list[str | bytes]) -> None:
+        """Read while the session prepares: a close is a disconnect now, not after the
+        preparation; messages wait for the receive loop, in order (at most a few: a
+        client that sends more waits, like any client the server does not read)."""
+        while len(early) < _EARLY_MESSAGES:
+            try:
+                early.append(await self._ws.get_message())
+            except ConnectionClosed:
+                self._disconnected()
+                return
+
+    async def _receive_loop(self, early: list[str | bytes]) -> None:
         while True:
             try:
-                raw = await self._ws.get_message()
+                raw = early.pop(0) if early else await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
