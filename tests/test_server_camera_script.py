@@ -168,3 +168,28 @@ async def test_script_event_ids_are_reserved_for_the_server(start_server: Any) -
     ids = [change.event_id for _, change in running.engine.streams[0].arrivals]
     assert ids.count("script-7") == 1  # the server's own, at chunk 7
     assert "mine" in ids
+
+
+async def test_a_scripted_session_refuses_live_cameras_but_takes_prompts(
+    start_server: Any,
+) -> None:
+    """As in vllm-omni, the script owns the camera: a live one would be overridden at the
+    next scripted chunk, so it is refused by name; a prompt still goes through."""
+    running = await start_server(
+        SyntheticSettings(step_delay=0.03, chunk_frames=2, steps=2), engine_class=ScriptEngine
+    )
+    transcript = Transcript()
+    camera = {"mode": "velocity", "data": {"translation": [1, 0, 0], "rotation": [0, 0, 0, 1]}}
+    async with running.connect() as ws:
+        await ws.send_message(start_with([[[], [], []]] * 8, num_frames=16))
+        await receive_until(ws, transcript, is_type("video.chunk_metadata"))
+        await ws.send_message(interaction("cam", multi_modal_data={"camera": camera}))
+        await receive_until(ws, transcript, is_type("error"))
+        await ws.send_message(interaction("text", prompt="a blue square"))
+        await receive_until(ws, transcript, is_type("session.interaction.queued"))
+        await receive_into(ws, transcript)
+    (error,) = transcript.of_type("error")
+    assert (error["code"], error["event_id"]) == ("interaction_failed", "cam")
+    assert error["message"] == "this session's camera follows its extra_params.camera_action_script"
+    ids = [change.event_id for _, change in running.engine.streams[0].arrivals]
+    assert "cam" not in ids and "text" in ids

@@ -217,6 +217,7 @@ class Session:
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
         self._pacing: protocol.Pacing | None = None
+        self._camera_scripted = False
         self._scripted: dict[int, list[PromptChange]] = {}
         """``extra_params.camera_action_script``'s cameras, by the chunk they go before."""
         self._media_clock: float | None = None
@@ -485,6 +486,7 @@ class Session:
                 f"Invalid session.start: extra_params.{protocol.CAMERA_SCRIPT_PARAM}: this "
                 f"engine takes no camera interactions (it takes: {', '.join(sorted(takes))})",
             )
+        self._camera_scripted = True
         for entry in script:
             event_id = f"script-{entry.chunk_index}"
             self._event_ids.add(event_id)
@@ -548,6 +550,15 @@ class Session:
                 ErrorCode.INTERACTION_FAILED,
                 f"this engine takes no {' or '.join(refused)} interactions "
                 f"(it takes: {', '.join(sorted(takes)) or 'none'})",
+                event_id=event_id,
+            )
+            return
+        if change.camera is not None and self._camera_scripted:
+            # As in vllm-omni, a scripted session's camera is the script's: a live camera
+            # would be overridden at the next scripted chunk, so it is refused outright.
+            await self._send_error(
+                ErrorCode.INTERACTION_FAILED,
+                f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}",
                 event_id=event_id,
             )
             return
