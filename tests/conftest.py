@@ -20,6 +20,7 @@ from trio_vstream.access import AccessPolicy
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig, SessionSummary
+from trio_vstream.taps import TapFactory
 
 CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -154,6 +155,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         engine_class: type[InstrumentedEngine] = InstrumentedEngine,
         access: AccessPolicy | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        taps: TapFactory | None = None,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -174,7 +176,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
             access=access or AccessPolicy(),
             ssl_context=ssl_context,
         )
-        server = VideoServer(engine, config, on_session_end=on_end)
+        server = VideoServer(engine, config, on_session_end=on_end, taps=taps)
         await nursery.start(server.run)
         return RunningServer(server, engine, ended)
 

@@ -249,12 +249,20 @@ class FragmentedMP4Encoder:
         self._frames_encoded = 0
         self._sequence_number = 0
         self._init_written = False
+        self._init_bytes: bytes | None = None
         self._closed = False
         self._failed: str | None = None
 
     @property
     def frames_encoded(self) -> int:
         return self._frames_encoded
+
+    @property
+    def init_segment(self) -> bytes | None:
+        """The init segment (``ftyp`` + ``moov``) the first chunk began with; None before it.
+
+        What a follower that joins mid-stream needs ahead of its first fragment."""
+        return self._init_bytes
 
     @property
     def codec_string(self) -> str | None:
@@ -308,7 +316,8 @@ class FragmentedMP4Encoder:
             if self._avcc is None:
                 # Only if extradata was empty: fall back to the in-band parameter sets.
                 self._avcc = self._avcc_from_parameter_sets(bytes(packets[0]))
-            out.append(self._init_segment())
+            self._init_bytes = self._init_segment()
+            out.append(self._init_bytes)
             self._init_written = True
         out.append(self._fragment(packets))
         self._frames_encoded += count

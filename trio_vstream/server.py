@@ -44,6 +44,7 @@ from trio_vstream.session import (
     SessionSummary,
 )
 from trio_vstream.steps import EngineProgress, StepBatcher
+from trio_vstream.taps import TapFactory
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class VideoServer:
         config: ServerConfig = ServerConfig(),
         *,
         on_session_end: Callable[[SessionSummary], None] | None = None,
+        taps: TapFactory | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -115,6 +117,7 @@ class VideoServer:
             step_limiter=trio.CapacityLimiter(steps) if steps and not self.batcher else None,
             engine_progress=progress,
             batcher=self.batcher,
+            taps=taps,
             # Each session runs at most two blocking calls at once (engine, encoder).
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),

@@ -81,6 +81,7 @@ from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_im
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
+from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ class ServerResources:
     metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
     batcher: StepBatcher | None = None
     """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
+    taps: TapFactory | None = None
+    """Who follows each session's output (viewers, a recording); see `trio_vstream.taps`."""
 
 
 class Session:
@@ -218,6 +221,9 @@ class Session:
         self._stop_requested_at: float | None = None
         self._pacing: protocol.Pacing | None = None
         self._camera_scripted = False
+        self._taps = TapSet("", ())
+        self._init_segment = b""
+        """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
         self._scripted: dict[int, list[PromptChange]] = {}
         """``extra_params.camera_action_script``'s cameras, by the chunk they go before."""
         self._media_clock: float | None = None
@@ -346,9 +352,13 @@ class Session:
         # From here a shutdown lets the session say goodbye properly, rather than
         # cutting the video.start about to be sent.
         self._streaming = True
-        await self._send(
-            protocol.VideoStart(self.request_id, start.format, self._config_echo(start))
+        taps = self._open_taps(start)
+        video_start = protocol.VideoStart(
+            self.request_id, start.format, self._config_echo(start), **taps.video_start_fields
         )
+        await self._send(video_start)
+        self._taps = TapSet(self.request_id, taps.taps)
+        self._taps.call("started", video_start, start)
         self._metrics.video_started(trio.current_time() - self._start_received_at)
         self._touch()
         logger.info(
@@ -366,6 +376,19 @@ class Session:
             nursery.cancel_scope.cancel()
         if self.outcome is None:
             self._end(Outcome.COMPLETED)
+
+    def _open_taps(self, start: protocol.SessionStart) -> SessionTaps:
+        """The session's followers, from the server; none if that fails (logged): a
+        viewer or a recording is never a reason to refuse the session itself."""
+        factory = self._res.taps
+        if factory is None:
+            return SessionTaps()
+        assert self.request_id is not None
+        try:
+            return factory(self.request_id, start)
+        except Exception:
+            logger.exception("session %s: could not open its taps", self.request_id)
+            return SessionTaps()
 
     async def _receive_start(self) -> protocol.SessionStart | None:
         with trio.move_on_after(self._config.start_timeout) as timeout:
@@ -534,52 +557,52 @@ class Session:
         assert self.request_id is not None
         # The protocol stays pure: an id the client left out is minted here.
         event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
-        if event_id in self._event_ids:
-            await self._send_error(
-                ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict", event_id=event_id
-            )
+        refusal = self._apply_interaction(event_id, message)
+        if refusal is None:
+            self._taps.call("interaction", event_id, message, None)
+            await self._send(protocol.InteractionQueued(self.request_id, event_id))
             return
+        error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
+        self._taps.call("interaction", event_id, message, error)
+        await self._send(error)
+
+    def _apply_interaction(
+        self, event_id: str, message: protocol.Interaction
+    ) -> tuple[ErrorCode, str] | None:
+        """Hand the interaction to the engine, or say why not (code and message).
+
+        Any refusal leaves the event id unused, so the client may retry with it.
+        """
+        if event_id in self._event_ids:
+            return ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict"
         change = PromptChange(event_id, message.prompt, message.transition_chunks, message.camera)
         # An engine only ever sees the kinds it declared (a prompt-only engine could not
-        # act on a camera, and would fail or, worse, silently drop it). Like any failure
-        # here, the refusal leaves the event id unused, so the client may retry with it.
+        # act on a camera, and would fail or, worse, silently drop it).
         takes = interaction_kinds(self._res.engine)
         refused = sorted(change.kinds - takes)
         if refused:
-            await self._send_error(
-                ErrorCode.INTERACTION_FAILED,
+            return ErrorCode.INTERACTION_FAILED, (
                 f"this engine takes no {' or '.join(refused)} interactions "
-                f"(it takes: {', '.join(sorted(takes)) or 'none'})",
-                event_id=event_id,
+                f"(it takes: {', '.join(sorted(takes)) or 'none'})"
             )
-            return
         if change.camera is not None and self._camera_scripted:
             # As in vllm-omni, a scripted session's camera is the script's: a live camera
             # would be overridden at the next scripted chunk, so it is refused outright.
-            await self._send_error(
-                ErrorCode.INTERACTION_FAILED,
-                f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}",
-                event_id=event_id,
+            return ErrorCode.INTERACTION_FAILED, (
+                f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}"
             )
-            return
         if self._stream is None:  # generation is over; nothing can take the change
-            await self._send_error(
-                ErrorCode.INTERACTION_FAILED, "Failed to apply interaction", event_id=event_id
-            )
-            return
+            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
         self._event_ids.add(event_id)
         try:
             self._stream.interact(change)
         except Exception as exc:
             self._event_ids.discard(event_id)
             if isinstance(exc, EngineError):  # the engine refuses it and says why
-                message = f"Failed to apply interaction: {exc}"
-            else:
-                logger.exception("session %s: failed to apply interaction", self.request_id)
-                message = "Failed to apply interaction"
-            await self._send_error(ErrorCode.INTERACTION_FAILED, message, event_id=event_id)
-            return
-        await self._send(protocol.InteractionQueued(self.request_id, event_id))
+                return ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {exc}"
+            logger.exception("session %s: failed to apply interaction", self.request_id)
+            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        return None
 
     # ---------------------------------------------------------- stall guard
 
@@ -763,6 +786,10 @@ class Session:
             transport_chunk_index=self._chunks_sent,
         )
         await self._send(metadata, data, deadline=deadline)
+        if self._taps:
+            if not self._init_segment and self._encoder is not None:
+                self._init_segment = self._encoder.init_segment or b""
+            self._taps.call("chunk", metadata, data, self._init_segment)
         if kind == "media" and self._chunks_sent == 0:
             self._metrics.first_chunk_sent(trio.current_time() - self._start_received_at)
         self._metrics.chunk_sent(frames, len(data))
@@ -798,6 +825,7 @@ class Session:
                 await self._send_terminal(outcome, deadline)
             if self._broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
+        self._taps.call("ended", outcome.value, self._terminal(outcome))
         if not self._broken:
             with trio.move_on_after(self._config.close_timeout):
                 await self._ws.aclose()
@@ -809,18 +837,19 @@ class Session:
             f" ({self._error[0].value}: {self._error[1]})" if self._error else "",
         )
 
-    async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
+    def _terminal(self, outcome: Outcome) -> protocol.SessionDone | protocol.Error:
         if outcome in (Outcome.COMPLETED, Outcome.STOPPED):
             assert self.request_id is not None
-            done = protocol.SessionDone(
+            return protocol.SessionDone(
                 self.request_id, self._chunks_sent, outcome is Outcome.STOPPED
             )
-            await self._send(done, deadline=deadline)
-            if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
-                self._metrics.stopped(trio.current_time() - self._stop_requested_at)
-        else:
-            code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
-            await self._send_error(code, message, deadline=deadline)
+        code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
+        return protocol.Error(code, message, request_id=self.request_id)
+
+    async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
+        await self._send(self._terminal(outcome), deadline=deadline)
+        if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
+            self._metrics.stopped(trio.current_time() - self._stop_requested_at)
 
     async def _close_encoder(self) -> bytes | None:
         """The encoder's final bytes, or None (and an error recorded) if it fails."""

@@ -366,6 +366,8 @@ class VideoStart(_Message):
     request_id: str
     format: str
     config: dict[str, Any]
+    watch_path: str | None = None
+    """This project's extension: where viewers watch the session (omitted when off)."""
 
 
 @attrs.frozen
