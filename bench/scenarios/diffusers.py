@@ -250,6 +250,22 @@ CATALOGUE.update(
             "ratio",
             "random Helios: first streamed chunk / single call for the whole video (ideal 1/k)",
         ),
+        "diffusers.forcing.whole_call_ms": (
+            "ms",
+            "random SkyReels-V2 DF: the pipeline's single call for the whole k-window video",
+        ),
+        "diffusers.forcing.first_chunk_ms": (
+            "ms",
+            "random SkyReels-V2 DF streamed by the engine: open_stream -> first window",
+        ),
+        "diffusers.forcing.streamed_total_ms": (
+            "ms",
+            "random SkyReels-V2 DF streamed by the engine: open_stream -> last window",
+        ),
+        "diffusers.forcing.first_chunk_fraction": (
+            "ratio",
+            "random SkyReels-V2 DF: first streamed window / single call (ideal 1/k)",
+        ),
     }
 )
 
@@ -287,6 +303,65 @@ def _chunked_sequence(
         prompt=PROMPT,
         width=HELIOS_SIZE,
         height=HELIOS_SIZE,
+        fps=16,
+        num_frames=frames,
+        num_inference_steps=preset.steps,
+        guidance_scale=1.0,
+        seed=seed,
+    )
+    times: list[float] = []
+    started = time.perf_counter()
+    stream = engine.open_stream(request)
+    try:
+        while stream.next_chunk(Checkpoint()) is not None:
+            times.append((time.perf_counter() - started) * 1000)
+    finally:
+        stream.close()
+    return {"whole_call_ms": whole_ms, "chunk_done_ms": times}
+
+
+FORCING_SIZE: Final = 32
+"""The diffusion-forcing measurement's frame size."""
+FORCING_WINDOW_FRAMES: Final = 17
+"""Its window (``segment_frames``, the call's ``base_num_frames``): 5 latent frames."""
+FORCING_OVERLAP: Final = 1
+"""One latent frame of overlap, so each later window adds 4 latent frames (16 frames),
+about as much as the first (17): then the windows are even work and 1/k is the ideal."""
+FORCING_NEW_FRAMES: Final = 16
+
+
+def _forcing_sequence(
+    engine: Any, preset: DiffusersPreset, windows: int, seed: int
+) -> dict[str, Any]:
+    """A diffusion-forcing pipeline (a random SkyReels-V2 DF) streamed window by window by
+    the engine, against the pipeline's own single call for the same video: the first
+    window should come after about 1/``windows`` of the call's time."""
+    import torch
+
+    from trio_vstream.engines import GenerationRequest
+
+    frames = FORCING_WINDOW_FRAMES + FORCING_NEW_FRAMES * (windows - 1)
+    pipe = engine.model.pipe
+    started = time.perf_counter()
+    pipe(
+        prompt=PROMPT,
+        height=FORCING_SIZE,
+        width=FORCING_SIZE,
+        num_frames=frames,
+        num_inference_steps=preset.steps,
+        guidance_scale=1.0,
+        base_num_frames=FORCING_WINDOW_FRAMES,
+        overlap_history=FORCING_OVERLAP,
+        generator=torch.Generator(device="cpu").manual_seed(seed),
+        output_type="pt",
+    )
+    whole_ms = (time.perf_counter() - started) * 1000
+    request = GenerationRequest(
+        request_id="diffusers-bench-forcing",
+        extra_params={"overlap_history": FORCING_OVERLAP},
+        prompt=PROMPT,
+        width=FORCING_SIZE,
+        height=FORCING_SIZE,
         fps=16,
         num_frames=frames,
         num_inference_steps=preset.steps,
@@ -353,7 +428,28 @@ def diffusers_worker(config_json: str) -> int:
             _chunked_sequence(helios[0], preset, 1, seed)  # warm-up: first-use costs out
         return _chunked_sequence(helios[0], preset, chunks, seed)
 
-    sequences = {"pipeline": _pipeline_sequence, "engine": _engine_sequence, "chunked": chunked}
+    skyreels: list[Any] = []
+
+    def forcing(_: Any, preset: DiffusersPreset, windows: int, seed: int) -> dict[str, Any]:
+        if not skyreels:  # built and loaded on first use, in the worker's thread
+            path = model.parent / "SkyReels-DF-random-tiny"
+            if not path.exists():
+                diffusers_tiny.build_skyreels_df(path)
+            args = {
+                "model": str(path),
+                "threads": "1",
+                "segment_frames": str(FORCING_WINDOW_FRAMES),
+            }
+            skyreels.append(load_engine("diffusers", args, device=preset.device))
+            _forcing_sequence(skyreels[0], preset, 1, seed)  # warm-up: first-use costs out
+        return _forcing_sequence(skyreels[0], preset, windows, seed)
+
+    sequences = {
+        "pipeline": _pipeline_sequence,
+        "engine": _engine_sequence,
+        "chunked": chunked,
+        "forcing": forcing,
+    }
     with ThreadPoolExecutor(max_workers=1) as thread:
         threads = thread.submit(_torch_threads).result()
         print(
@@ -370,7 +466,7 @@ def diffusers_worker(config_json: str) -> int:
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             print(json.dumps(result), file=replies)
     engine.close()
-    for other in helios:
+    for other in (*helios, *skyreels):
         other.close()
     return 0
 
@@ -556,6 +652,22 @@ class DiffusersScenario:
         self.figures.add(run, "diffusers.chunked.streamed_total_ms", done[-1:])
         self.figures.add(run, "diffusers.chunked.first_chunk_fraction", [done[0] / whole])
 
+    async def _forcing(self, run: int, seed: int) -> None:
+        """First window vs whole call, for a streamed random SkyReels-V2 DF (in the worker)."""
+        worker = self.worker
+        assert worker is not None
+        result = await worker.call(
+            self.s.session_timeout_s, what="forcing", segments=self.segments, seed=seed
+        )
+        if "error" in result:
+            progress(f"  !! diffusers: forcing: {result['error']}")
+            return
+        whole, done = result["whole_call_ms"], result["chunk_done_ms"]
+        self.figures.add(run, "diffusers.forcing.whole_call_ms", [whole])
+        self.figures.add(run, "diffusers.forcing.first_chunk_ms", done[:1])
+        self.figures.add(run, "diffusers.forcing.streamed_total_ms", done[-1:])
+        self.figures.add(run, "diffusers.forcing.first_chunk_fraction", [done[0] / whole])
+
     async def _server(self, ctx: RunContext, seed: int) -> None:
         frames = self.segments * self.preset.segment_frames
         client = SessionClient(
@@ -635,6 +747,8 @@ class DiffusersScenario:
                     await step()
                 progress(f"{tag}: chunked Helios, {self.segments} chunks, streamed vs one call")
                 await self._chunked(run, seed)
+                progress(f"{tag}: SkyReels-V2 DF, {self.segments} windows, streamed vs one call")
+                await self._forcing(run, seed)
             ctx.windows.append({"scenario": "diffusers", "start": started, "end": now()})
             info["windows"] = ctx.windows
             await ctx.check_after("diffusers")
@@ -678,6 +792,10 @@ class DiffusersScenario:
         chunked_status = "N/A" if fraction is None else "PASS"
         if fraction is not None and fraction > CHUNKED_FIRST_CHUNK_SLACK * ideal:
             chunked_status = "FAIL"
+        forcing = self.figures.stat("diffusers.forcing.first_chunk_fraction", "median")
+        forcing_status = "N/A" if forcing is None else "PASS"
+        if forcing is not None and forcing > CHUNKED_FIRST_CHUNK_SLACK * ideal:
+            forcing_status = "FAIL"
         leftovers = [c for c in self.checks if c["ok"] is False]
         cleanup = "PASS" if not leftovers else "FAIL"
         if not self.checks or any(c["ok"] is None for c in self.checks):
@@ -702,6 +820,16 @@ class DiffusersScenario:
                 "threshold": CHUNKED_FIRST_CHUNK_SLACK * ideal,
                 "status": chunked_status,
                 "note": "" if fraction is None else f"ideal {ideal:.3f}",
+            },
+            {
+                "target": "diffusers: diffusion-forcing first window",
+                "rule": f"a random SkyReels-V2 DF streamed in {self.segments} windows: time to "
+                "the first window / time of the single pipeline call for the whole video <= "
+                f"{CHUNKED_FIRST_CHUNK_SLACK} / {self.segments} (ideal 1/k, plus one decode)",
+                "measured": forcing,
+                "threshold": CHUNKED_FIRST_CHUNK_SLACK * ideal,
+                "status": forcing_status,
+                "note": "" if forcing is None else f"ideal {ideal:.3f}",
             },
             {
                 "target": "diffusers: cleanup",

@@ -63,6 +63,22 @@ def helios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {v: build_helios(root / f"Helios-tiny-{v}", variant=v) for v in HELIOS_VARIANTS}
 
 
+@pytest.fixture(scope="session")
+def skyreels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """SkyReels-V2 diffusion-forcing pipeline directories, by variant: ``t2v``
+    (SkyReelsV2DiffusionForcingPipeline) and ``i2v`` (its image-to-video sibling), with
+    the same weights."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from trio_vstream.engines.diffusers.tiny import SKYREELS_DF_VARIANTS, build_skyreels_df
+
+    root = tmp_path_factory.mktemp("skyreels_models")
+    return {
+        v: build_skyreels_df(root / f"SkyReels-DF-tiny-{v}", variant=v)
+        for v in SKYREELS_DF_VARIANTS
+    }
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
     """Load engines as ``--engine diffusers`` does (CPU, 5-frame segments, one thread);

@@ -17,7 +17,10 @@ request's ``image_reference`` conditions the first segment. A
 chunk-autoregressive pipeline (Helios) is streamed chunk by chunk instead:
 each segment is one chunk of the model's own loop, continued from the
 session's history latents (``_history``), so the frames are exactly those
-of the pipeline's single call and sessions take turns at chunk boundaries.
+of the pipeline's single call and sessions take turns at chunk boundaries. A
+diffusion-forcing pipeline (SkyReels-V2 DF) is streamed window by window: the engine
+drives its window loop from the pipeline's components (``_forcing``), since its call
+keeps the overlap latents to itself and decodes only at its end.
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -39,7 +42,8 @@ Layout. This module holds the engine (request planning) and its factory; the
 private modules hold one concern each: ``_settings`` (engine args),
 ``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
 ``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
-``_history`` (a chunk-autoregressive session's history).
+``_history`` (a chunk-autoregressive session's history), ``_forcing`` (a
+diffusion-forcing session's window loop).
 ``tiny`` builds tiny random pipelines for the tests and the benchmark.
 """
 
@@ -55,6 +59,7 @@ import torch
 
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.diffusers._forcing import window_plan
 from trio_vstream.engines.diffusers._history import ENGINE_SET_ARGS as CHUNK_LOOP_ARGS
 from trio_vstream.engines.diffusers._history import chunk_latent_frames
 from trio_vstream.engines.diffusers._loading import (
@@ -161,13 +166,16 @@ class DiffusersEngine:
         self.name = settings.name or settings.model.resolve().name or "diffusers"
         self.chunked = model.streams_chunks
         """One call per chunk, continued from the session's history latents (Helios)."""
-        if self.chunked and i2v is not None:
+        self.windowed = model.streams_windows and not self.chunked
+        """One diffusion-forcing window per chunk, the loop driven by the engine (SkyReels-V2
+        DF): see `ForcingLoop`."""
+        if (self.chunked or self.windowed) and i2v is not None:
             raise config_error(
                 f"i2v_model: {model.class_name} continues each chunk from its own history "
                 "latents and takes image_reference itself; leave i2v_model out"
             )
         self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
-        if self.chunked:
+        if self.chunked or self.windowed:
             self.continuation = None
         pipelines = [model] + ([i2v] if i2v is not None else [])
         self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
@@ -178,6 +186,15 @@ class DiffusersEngine:
                 raise config_error(
                     f"segment_frames: {model.class_name} makes {segment}-frame chunks, one per "
                     f"call; leave segment_frames out or set it to {segment}"
+                )
+        elif self.windowed and settings.segment_frames is not None:
+            segment = settings.segment_frames  # the window's frames: base_num_frames
+            if (segment - 1) % self.frame_step or segment <= self.frame_step:
+                raise config_error(
+                    f"segment_frames is {model.class_name}'s window (base_num_frames): "
+                    f"{self.frame_step}*n+1 with n >= 2 (e.g. "
+                    f"{valid_frames(max(segment, 2 * self.frame_step + 1), self.frame_step)}), "
+                    f"got {segment}"
                 )
         elif settings.segment_frames is not None:
             segment = settings.segment_frames
@@ -224,8 +241,8 @@ class DiffusersEngine:
                 f"got {request.width}x{request.height}"
             )
         if request.image is not None:
-            if model.takes_image:
-                first = model
+            if model.takes_image or self.windowed:
+                first = model  # a diffusion-forcing loop conditions its first window itself
             elif self.i2v is not None:
                 first = self.i2v
             else:
@@ -341,6 +358,16 @@ class DiffusersEngine:
         if request.lora is not None:
             problems.extend(lora_problems(request.lora, self.settings.lora_root, used))
 
+        windows = None
+        if self.windowed:
+            windows = window_plan(
+                model,
+                extra,
+                num_frames=valid_frames(request.num_frames, self.frame_step),
+                base_num_frames=self.segment_frames,
+                temporal=self.frame_step,
+                problems=problems,
+            )
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = request.seed
@@ -352,6 +379,7 @@ class DiffusersEngine:
             following=following,
             continues=continuation is not None,
             chunked=self.chunked,
+            windows=windows,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,
             config_overrides=config_overrides,

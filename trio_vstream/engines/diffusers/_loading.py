@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from trio_vstream.engines.diffusers._forcing import streams_windows
 from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
 from trio_vstream.video import VideoDefaults
@@ -163,6 +164,9 @@ class PipelineInfo:
     streams_chunks: bool = False
     """Whether ``__call__`` is chunk-autoregressive and takes its history back in
     (Helios): then each call makes one chunk, continued from the session's history."""
+    streams_windows: bool = False
+    """Whether it is a diffusion-forcing pipeline (SkyReels-V2 DF) whose window loop the
+    engine drives itself from its components, one window per chunk (`ForcingLoop`)."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -201,6 +205,12 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
     missing = [n for n in ("prompt", "height", "width", "generator") if n not in params]
     if missing:
         raise config_error(f"{where}: its __call__ lacks {', '.join(missing)}")
+    video = params.get("video")
+    if video is not None and video.default is inspect.Parameter.empty:
+        raise config_error(
+            f"{where} needs an input video (video=), which a session cannot send; "
+            "serve its text-to-video or image-to-video sibling"
+        )
     image = params.get("image")
     spatial = (
         getattr(pipe, "vae_scale_factor_spatial", None)
@@ -242,6 +252,7 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         frame_step=max(1, int(temporal)),
         encode_params=encode_params,
         streams_chunks=streams_chunks(params),
+        streams_windows=streams_windows(params, pipe),
     )
 
 
@@ -330,6 +341,9 @@ def default_segment_frames(model: PipelineInfo, step: int) -> int:
     window = model.default("num_latent_frames_per_chunk")
     if isinstance(window, int) and window > 1 and step > 1:
         return (window - 1) * step + 1  # a pipeline that generates in windows (Helios): one
+    base = model.default("base_num_frames")
+    if model.streams_windows and isinstance(base, int) and base > 1:
+        return valid_frames(base, step)  # a diffusion-forcing window (SkyReels-V2 DF: 97)
     return 4 * step + 1 if step > 1 else 16
 
 

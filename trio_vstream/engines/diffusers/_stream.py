@@ -7,7 +7,8 @@ that calls ``checkpoint()`` so a stop ends the call between steps, before the VA
 decode. The frames come back as uint8 on the device and are copied to the host once.
 For a chunk-autoregressive pipeline (Helios) a segment is one chunk of the model's own
 loop, and `ChunkHistory` carries the session's history latents and generator into the
-next call instead of a frame.
+next call instead of a frame. For a diffusion-forcing pipeline (SkyReels-V2 DF) a segment
+is one window of its loop, which `ForcingLoop` runs from the pipeline's components.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     PromptChange,
 )
+from trio_vstream.engines.diffusers._forcing import ForcingLoop, WindowPlan
 from trio_vstream.engines.diffusers._history import ChunkHistory
 from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
 from trio_vstream.engines.diffusers._lora import LoadedLora
@@ -62,6 +64,8 @@ class StreamPlan:
     seed: int
     segment_frames: int
     frame_step: int
+    windows: WindowPlan | None = None
+    """The diffusion-forcing window loop, one window per chunk (None: not such a pipeline)."""
 
 
 class DiffusersStream:
@@ -89,6 +93,9 @@ class DiffusersStream:
         self._history: ChunkHistory | None = None
         if plan.chunked:
             self._history = ChunkHistory(plan.first, plan.seed)
+        self._forcing: ForcingLoop | None = None
+        if plan.windows is not None:
+            self._forcing = ForcingLoop(plan.windows, plan.seed)
         self._image = None
         if request.image is not None:
             self._image = to_pil(request.image, request.width, request.height)
@@ -107,6 +114,8 @@ class DiffusersStream:
         remaining = request.num_frames - self._frames_done
         if remaining <= 0:
             return None
+        if self._forcing is not None:
+            return self._next_window(checkpoint, remaining)
         index = self._next_index
         conditioning = self._schedule.next_conditioning()
         if index == 0:
@@ -152,6 +161,8 @@ class DiffusersStream:
         self._last_frame = None
         if self._history is not None:
             self._history.clear()
+        if self._forcing is not None:
+            self._forcing.clear()
         self._image = None
         if self._lora is not None:
             entry, self._lora = self._lora[0], None
@@ -220,6 +231,52 @@ class DiffusersStream:
         if video is None:
             video = output[0]
         return video
+
+    def _next_window(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next diffusion-forcing window's new frames, made under the lock with the
+        session's LoRA, a fresh scheduler and the schedule's (blended) prompt embeddings."""
+        forcing, plan, request, engine = self._forcing, self._plan, self._request, self._engine
+        assert forcing is not None
+        info, index = plan.first, self._next_index
+        conditioning = self._schedule.next_conditioning()
+        kwargs = plan.call_kwargs[info.role]
+        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
+        guidance = plan.guidance_scale if plan.guidance_scale is not None else 1.0
+        with engine.lock.held(checkpoint):
+            lora = self._lora
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            mixed = self._mix(info, conditioning.mix)
+            if mixed is None:
+                raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
+            negative = None
+            if guidance > 1.0:
+                negative = self._encode(info, request.negative_prompt or "")[0]
+            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
+                logger.debug(
+                    "request %s: window %d of %d", request.request_id, index, forcing.plan.windows
+                )
+                video = forcing.run_window(
+                    checkpoint,
+                    info.pipe,
+                    prompt_embeds=mixed[0],
+                    negative_prompt_embeds=negative,
+                    guidance_scale=guidance,
+                    num_inference_steps=int(steps or 50),
+                    height=request.height,
+                    width=request.width,
+                    fps=request.fps,
+                    image=self._image if index == 0 else None,
+                    attention_kwargs=kwargs.get("attention_kwargs"),
+                )
+                if engine.settings.offload != "none":
+                    info.pipe.maybe_free_model_hooks()
+        frames = frames_to_uint8(video)
+        del video
+        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
+        del frames
+        self._frames_done += host.shape[0]
+        self._next_index += 1
+        return conditioning.chunk(host, index)
 
     def _prompt_kwargs(self, info: PipelineInfo, conditioning: ChunkConditioning) -> dict[str, Any]:
         """The call's prompt arguments: embeddings where the pipeline takes them (so a

@@ -1,0 +1,440 @@
+"""`ForcingLoop`: one session's diffusion-forcing windows (SkyReels-V2 DF), one per chunk.
+
+``SkyReelsV2DiffusionForcingPipeline`` (and its image-to-video sibling) makes a long video
+in overlapping windows of ``base_num_frames``: each window after the first starts from
+the last ``overlap_history`` frames' latents of the video so far, denoises the rest under
+a per-frame ("diffusion forcing") timestep matrix, and adds its new latents to the
+video. But its ``__call__`` runs every window in one call, keeps the overlap latents to
+itself, and decodes the whole video once at its end; the text-to-video call takes no
+prefix latents and the video-to-video call re-encodes pixels, so no sequence of calls
+continues the loop exactly.
+
+So the engine drives the window loop itself, from the pipeline's public components
+(``transformer``, ``scheduler``, ``vae``, ``video_processor``, ``generate_timestep_matrix``):
+`ForcingLoop.run_window` is one iteration of the call's ``for iter_idx in range(n_iter)``
+loop (diffusers 0.42.1, ``pipeline_skyreels_v2_diffusion_forcing.py``, steps 5 to 7 and
+the accumulation after them), restated here, followed by decoding that window's new
+latent frames with the session's own causal VAE cache. Wan's VAE decodes a video one
+latent frame at a time, each frame seeing the cache the frames before it left
+(``AutoencoderKLWan._decode``); carrying that cache from window to window makes the
+per-window decodes those of the call's single decode. One generator per session draws
+each window's noise in the call's order. So the frames, joined, equal the single call's
+(tested), each window is handed over as soon as it is decoded, and sessions take turns
+on the shared pipeline at every window.
+
+What is kept between windows is bounded, whatever the video's length: the last
+``overlap_history`` latent frames (the next window's prefix), the decoder's cache (two
+frames per causal convolution) and the generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Collection, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers._loading import PipelineInfo
+
+FORCING_ARGS: tuple[str, ...] = (
+    "overlap_history",
+    "base_num_frames",
+    "ar_step",
+    "causal_block_size",
+    "addnoise_condition",
+)
+"""What a diffusion-forcing pipeline's ``__call__`` takes to shape its window loop; the
+engine reads them (from ``extra_params``) and runs the loop itself."""
+
+DEFAULT_OVERLAP_HISTORY = 17
+"""Overlap frames when a request gives none: the call requires one for long videos and
+recommends 17 or 37."""
+
+
+def streams_windows(params: Collection[str], pipe: Any) -> bool:
+    """Whether the engine can drive this pipeline's diffusion-forcing window loop itself:
+    a ``__call__`` with the loop's arguments, and the loop's public helper."""
+    return all(name in params for name in FORCING_ARGS) and callable(
+        getattr(pipe, "generate_timestep_matrix", None)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class WindowPlan:
+    """The window loop's shape, as the call works it out from its arguments (in latent
+    frames: the VAE makes ``temporal`` frames of each but the first)."""
+
+    latent_frames: int
+    """The whole video's."""
+    base: int
+    """Latent frames per window (``base_num_frames``'s)."""
+    overlap: int
+    """Latent frames each window after the first starts from (0: one window)."""
+    causal_block_size: int | None
+    """None: the transformer's own ``num_frame_per_block``."""
+    ar_step: int
+    addnoise_condition: float
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        num_frames: int,
+        base_num_frames: int,
+        overlap_history: int,
+        temporal: int,
+        causal_block_size: int | None,
+        ar_step: int,
+        addnoise_condition: float,
+    ) -> WindowPlan:
+        """The plan of a call with these arguments (``num_frames`` already ``temporal*n+1``)."""
+        latent_frames = (num_frames - 1) // temporal + 1
+        if num_frames > base_num_frames:  # the call's is_long_video
+            base = (base_num_frames - 1) // temporal + 1
+            overlap = (overlap_history - 1) // temporal + 1
+        else:
+            base, overlap = latent_frames, 0
+        return cls(
+            latent_frames=latent_frames,
+            base=base,
+            overlap=overlap,
+            causal_block_size=causal_block_size,
+            ar_step=ar_step,
+            addnoise_condition=addnoise_condition,
+        )
+
+    @property
+    def windows(self) -> int:
+        """How many windows the call runs (its ``n_iter``)."""
+        if self.overlap == 0:
+            return 1
+        return 1 + (self.latent_frames - self.base - 1) // (self.base - self.overlap) + 1
+
+    def window_latent_frames(self, index: int) -> int:
+        """Latent frames in window ``index``, its prefix included (the call's
+        ``prepare_latents``: the last window is what is left)."""
+        if index == 0:
+            return self.base
+        finished = index * (self.base - self.overlap) + self.overlap
+        return min(self.latent_frames - finished + self.overlap, self.base)
+
+
+def window_plan(
+    info: PipelineInfo,
+    extra: Mapping[str, Any],
+    *,
+    num_frames: int,
+    base_num_frames: int,
+    temporal: int,
+    problems: list[str],
+) -> WindowPlan | None:
+    """The window loop a request asks for: ``base_num_frames`` (the engine's
+    ``segment_frames``), ``overlap_history`` (17, or about half a window for windows of 21
+    frames or fewer), ``ar_step``, ``causal_block_size`` and ``addnoise_condition`` may come
+    in ``extra_params``, as for the call. Appends what is wrong to ``problems`` (then
+    returns None), so a bad request is refused before it runs, not mid-video."""
+
+    def whole(name: str, default: Any, minimum: int) -> Any:
+        value = extra.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            problems.append(f"extra_params.{name} must be an integer >= {minimum}, got {value!r}")
+            return default
+        return value
+
+    base = whole("base_num_frames", base_num_frames, 2 * temporal + 1)
+    if (base - 1) % temporal:
+        problems.append(f"extra_params.base_num_frames must be {temporal}*n+1, got {base}")
+        return None
+    half = ((base - 1) // temporal // 2) * temporal + 1
+    overlap = whole("overlap_history", min(DEFAULT_OVERLAP_HISTORY, half), 1)
+    ar_step = whole("ar_step", 0, 0)
+    block = whole("causal_block_size", None, 1)
+    noise = extra.get("addnoise_condition", 0)
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1000:
+        problems.append(f"extra_params.addnoise_condition must be in 0..1000, got {noise!r}")
+        noise = 0
+    if overlap >= base:
+        problems.append(
+            f"extra_params.overlap_history ({overlap}) must be less than the window "
+            f"(base_num_frames, {base})"
+        )
+        return None
+    plan = WindowPlan.of(
+        num_frames=num_frames,
+        base_num_frames=base,
+        overlap_history=overlap,
+        temporal=temporal,
+        causal_block_size=block,
+        ar_step=ar_step,
+        addnoise_condition=float(noise),
+    )
+    own = getattr(getattr(info.pipe, "transformer", None), "config", None)
+    size = block if block is not None else int(getattr(own, "num_frame_per_block", 1) or 1)
+    uneven = [
+        plan.window_latent_frames(i)
+        for i in range(plan.windows)
+        if plan.window_latent_frames(i) % size
+    ]
+    if uneven:
+        problems.append(
+            f"every window must be a whole number of causal blocks ({size} latent frames); "
+            f"this length makes windows of {uneven[0]}: change num_frames or base_num_frames"
+        )
+        return None
+    return plan
+
+
+class ForcingLoop:
+    """One session's place in the window loop: what the next window starts from."""
+
+    def __init__(self, plan: WindowPlan, seed: int) -> None:
+        self.plan = plan
+        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        """Draws each window's noise, in the single call's order."""
+        self._condition_noise = torch.Generator(device="cpu").manual_seed((seed + 1) % 2**64)
+        """For ``addnoise_condition``, which the call draws from torch's global generator
+        (shared by every thread); a session's own keeps it reproducible per seed."""
+        self._history: torch.Tensor | None = None
+        self._decoder_cache: list[Any] | None = None
+        self.windows_done = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every window of the video has been made."""
+        return self.windows_done >= self.plan.windows
+
+    @property
+    def held_latent_frames(self) -> int:
+        """Latent frames kept for the next window's prefix; at most the overlap (tests)."""
+        return 0 if self._history is None else int(self._history.shape[2])
+
+    def clear(self) -> None:
+        """Drop the tensors (the stream is closing)."""
+        self._history = None
+        self._decoder_cache = None
+
+    @torch.no_grad()
+    def run_window(
+        self,
+        checkpoint: Any,
+        pipe: Any,
+        *,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance_scale: float,
+        num_inference_steps: int,
+        height: int,
+        width: int,
+        fps: int,
+        image: Any = None,
+        attention_kwargs: Any = None,
+    ) -> torch.Tensor:
+        """Denoise and decode the next window: its new frames as the pipeline's
+        ``output_type="pt"`` makes them, (1, T, C, H, W) in [0, 1]. ``checkpoint()`` runs
+        before every transformer step and before the decode, so a stop leaves after the
+        step in progress and a stopped window is never decoded (nor kept)."""
+        plan, index = self.plan, self.windows_done
+        device = pipe._execution_device
+        transformer = pipe.transformer
+        dtype = transformer.dtype
+        prompt_embeds = prompt_embeds.to(device, dtype)
+        cfg = guidance_scale > 1.0
+        if cfg:
+            assert negative_prompt_embeds is not None
+            negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
+        pipe.scheduler.set_timesteps(num_inference_steps, device=device)
+        timesteps = pipe.scheduler.timesteps
+        with _block_size(transformer, plan.causal_block_size) as block:
+            frames = plan.window_latent_frames(index)
+            shape = (
+                1,
+                transformer.config.in_channels,
+                frames,
+                height // pipe.vae_scale_factor_spatial,
+                width // pipe.vae_scale_factor_spatial,
+            )
+            from diffusers.utils.torch_utils import randn_tensor
+
+            latents = randn_tensor(shape, generator=self.generator, device=device)
+            prefix = self._prefix(block)
+            if index == 0 and image is not None:
+                checkpoint()  # the first frame's VAE encode
+                prefix = _image_latents(pipe, image, height=height, width=width, device=device)
+            ready = 0 if prefix is None else int(prefix.shape[2])
+            if prefix is not None:
+                latents[:, :, :ready] = prefix.to(dtype)
+            schedulers = []
+            for _ in range(frames):
+                scheduler = copy.deepcopy(pipe.scheduler)
+                scheduler.set_timesteps(num_inference_steps, device=device)
+                schedulers.append(scheduler)
+            matrix, _, update, intervals = pipe.generate_timestep_matrix(
+                frames, timesteps, frames, plan.ar_step, ready, block
+            )
+            fps_embeds = [0 if fps == 16 else 1]
+            for i, t in enumerate(matrix):
+                checkpoint()  # raises when the session is over: no more steps, no decode
+                start, end = intervals[i]
+                model_input = latents[:, :, start:end].to(dtype).clone()
+                timestep = t.expand(1, -1)[:, start:end].clone()
+                if plan.addnoise_condition > 0 and start < ready:
+                    factor = 0.001 * plan.addnoise_condition
+                    clean = model_input[:, :, start:ready]
+                    noise = torch.randn(
+                        clean.shape, generator=self._condition_noise, dtype=clean.dtype
+                    ).to(clean.device)
+                    model_input[:, :, start:ready] = clean * (1.0 - factor) + noise * factor
+                    timestep[:, start:ready] = plan.addnoise_condition
+                noise_pred = _predict(
+                    transformer, model_input, timestep, prompt_embeds, fps_embeds, attention_kwargs
+                )
+                if cfg:
+                    uncond = _predict(
+                        transformer,
+                        model_input,
+                        timestep,
+                        negative_prompt_embeds,
+                        fps_embeds,
+                        attention_kwargs,
+                        context="uncond",
+                    )
+                    noise_pred = uncond + guidance_scale * (noise_pred - uncond)
+                for idx in range(start, end):
+                    if update[i][idx].item():
+                        latents[:, :, idx] = schedulers[idx].step(
+                            noise_pred[:, :, idx - start],
+                            t[idx],
+                            latents[:, :, idx],
+                            return_dict=False,
+                        )[0]
+        new = latents if index == 0 else latents[:, :, plan.overlap :]
+        checkpoint()  # the decode
+        video = self._decode(pipe, new)
+        # The window is complete: only now does it become the next one's history.
+        if plan.overlap:
+            joined = new if self._history is None else torch.cat([self._history, new], dim=2)
+            self._history = joined[:, :, -plan.overlap :].clone()
+        self.windows_done += 1
+        return video
+
+    def _prefix(self, block: int) -> torch.Tensor | None:
+        """The next window's prefix: the history's last ``overlap`` latent frames, less
+        the last few when that count is not a multiple of the causal block (the call's
+        ``prepare_latents`` truncates the same way)."""
+        if self._history is None:
+            return None
+        prefix = self._history[:, :, -self.plan.overlap :]
+        extra = prefix.shape[2] % block
+        return prefix[:, :, : prefix.shape[2] - extra] if extra else prefix
+
+    def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Decode ``latents`` (the window's new latent frames) as the call's one decode
+        decodes them: frame by frame through ``vae.decoder``, continuing the session's
+        causal cache (``AutoencoderKLWan._decode``, without the cache reset between)."""
+        vae = pipe.vae
+        _onload(vae)
+        latents = latents.to(vae.dtype)
+        z_dim = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+        mean = mean.to(latents.device, latents.dtype)
+        inv_std = inv_std.to(latents.device, latents.dtype)
+        latents = latents / inv_std + mean
+        first = self._decoder_cache is None
+        if first:
+            convs = _causal_convs(vae.decoder)
+            self._decoder_cache = [None] * convs
+        cache = self._decoder_cache
+        x = vae.post_quant_conv(latents)
+        parts = []
+        for i in range(x.shape[2]):
+            parts.append(
+                vae.decoder(
+                    x[:, :, i : i + 1],
+                    feat_cache=cache,
+                    feat_idx=[0],
+                    first_chunk=first and i == 0,
+                )
+            )
+        out = torch.cat(parts, dim=2)
+        if vae.config.get("patch_size") is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        out = torch.clamp(out, min=-1.0, max=1.0)
+        return pipe.video_processor.postprocess_video(out, output_type="pt")
+
+
+def _predict(
+    transformer: Any,
+    hidden: torch.Tensor,
+    timestep: torch.Tensor,
+    embeds: torch.Tensor | None,
+    fps: list[int],
+    attention_kwargs: Any,
+    context: str = "cond",
+) -> torch.Tensor:
+    """One transformer call, as the call makes it (diffusion forcing on)."""
+    with transformer.cache_context(context):
+        return transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            enable_diffusion_forcing=True,
+            fps=fps,
+            attention_kwargs=attention_kwargs,
+            return_dict=False,
+        )[0]
+
+
+@contextlib.contextmanager
+def _block_size(transformer: Any, requested: int | None) -> Iterator[int]:
+    """The causal block size for one window. The call sets a requested one on the shared
+    transformer for good (``_set_ar_attention``); here it is put back after the window,
+    so another session's windows see the transformer as loaded."""
+    own = int(transformer.config.num_frame_per_block)
+    if requested is None or requested == own:
+        yield own
+        return
+    transformer.register_to_config(num_frame_per_block=requested)
+    try:
+        yield requested
+    finally:
+        transformer.register_to_config(num_frame_per_block=own)
+
+
+def _image_latents(
+    pipe: Any, image: Any, *, height: int, width: int, device: torch.device
+) -> torch.Tensor:
+    """The first frame's normalised latent (the image-to-video call's ``prepare_latents``:
+    the VAE encoder's mean, no sampling)."""
+    vae = pipe.vae
+    pixels = pipe.video_processor.preprocess(image, height=height, width=width)
+    pixels = pixels.to(device, dtype=torch.float32).unsqueeze(2).to(vae.dtype)
+    with torch.no_grad():
+        latent = vae.encode(pixels).latent_dist.mode().to(torch.float32)
+    z_dim = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, torch.float32)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+    return (latent - mean) * inv_std.to(device, torch.float32)
+
+
+def _causal_convs(decoder: Any) -> int:
+    """How many cache slots a Wan decoder needs: one per causal convolution."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    return sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
+
+
+def _onload(module: Any) -> None:
+    """Bring an offloaded module to its device, as its ``decode`` would (accelerate's
+    hook only runs on ``forward``/``decode``, and the loop calls ``module.decoder``)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(module)
