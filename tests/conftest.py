@@ -21,6 +21,7 @@ from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig, SessionSummary
 from trio_vstream.taps import TapFactory
+from trio_vstream.watch import WatchConfig
 
 CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -156,6 +157,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         access: AccessPolicy | None = None,
         ssl_context: ssl.SSLContext | None = None,
         taps: TapFactory | None = None,
+        watch: WatchConfig | None = None,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -175,6 +177,7 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
             session=SessionConfig(**session),
             access=access or AccessPolicy(),
             ssl_context=ssl_context,
+            watch=watch or WatchConfig(),
         )
         server = VideoServer(engine, config, on_session_end=on_end, taps=taps)
         await nursery.start(server.run)

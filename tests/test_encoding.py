@@ -20,6 +20,7 @@ from trio_vstream.encoding import (
     EncodingError,
     FragmentedMP4Encoder,
     decode_image,
+    fragment_starts_with_keyframe,
 )
 
 # Frame index i is painted as a flat colour with two channels carrying base-12 digits 20 levels
@@ -345,3 +346,47 @@ def test_an_abandoned_encode_stops_between_frames_and_the_encoder_only_closes() 
     with pytest.raises(EncodingError, match="abandoned"):
         encoder.encode(frames)
     encoder.close()
+
+
+def test_every_chunk_starts_with_an_idr_and_decodes_alone_after_the_init_segment() -> None:
+    # What a viewer joining mid-stream gets: the init segment, then a chunk from the middle.
+    encoder = FragmentedMP4Encoder(width=256, height=256, fps=24)
+    outputs = _encode_all(encoder, [4, 4, 4, 4], 256, 256)
+    init = encoder.init_segment
+    assert init is not None and outputs[0].startswith(init)
+    assert fragment_starts_with_keyframe(outputs[0])  # the init segment is skipped over
+    for chunk, out in enumerate(outputs[1:], start=1):
+        assert fragment_starts_with_keyframe(out)
+        with av.open(io.BytesIO(init + out), mode="r") as container:
+            packets = [p for p in container.demux(video=0) if p.size]
+        assert [p.is_keyframe for p in packets] == [True, False, False, False]
+        # From the join on, to the end: every frame, in order.
+        frames = _decode(init + b"".join(outputs[chunk:]))
+        assert [_index_of(f.to_ndarray(format="rgb24")) for f in frames] == list(
+            range(4 * chunk, 16)
+        )
+    encoder.close()
+
+
+def test_without_keyframes_at_chunk_starts_a_later_chunk_is_no_place_to_join() -> None:
+    encoder = FragmentedMP4Encoder(width=256, height=256, fps=24, keyframe_interval=0)
+    outputs = _encode_all(encoder, [4, 4, 4], 256, 256)
+    assert fragment_starts_with_keyframe(outputs[0])
+    assert not any(fragment_starts_with_keyframe(out) for out in outputs[1:])
+    encoder.close()
+
+
+def test_a_keyframe_interval_forces_an_idr_every_k_chunks() -> None:
+    encoder = FragmentedMP4Encoder(width=256, height=256, fps=24, keyframe_interval=3)
+    outputs = _encode_all(encoder, [4] * 7, 256, 256)
+    assert [fragment_starts_with_keyframe(out) for out in outputs] == [
+        True, False, False, True, False, False, True
+    ]  # fmt: skip
+    encoder.close()
+    with pytest.raises(EncodingError, match="keyframe_interval"):
+        FragmentedMP4Encoder(width=256, height=256, fps=24, keyframe_interval=-1)
+
+
+@pytest.mark.parametrize("junk", [b"", b"\x00\x00\x00\x08moof", b"\x00\x00\x00\x04abcd", b"x" * 40])
+def test_fragment_starts_with_keyframe_says_no_to_what_it_cannot_read(junk: bytes) -> None:
+    assert not fragment_starts_with_keyframe(junk)

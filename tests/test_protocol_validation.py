@@ -72,6 +72,9 @@ def test_error_code_values_are_the_wire_strings() -> None:
         "INTERNAL_ERROR": "internal_error",
         "SERVER_BUSY": "server_busy",
         "SERVER_SHUTDOWN": "server_shutdown",
+        "READ_ONLY": "read_only",
+        "WATCH_NOT_FOUND": "watch_not_found",
+        "VIEWER_TOO_SLOW": "viewer_too_slow",
     }
 
 

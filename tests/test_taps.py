@@ -10,6 +10,7 @@ from tests.conftest import Transcript, is_type, receive_into, receive_until
 from trio_vstream import protocol
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.taps import SessionTaps
+from trio_vstream.watch import WatchConfig
 
 START = {"type": "session.start", "prompt": "a red circle", "size": "64x48", "num_frames": 16}
 SLOW = SyntheticSettings(step_delay=0.01, chunk_frames=4, steps=2)
@@ -104,7 +105,8 @@ async def test_a_factory_that_fails_leaves_the_session_without_taps(start_server
     def factory(request_id: str, start: protocol.SessionStart) -> SessionTaps:
         raise OSError("no space left on device")
 
-    running = await start_server(SLOW, taps=factory)
+    # Watching off: no other factory could add a field either.
+    running = await start_server(SLOW, taps=factory, watch=WatchConfig(max_viewers=0))
     transcript = await running.run_session(START)
     assert transcript.terminal[-1]["type"] == "session.done"
     assert "watch_path" not in transcript.messages[0]

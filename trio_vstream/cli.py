@@ -18,15 +18,24 @@ from pathlib import Path
 import trio
 
 from trio_vstream import access, image_fetch, memory, protocol
-from trio_vstream.client import add_client_arguments, run_client
+from trio_vstream.client import (
+    add_client_arguments,
+    add_replay_arguments,
+    run_client,
+    run_replay,
+)
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
+from trio_vstream.recording import Recorder
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
+from trio_vstream.watch import WatchConfig
 
 DEFAULT_ENGINE = "shapes"
 API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
-_COMMANDS = ("serve", "client")
+_COMMANDS = ("serve", "client", "replay")
+RECORDING_CLOSE_TIMEOUT = 120.0
+"""Seconds the server waits at exit for ``--record``'s last recordings to be written."""
 
 logger = logging.getLogger("trio_vstream")
 
@@ -77,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
         "4 output not written, 130 interrupted).",
     )
     add_client_arguments(client)
+    replay = commands.add_parser(
+        "replay",
+        help="repeat a recorded session (--record) against a server, and compare",
+        description="Send a recording's request, seed and interactions (each before the "
+        "generation chunk it started in) to a server, and check that the interactions start "
+        "at the same chunks and the frames equal the recorded video's (exit status: 0 "
+        "identical, 1 refused, 2 usage or unreadable recording, 3 connection, 4 output not "
+        "written, 5 differs).",
+    )
+    add_replay_arguments(replay)
     return parser
 
 
@@ -171,6 +190,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="browser origins besides the server's own that may open sessions, comma-separated "
         "(repeatable; '*' for any)",
     )
+    watching = WatchConfig()
+    parser.add_argument(
+        "--max-viewers",
+        type=_non_negative_int,
+        default=watching.max_viewers,
+        help="read-only viewers per session through its watch link (video.start's watch_path); "
+        "0 turns watching off (default %(default)s)",
+    )
+    parser.add_argument(
+        "--watch-requires-key",
+        action="store_true",
+        help="with API keys, a watch link needs a key too (by default its token is enough)",
+    )
     parser.add_argument(
         "--ssl-certfile", default=None, metavar="PATH", help="serve wss:// and https://"
     )
@@ -226,6 +258,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{help_text} (default %(default)s)",
         )
     parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep every session as DIR/<request_id>.mp4 and DIR/<request_id>.json (request, "
+        "seed, interactions and their chunks, timings, outcome); replay with 'replay'",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -244,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "client":
         return run_client(args)
+    if args.command == "replay":
+        return run_replay(args)
     return run_serve(args)
 
 
@@ -345,6 +387,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         access=policy,
         ssl_context=context,
+        watch=WatchConfig(max_viewers=args.max_viewers, requires_key=args.watch_requires_key),
         session=SessionConfig(
             start_timeout=args.start_timeout,
             stall_timeout=args.stall_timeout,
@@ -353,23 +396,54 @@ def run_serve(args: argparse.Namespace) -> int:
             image_urls=image_urls,
         ),
     )
+    try:
+        recorder = _recorder(args, engine, config)
+    except OSError as exc:
+        print(f"error: --record {args.record}: {exc.strerror or exc}", file=sys.stderr)
+        engine.close()
+        return 2
     # Everything loaded so far lives as long as the process: keep the garbage
     # collector from walking it again and again (a full pass stalls the event loop).
     gc.collect()
     gc.freeze()
     try:
-        trio.run(_serve_until_signalled, engine, config)
+        trio.run(_serve_until_signalled, engine, config, recorder)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     finally:
+        # The last sessions' recordings, remuxed and written; a disk stuck for longer
+        # than this would otherwise keep the process from ever exiting.
+        if recorder is not None and not recorder.close(timeout=RECORDING_CLOSE_TIMEOUT):
+            logger.warning(
+                "recordings still being written after %g s: left unfinished",
+                RECORDING_CLOSE_TIMEOUT,
+            )
         engine.close()
     return 0
 
 
-async def _serve_until_signalled(engine: Engine, config: ServerConfig) -> None:
+def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) -> Recorder | None:
+    """The ``--record`` recorder (None without it); raises ``OSError`` when the directory
+    cannot be made."""
+    if args.record is None:
+        return None
+    device = getattr(engine, "device", None)
+    recorder = Recorder(
+        args.record,
+        engine=engine.name,
+        model=config.session.served_model or engine.name,
+        device=None if device is None else str(device),
+    )
+    logger.info("recording every session in %s", recorder.directory)
+    return recorder
+
+
+async def _serve_until_signalled(
+    engine: Engine, config: ServerConfig, recorder: Recorder | None = None
+) -> None:
     """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once."""
-    server = VideoServer(engine, config)
+    server = VideoServer(engine, config, taps=recorder)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 

@@ -31,6 +31,15 @@ overriding ``tune``/``preset`` would silently bring back B-frames, lookahead, fr
 VFR-timestamp buffering, so the low-latency x264 parameters are always prepended to
 ``x264-params``. Only an explicit ``x264-params`` override can defeat them; that is detected
 (fewer packets than frames) and reported as :class:`EncodingError` rather than a stalled stream.
+
+Why every chunk begins with an IDR frame: a viewer who joins a running session (see
+``trio_vstream.watch``) gets the init segment and then the chunks from the one it joined
+at; its bytes decode on their own only if that chunk's first frame depends on nothing
+before it. Forcing the first frame of each ``encode()`` to be an IDR makes every chunk a
+join point (and a skip point for a viewer that falls behind), at a measured cost of a few
+percent of the bitrate at the usual chunk lengths (README, Benchmarks: "Keyframes").
+``keyframe_interval`` (chunks from one forced IDR to the next; 0 leaves keyframes to
+x264, every 250 frames and at scene cuts) exists for that measurement.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from fractions import Fraction
 import av
 import av.error
 import numpy as np
+from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
-__all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image"]
+__all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
 
 
 class EncodingError(Exception):
@@ -181,6 +191,7 @@ class FragmentedMP4Encoder:
         height: int,
         fps: int,
         codec_options: Mapping[str, str] | None = None,
+        keyframe_interval: int = 1,
     ) -> None:
         for name, value in (("width", width), ("height", height), ("fps", fps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -203,6 +214,14 @@ class FragmentedMP4Encoder:
                     f"codec_options must be a mapping, got {type(codec_options).__name__}"
                 )
             options.update(_coerce_option(k, v) for k, v in codec_options.items())
+        if keyframe_interval < 0:
+            raise EncodingError(f"keyframe_interval must be >= 0, got {keyframe_interval}")
+        if keyframe_interval:
+            # A forced keyframe is an IDR, not an open-GOP I frame a decoder cannot
+            # start from (a client's own codec options may still say otherwise).
+            options.setdefault("forced-idr", "1")
+        self._keyframe_interval = keyframe_interval
+        self._chunks_encoded = 0
         user_x264_params = options.get("x264-params", "")
         options["x264-params"] = (
             f"{_LOW_LATENCY_X264_PARAMS}:{user_x264_params}"
@@ -299,6 +318,8 @@ class FragmentedMP4Encoder:
                     dst_color_range=ColorRange.MPEG,
                 )
                 yuv.pts = self._frames_encoded + index
+                if index == 0 and self._forces_keyframe():
+                    yuv.pict_type = PictureType.I  # a place to join
                 packets.extend(ctx.encode(yuv))
         except (av.error.FFmpegError, ValueError, MemoryError) as exc:
             self._failed = f"libx264 failed to encode a frame: {exc}"
@@ -321,7 +342,12 @@ class FragmentedMP4Encoder:
             self._init_written = True
         out.append(self._fragment(packets))
         self._frames_encoded += count
+        self._chunks_encoded += 1
         return b"".join(out)
+
+    def _forces_keyframe(self) -> bool:
+        interval = self._keyframe_interval
+        return interval > 0 and self._chunks_encoded % interval == 0
 
     def close(self) -> bytes:
         if self._closed:
@@ -447,6 +473,45 @@ class FragmentedMP4Encoder:
         mdat_payload = b"".join(samples)
         mdat_header = struct.pack(">I4s", 8 + len(mdat_payload), b"mdat")
         return moof(moof_size + len(mdat_header)) + mdat_header + mdat_payload
+
+
+def fragment_starts_with_keyframe(data: bytes) -> bool:
+    """Whether the first fragment in ``data`` (after an init segment, if any) begins with a
+    sync sample: where a viewer may join or resume, whatever the codec options made.
+
+    Reads only box headers and the first ``trun`` entry (no decoding); anything it cannot
+    read says False, so a stream it does not understand is never joined mid-GOP.
+    """
+    view = memoryview(data)
+    moof = _find_box(view, b"moof")
+    traf = _find_box(moof, b"traf") if moof is not None else None
+    trun = _find_box(traf, b"trun") if traf is not None else None
+    if trun is None or len(trun) < 8:
+        return False
+    flags = int.from_bytes(trun[1:4], "big")
+    sample_count = int.from_bytes(trun[4:8], "big")
+    pos = 8 + (4 if flags & 0x000001 else 0)  # data_offset
+    if flags & 0x000004:  # first_sample_flags
+        sample_flags = int.from_bytes(trun[pos : pos + 4], "big") if len(trun) >= pos + 4 else -1
+    elif flags & 0x000400 and sample_count:  # per-sample flags: the first entry's
+        pos += (4 if flags & 0x000100 else 0) + (4 if flags & 0x000200 else 0)
+        sample_flags = int.from_bytes(trun[pos : pos + 4], "big") if len(trun) >= pos + 4 else -1
+    else:
+        return False
+    return sample_flags >= 0 and not sample_flags & 0x00010000  # sample_is_non_sync_sample
+
+
+def _find_box(data: memoryview, kind: bytes) -> memoryview | None:
+    """The payload of the first box of ``kind`` among ``data``'s boxes, or None."""
+    pos = 0
+    while pos + 8 <= len(data):
+        size = int.from_bytes(data[pos : pos + 4], "big")
+        if size < 8 or pos + size > len(data):
+            return None
+        if data[pos + 4 : pos + 8] == kind:
+            return data[pos + 8 : pos + size]
+        pos += size
+    return None
 
 
 def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:

@@ -109,9 +109,34 @@ class ServerMetrics:
             registry=registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
+        self._viewers_active = Gauge(
+            "trio_vstream_viewers_active",
+            "Viewers connected to a session's watch link now.",
+            ["model"],
+            registry=registry,
+        )
+        self._viewers_dropped = Counter(
+            "trio_vstream_viewers_dropped",
+            "Viewers closed (viewer_too_slow) for falling too far behind their stream.",
+            ["model"],
+            registry=registry,
+        )
+        self._viewer_chunks_skipped = Counter(
+            "trio_vstream_viewer_chunks_skipped",
+            "Chunks a slow viewer missed because its queue was full (it resumes at a keyframe).",
+            ["model"],
+            registry=registry,
+        )
         # Labelled children exist from the start, so a fresh server exposes zeros
         # rather than nothing.
-        for metric in (self._sessions_active, self._frames_sent, self._bytes_sent):
+        for metric in (
+            self._sessions_active,
+            self._frames_sent,
+            self._bytes_sent,
+            self._viewers_active,
+            self._viewers_dropped,
+            self._viewer_chunks_skipped,
+        ):
             metric.labels(model)
         for metric in (
             self._video_start,
@@ -152,6 +177,18 @@ class ServerMetrics:
     def chunk_sent(self, frames: int, size: int) -> None:
         self._frames_sent.labels(self.model).inc(frames)
         self._bytes_sent.labels(self.model).inc(size)
+
+    def viewer_joined(self) -> None:
+        self._viewers_active.labels(self.model).inc()
+
+    def viewer_left(self) -> None:
+        self._viewers_active.labels(self.model).dec()
+
+    def viewer_dropped(self) -> None:
+        self._viewers_dropped.labels(self.model).inc()
+
+    def viewer_chunk_skipped(self) -> None:
+        self._viewer_chunks_skipped.labels(self.model).inc()
 
     def batch_run(self, rows: int) -> None:
         self._batch_rows.labels(self.model).observe(rows)

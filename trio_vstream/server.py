@@ -32,7 +32,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol
+from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol, taps
 from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session import (
@@ -45,6 +45,7 @@ from trio_vstream.session import (
 )
 from trio_vstream.steps import EngineProgress, StepBatcher
 from trio_vstream.taps import TapFactory
+from trio_vstream.watch import WATCH_PREFIX, WatchConfig, WatchRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class ServerConfig:
     access: access.AccessPolicy = attrs.field(factory=access.AccessPolicy)
     ssl_context: ssl.SSLContext | None = attrs.field(default=None, eq=False)
     """Serve ``wss://`` and ``https://`` on the port."""
+    watch: WatchConfig = attrs.field(factory=WatchConfig)
+    """Watch links: read-only viewers of a session (``trio_vstream.watch``)."""
 
 
 class VideoServer:
@@ -104,6 +107,16 @@ class VideoServer:
         self._draining = False
         steps = engine.max_concurrent_steps
         self.metrics = metrics.ServerMetrics(self.served_model)
+        self.watch = WatchRegistry(
+            config.watch,
+            self.metrics,
+            close_timeout=config.session.close_timeout,
+            send_timeout=config.session.stall_timeout,
+        )
+        # Who follows each session, in this order: viewers first, then the caller's.
+        self.tap_factories: list[TapFactory] = [self.watch.taps]
+        if taps is not None:
+            self.tap_factories.append(taps)
         self._started_at = int(time.time())
         progress = EngineProgress()
         batch = max_batch(engine)
@@ -117,7 +130,7 @@ class VideoServer:
             step_limiter=trio.CapacityLimiter(steps) if steps and not self.batcher else None,
             engine_progress=progress,
             batcher=self.batcher,
-            taps=taps,
+            taps=partial(_compose_taps, self.tap_factories),
             # Each session runs at most two blocking calls at once (engine, encoder).
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
@@ -275,6 +288,9 @@ class VideoServer:
         path = urlsplit(request.target.decode("latin-1")).path
         policy = self.config.access
         public = path in ("/", "/health") or path.startswith("/static/")
+        watching = path.startswith(WATCH_PREFIX)
+        if watching and not self.config.watch.requires_key:
+            public = True  # the link's token is the capability
         if not public and not policy.key_accepted(request.headers):
             # Before anything else, upgrades included: no session starts without a key.
             await http.respond(
@@ -290,7 +306,7 @@ class VideoServer:
             ):
                 await http.respond(stream, 403, "this Origin may not open sessions here\n")
                 return
-            if self._draining:
+            if self._draining and not watching:  # a watched session runs here till it ends
                 await http.respond(stream, 503, "draining: try another server\n")
                 return
             limits = self.config.session.limits
@@ -323,8 +339,8 @@ class VideoServer:
                 await http.respond(stream, 404, f"nothing at {path}\n")
             else:
                 await http.respond(stream, 200, found[0], content_type=found[1])
-        elif path == VIDEO_PATH:
-            await http.respond(stream, 426, f"{VIDEO_PATH} is a WebSocket endpoint\n")
+        elif path == VIDEO_PATH or watching:
+            await http.respond(stream, 426, f"{path} is a WebSocket endpoint\n")
         else:
             await http.respond(stream, 404, f"nothing at {path}\n")
 
@@ -378,6 +394,9 @@ class VideoServer:
 
     async def _serve_request(self, request: WebSocketRequest) -> None:
         path = urlsplit(request.path).path
+        if path.startswith(WATCH_PREFIX):
+            await self.watch.serve(request, path[len(WATCH_PREFIX) :])
+            return
         if path != VIDEO_PATH:
             await request.reject(404, body=f"no WebSocket endpoint at {path}\n".encode())
             return
@@ -413,6 +432,24 @@ class VideoServer:
         if not self._sessions:
             self._last_idle = trio.current_time()
             self._became_idle.set()
+
+
+def _compose_taps(
+    factories: list[TapFactory], request_id: str, start: protocol.SessionStart
+) -> taps.SessionTaps:
+    """Every factory's taps for one session, in order, and their ``video.start`` fields
+    merged. One that fails is logged and left out: the others still follow the session."""
+    found: list[taps.SessionTap] = []
+    fields: dict[str, Any] = {}
+    for factory in factories:
+        try:
+            part = factory(request_id, start)
+        except Exception:
+            logger.exception("session %s: a tap factory failed; going on without it", request_id)
+            continue
+        found.extend(part.taps)
+        fields.update(part.video_start_fields)
+    return taps.SessionTaps(found, fields)
 
 
 def _split_cancelled(

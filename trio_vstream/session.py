@@ -225,7 +225,8 @@ class Session:
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
         self._scripted: dict[int, list[PromptChange]] = {}
-        """``extra_params.camera_action_script``'s cameras, by the chunk they go before."""
+        """Scripted changes by the chunk they go before: ``extra_params.interaction_script``'s
+        interactions, then ``extra_params.camera_action_script``'s camera."""
         self._media_clock: float | None = None
         """Trio time at which the video's media time 0 was (or would have been) sent."""
 
@@ -431,6 +432,10 @@ class Session:
         for key in protocol.PACING_PARAMS:  # the server paces, never the engine
             extra.pop(key, None)
         extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
+        extra.pop(protocol.INTERACTION_SCRIPT_PARAM, None)  # and this one
+        # Interactions first: a live one for chunk k arrived while chunk k-1 was being
+        # generated, before the camera script's entry for k, and replays keep that order.
+        self._script_interactions(start.interaction_script)
         self._script_cameras(start.camera_script)
         image: np.ndarray | None = None
         if start.image is not None:
@@ -490,6 +495,29 @@ class Session:
             raise _Failure(ErrorCode.GENERATION_FAILED, _describe(exc)) from exc
         self._res.stats.streams_open += 1
         return generation_request
+
+    def _script_interactions(self, script: tuple[protocol.ScriptedInteraction, ...]) -> None:
+        """Queue an interaction script's entries for `_generate_chunks`, each before its chunk.
+
+        Their ids are reserved like the camera script's (a live interaction reusing one
+        gets ``event_id_conflict``); an engine that does not take a kind an entry carries
+        refuses the start, as it would have refused the live interaction.
+        """
+        takes = interaction_kinds(self._res.engine)
+        for entry in script:
+            change = PromptChange(
+                entry.event_id, entry.prompt, entry.transition_chunks, entry.camera
+            )
+            refused = sorted(change.kinds - takes)
+            if refused:
+                raise _Failure(
+                    ErrorCode.INVALID_REQUEST,
+                    f"Invalid session.start: extra_params.{protocol.INTERACTION_SCRIPT_PARAM}: "
+                    f"this engine takes no {' or '.join(refused)} interactions "
+                    f"(it takes: {', '.join(sorted(takes)) or 'none'})",
+                )
+            self._event_ids.add(entry.event_id)
+            self._scripted.setdefault(entry.chunk_index, []).append(change)
 
     def _script_cameras(self, script: tuple[protocol.ScriptedCamera, ...]) -> None:
         """Turn a camera script into the changes `_generate_chunks` hands the engine.
@@ -656,7 +684,7 @@ class Session:
         while True:
             began = trio.current_time()
             try:
-                # A camera script's entries for this chunk, queued at its boundary.
+                # The scripts' entries for this chunk, queued at its boundary.
                 for change in self._scripted.pop(index, ()):
                     stream.interact(change)
                 chunk = await self._in_thread(stream.next_chunk, self._checkpoint)

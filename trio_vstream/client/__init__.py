@@ -17,6 +17,7 @@ Private modules, one concern each:
 - ``_stream``: `stream_video`, the WebSocket I/O around `ClientProtocol`.
 - ``_mp4``: `remux_to_mp4`, and the frame rate read from the stream itself.
 - ``_cli``: `add_client_arguments`, `run_client`, the summary and ``--json``.
+- ``_replay``: `load_recording`, `replay`, `run_replay`: a server's recording, again.
 """
 
 from trio_vstream.client._cli import (
@@ -32,6 +33,16 @@ from trio_vstream.client._cli import (
     run_client,
 )
 from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
+from trio_vstream.client._replay import (
+    EXIT_MISMATCH,
+    ReplayError,
+    ReplayPlan,
+    ReplayReport,
+    add_replay_arguments,
+    load_recording,
+    replay,
+    run_replay,
+)
 from trio_vstream.client._results import (
     InteractionRecord,
     ReceivedChunk,
@@ -52,6 +63,7 @@ __all__ = [
     "DEFAULT_URL",
     "EXIT_CONNECTION",
     "EXIT_INTERRUPTED",
+    "EXIT_MISMATCH",
     "EXIT_OK",
     "EXIT_OUTPUT",
     "EXIT_SERVER_ERROR",
@@ -62,12 +74,19 @@ __all__ = [
     "MessageCallback",
     "ReceivedChunk",
     "RemuxError",
+    "ReplayError",
+    "ReplayPlan",
+    "ReplayReport",
     "ScheduledInteraction",
     "StreamConnectError",
     "StreamOutcome",
     "StreamResult",
     "add_client_arguments",
+    "add_replay_arguments",
+    "load_recording",
     "remux_to_mp4",
+    "replay",
     "run_client",
+    "run_replay",
     "stream_video",
 ]

@@ -20,6 +20,8 @@ The public names all live here; the private modules are the seams behind them:
 - ``_client``: `ClientProtocol`, the client side of a session as a state machine.
 - ``_camera_keys``: WASD/IJKL key states as velocity cameras (vllm-omni's mapping).
 - ``_camera_script``: ``extra_params.camera_action_script``, one camera per chunk.
+  (``extra_params.interaction_script``, this project's extension for replays, is parsed
+  with the rest of ``session.start`` in ``_validation``.)
 """
 
 from trio_vstream.protocol._camera_keys import CAMERA_KEYS, key_velocity
@@ -41,6 +43,7 @@ from trio_vstream.protocol._client import (
     ServerProtocolError,
     SessionEnded,
     VideoStarted,
+    WatchStarted,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._messages import (
@@ -57,6 +60,7 @@ from trio_vstream.protocol._messages import (
     SessionDone,
     Stop,
     VideoStart,
+    WatchStart,
     interaction_message,
     parse_control,
     parse_server_message,
@@ -66,6 +70,7 @@ from trio_vstream.protocol._validation import (
     DEFAULT_LIMITS,
     DEFAULT_TRANSITION_CHUNKS,
     DEFAULT_VIDEO_DEFAULTS,
+    INTERACTION_SCRIPT_PARAM,
     MAX_FPS,
     PACING_PARAMS,
     ImageInput,
@@ -73,6 +78,7 @@ from trio_vstream.protocol._validation import (
     ImageURL,
     Limits,
     Pacing,
+    ScriptedInteraction,
     SessionStart,
     VideoParams,
     VideoRequest,
@@ -90,6 +96,7 @@ __all__ = [
     "DEFAULT_TRANSITION_CHUNKS",
     "DEFAULT_VIDEO_DEFAULTS",
     "FRAMES_PER_SCRIPT_CHUNK",
+    "INTERACTION_SCRIPT_PARAM",
     "MAX_FPS",
     "PACING_PARAMS",
     "PING_MESSAGE",
@@ -118,6 +125,7 @@ __all__ = [
     "PongReceived",
     "ProtocolError",
     "ScriptedCamera",
+    "ScriptedInteraction",
     "ServerMessage",
     "ServerProtocolError",
     "SessionDone",
@@ -130,6 +138,8 @@ __all__ = [
     "VideoSettings",
     "VideoStart",
     "VideoStarted",
+    "WatchStart",
+    "WatchStarted",
     "interaction_message",
     "key_velocity",
     "parse_control",

@@ -15,6 +15,7 @@ API::
     for event in proto.receive(await ws.get_message()):           # str | bytes
         match event:
             case VideoStarted(start): ...
+            case WatchStarted(start): ...                         # a viewer's first message
             case ChunkAnnounced(metadata): ...                    # its bytes come next
             case ChunkReceived(metadata, data): ...               # a paired chunk
             case InteractionAccepted(queued): ...                 # .event_id
@@ -26,6 +27,10 @@ API::
                                                                   # vllm-omni's WASD mapping)
     proto.ping()                                                  # -> str
     proto.stop()                                                  # -> str
+
+A viewer of a watch link (this project's extension) sends nothing to start: it feeds
+what arrives to a fresh `ClientProtocol`, whose ``watch.start`` moves it to streaming
+like a ``video.start``; it may ping, and control messages get ``read_only``.
 
 `state` is a `ClientState`; `chunks`, `frames` and `media_bytes` count what arrived.
 Sending in the wrong state (an interaction after the end, a second ``start``) raises
@@ -55,6 +60,7 @@ from trio_vstream.protocol._messages import (
     Pong,
     SessionDone,
     VideoStart,
+    WatchStart,
     interaction_message,
     parse_server_message,
     start_message,
@@ -74,6 +80,7 @@ __all__ = [
     "ServerProtocolError",
     "SessionEnded",
     "VideoStarted",
+    "WatchStarted",
 ]
 
 #: Codes of errors that answer a control message: after ``video.start`` the session
@@ -86,6 +93,7 @@ CONTROL_ERROR_CODES: Final = frozenset(
         ErrorCode.MESSAGE_TOO_LARGE,
         ErrorCode.EVENT_ID_CONFLICT,
         ErrorCode.INTERACTION_FAILED,
+        ErrorCode.READ_ONLY,
     }
 )
 
@@ -120,6 +128,17 @@ class VideoStarted:
 
     @property
     def message(self) -> VideoStart:
+        return self.start
+
+
+@attrs.frozen
+class WatchStarted:
+    """``watch.start``: a viewer of a watch link is in; the session's chunks follow."""
+
+    start: WatchStart
+
+    @property
+    def message(self) -> WatchStart:
         return self.start
 
 
@@ -198,6 +217,7 @@ class SessionEnded:
 
 Event: TypeAlias = (
     VideoStarted
+    | WatchStarted
     | ChunkAnnounced
     | ChunkReceived
     | InteractionAccepted
@@ -237,6 +257,8 @@ class ClientProtocol:
     def __init__(self) -> None:
         self.state = ClientState.IDLE
         self.video_start: VideoStart | None = None
+        self.watch_start: WatchStart | None = None
+        """Set instead of ``video_start`` for a viewer of a watch link."""
         self.chunks = 0
         """Binary messages received (media chunks and the trailer)."""
         self.frames = 0
@@ -331,6 +353,11 @@ class ClientProtocol:
             if self.state in (ClientState.IDLE, ClientState.STARTING):
                 self.state = ClientState.STREAMING
             return VideoStarted(message)
+        if isinstance(message, WatchStart):
+            self.watch_start = message
+            if self.state in (ClientState.IDLE, ClientState.STARTING):
+                self.state = ClientState.STREAMING
+            return WatchStarted(message)
         if isinstance(message, InteractionQueued):
             return InteractionAccepted(message)
         if isinstance(message, Pong):
@@ -339,7 +366,8 @@ class ClientProtocol:
             self.state = ClientState.DONE
             return SessionEnded(message)
         assert isinstance(message, Error)
-        ends = self.video_start is None or message.code not in CONTROL_ERROR_CODES
+        started = self.video_start is not None or self.watch_start is not None
+        ends = not started or message.code not in CONTROL_ERROR_CODES
         if ends:
             self.state = ClientState.FAILED
         return ErrorReceived(message, ends_session=ends)

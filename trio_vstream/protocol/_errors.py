@@ -31,6 +31,13 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
     SERVER_BUSY = "server_busy"
     SERVER_SHUTDOWN = "server_shutdown"
+    # This project's extensions, for viewers of a watch link (trio_vstream.watch):
+    READ_ONLY = "read_only"
+    """A viewer sent a control message only the session's owner may send."""
+    WATCH_NOT_FOUND = "watch_not_found"
+    """No running session at this watch link (a wrong token, or the session has ended)."""
+    VIEWER_TOO_SLOW = "viewer_too_slow"
+    """A viewer fell too far behind the stream and was closed."""
 
 
 class ProtocolError(Exception):

@@ -3,7 +3,8 @@
 Client to server: `Stop`, `Ping`, `Interaction` (parsed by `parse_control`, built by
 `start_message` / `interaction_message` or ``to_json``). Server to client: `VideoStart`,
 `ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error` (built by
-``to_json``, parsed by `parse_server_message`, ours or the reference's).
+``to_json``, parsed by `parse_server_message`, ours or the reference's), and to a
+viewer of a watch link, this project's `WatchStart` first.
 
 No message writes its own JSON: ``to_json`` is one method that hands the object to
 `_WIRE`, a cattrs converter whose hooks put ``type`` first and leave out the optional
@@ -46,6 +47,7 @@ __all__ = [
     "SessionDone",
     "Stop",
     "VideoStart",
+    "WatchStart",
     "interaction_message",
     "parse_control",
     "parse_server_message",
@@ -371,6 +373,22 @@ class VideoStart(_Message):
 
 
 @attrs.frozen
+class WatchStart(_Message):
+    """This project's extension: the first message a viewer of a watch link gets.
+
+    The session's ``request_id`` and ``format``, and its ``config`` as ``video.start``
+    echoed it, less what is not the viewers' business (see `trio_vstream.watch`). Then
+    come the same chunks and terminal message as the owner's, from where the viewer
+    joined.
+    """
+
+    TYPE: ClassVar[str] = "watch.start"
+    request_id: str
+    format: str
+    config: dict[str, Any]
+
+
+@attrs.frozen
 class ChunkMetadata(_Message):
     """Describes the binary message that immediately follows it."""
 
@@ -425,12 +443,12 @@ class Error(_Message):
 
 
 ServerMessage: TypeAlias = (
-    VideoStart | ChunkMetadata | InteractionQueued | SessionDone | Pong | Error
+    VideoStart | WatchStart | ChunkMetadata | InteractionQueued | SessionDone | Pong | Error
 )
 
 _SERVER_TYPES: Final[Mapping[str, type[ServerMessage]]] = {
     cls.TYPE: cls
-    for cls in (VideoStart, ChunkMetadata, InteractionQueued, SessionDone, Pong, Error)
+    for cls in (VideoStart, WatchStart, ChunkMetadata, InteractionQueued, SessionDone, Pong, Error)
 }
 
 

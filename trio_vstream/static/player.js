@@ -60,6 +60,24 @@ const CAMERA_KEYS = {
 // Latencies kept for the running median.
 const LATENCY_WINDOW = 50;
 
+// A share link is this page with ?watch=PATH: the session's watch_path on this server.
+const WATCH_PARAM = "watch";
+// Only a path on this server (never "//host/..." or a URL): the page connects where it says.
+const WATCH_PATH_RE = /^\/(?!\/)[A-Za-z0-9._~\-\/]*$/;
+
+export function readWatchPath(search) {
+  const path = new URLSearchParams(search).get(WATCH_PARAM);
+  return path != null && WATCH_PATH_RE.test(path) ? path : null;
+}
+
+export function shareUrl(watchPath) {
+  const url = new URL(location.pathname, location.href);
+  url.searchParams.set(WATCH_PARAM, watchPath);
+  return url.href;
+}
+
+const watchPath = readWatchPath(location.search);
+
 const server = {
   model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
   formFilled: false, interactionKinds: null,
@@ -263,8 +281,10 @@ export function codecFromInit(buffer) {
 // ---------------------------------------------------------------------------------
 
 class Session {
-  constructor(request, exact, fps, expectedFrames, live) {
+  // `watching`: a viewer of a watch link at that path (read-only; nothing is sent to start).
+  constructor(request, exact, fps, expectedFrames, live, watching = null) {
     this.request = request;
+    this.watching = watching;
     this.fps = fps;
     this.expectedFrames = expectedFrames;
     this.live = live;
@@ -295,11 +315,15 @@ class Session {
     this.keyed = Boolean(key) || server.needsKey;
     // Offered only with a key: the server then selects SUBPROTOCOL.
     const protocols = key ? [SUBPROTOCOL, keySubprotocol(key)] : [];
-    this.ws = new WebSocket(wsUrl(server.endpoint), protocols);
+    this.ws = new WebSocket(wsUrl(watching ?? server.endpoint), protocols);
     this.ws.binaryType = "arraybuffer";
     this.ws.addEventListener("open", () => {
       this.opened = true;
       this.times.sent = performance.now();
+      if (watching) {
+        setStatus("Waiting for watch.start…", "starting");
+        return;
+      }
       this.ws.send(stringifyExact({ type: "session.start", ...request }, exact));
       setStatus("Waiting for video.start…", "starting");
     });
@@ -381,6 +405,9 @@ class Session {
     const type = `video/mp4; codecs="${this.codec}"`;
     try {
       this.sourceBuffer = this.mediaSource.addSourceBuffer(type);
+      // A viewer may join mid-stream and skip chunks when it falls behind: in sequence
+      // mode its chunks play back to back from 0, with no gap to stall at.
+      if (this.watching) this.sourceBuffer.mode = "sequence";
     } catch (error) {
       showError("player", `cannot play ${type}: ${error.message}`);
       return;
@@ -468,6 +495,20 @@ class Session {
         setStatus("Streaming.", "streaming");
         this.running = true;
         setCameraEnabled(true);
+        showShare(message.watch_path);
+        break;
+      }
+      case "watch.start": {
+        // A viewer's first message (this server's extension): the session's config.
+        this.times.videoStart = performance.now();
+        this.requestId = message.request_id;
+        const config = message.config ?? {};
+        this.seed = config.seed == null ? null : exactSeed(raw, config.seed);
+        if (Number.isInteger(config.fps) && config.fps > 0) this.fps = config.fps;
+        if (Number.isInteger(config.num_frames) && config.num_frames > 0) this.expectedFrames = config.num_frames;
+        if (typeof config.prompt === "string") $("model-info").textContent = `Prompt: ${config.prompt}`;
+        setStatus("Watching live (read-only).", "streaming");
+        this.running = true;
         break;
       }
       case "video.chunk_metadata":
@@ -531,9 +572,12 @@ class Session {
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
     if (!this.terminal && !this.opened && this.received === 0) {
       // A handshake answered with 401, 403 or 503: browsers hide the status (code 1006).
-      const why = this.keyed ? "check the API key" : "it may be down or draining, or refuse this page's origin";
+      const why = this.keyed ? "check the API key"
+        : this.watching ? "the watch link may need an API key"
+        : "it may be down or draining, or refuse this page's origin";
       showError("refused", `the server refused the connection (${why})`);
       setStatus("The server refused the connection.", "closed");
+      if (this.watching && !this.keyed) askForKey(false);
     } else if (!this.terminal) {
       showError("closed", `the connection closed before the session ended (${how})`);
       setStatus(`Socket closed (${how}).`, "closed");
@@ -745,6 +789,7 @@ function start() {
   $("timeline").replaceChildren();
   $("track").querySelectorAll(".marker").forEach((m) => m.remove());
   $("save").disabled = true;
+  showShare(null);
   const { fps, frames } = expectedShape(built.request);
   // Reserve the video's shape before the first frame, so the page does not jump.
   const [w, h] = (built.request.size ?? "").split("x").map(Number);
@@ -756,6 +801,37 @@ function start() {
   $("stop").disabled = false;
   $("send").disabled = false;
   session = new Session(built.request, built.exact, fps, frames, $("live").checked);
+}
+
+// The share field: shown while a session with a watch link runs.
+function showShare(path) {
+  const offered = typeof path === "string" && WATCH_PATH_RE.test(path);
+  $("share").hidden = !offered;
+  $("share-link").value = offered ? shareUrl(path) : "";
+}
+
+async function copyShareLink() {
+  const field = $("share-link");
+  field.select();
+  try {
+    await navigator.clipboard.writeText(field.value);
+    $("share-copy").textContent = "Copied";
+  } catch {
+    // No clipboard permission (plain http, say): the link stays selected to copy by hand.
+    $("share-copy").textContent = "Press Ctrl+C";
+  }
+}
+
+// The page opened from a share link: no form, no steering; it plays the stream live.
+function startWatching() {
+  document.body.dataset.mode = "watch";
+  for (const id of ["start-form", "interact-form", "camera-panel"]) $(id).hidden = true;
+  $("watch-note").hidden = false;
+  $("model-info").textContent = "A shared stream on this server.";
+  session?.dispose();
+  $("errors").replaceChildren();
+  setStatus("Connecting…", "connecting");
+  session = new Session(null, {}, 24, 48, true, watchPath);
 }
 
 function setIdleControls() {
@@ -935,7 +1011,12 @@ $("key-form").addEventListener("submit", (event) => {
   setApiKey(key);
   $("key-error").textContent = "";
   $("model-info").textContent = "Checking the key…";
-  loadDefaults();
+  if (watchPath) {
+    keyAccepted();
+    startWatching();
+  } else {
+    loadDefaults();
+  }
 });
 $("key-forget").addEventListener("click", () => {
   setApiKey(null);
@@ -943,8 +1024,15 @@ $("key-forget").addEventListener("click", () => {
   // Asks again if the server needs a key (it answers 401 without one).
   loadDefaults();
 });
+$("share-copy").addEventListener("click", copyShareLink);
 $("seed-use")?.addEventListener("click", () => {
   if (session?.seed != null) $("seed").value = String(session.seed);
 });
 
-loadDefaults();
+if (watchPath) {
+  // A share link: the token is the capability, so no /v1/models (which may need a key).
+  startWatching();
+  document.body.dataset.ready = "true";
+} else {
+  loadDefaults();
+}
