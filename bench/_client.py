@@ -57,6 +57,16 @@ class SessionClient:
         """(sent at, round trip) per answered ping."""
         self.pings_sent = 0
         self._ping_sent: deque[float] = deque()
+        self.interactions_sent: dict[str, float] = {}
+        """event_id -> when its ``session.interaction`` was sent."""
+        self.interactions_queued: dict[str, float] = {}
+        """event_id -> when ``session.interaction.queued`` arrived for it."""
+        self.events_started: dict[str, float] = {}
+        """event_id -> arrival of the first media chunk listing it in ``started_event_ids``:
+        the first delivered frames generated under it."""
+        self.control_errors: list[str] = []
+        """Errors that answered an interaction and left the session going."""
+        self._chunk_arrived = trio.Event()
         self.connected = trio.Event()
         self.first_chunk = trio.Event()
         self.finished = trio.Event()
@@ -109,7 +119,7 @@ class SessionClient:
             if self._stream is not None:
                 with trio.CancelScope(shield=True):
                     await self._stream.aclose()
-            for event in (self.connected, self.first_chunk, self.finished):
+            for event in (self.connected, self.first_chunk, self.finished, self._chunk_arrived):
                 event.set()
 
     async def _read(self, ws: WebSocketConnection) -> None:
@@ -139,7 +149,13 @@ class SessionClient:
         if isinstance(event, protocol.ChunkReceived):
             if event.metadata.kind == "media":
                 self.arrivals.append((t, event.metadata.num_frames, len(event.data)))
+                for event_id in event.metadata.started_event_ids:
+                    self.events_started.setdefault(event_id, t)
                 self.first_chunk.set()
+                self._chunk_arrived.set()
+                self._chunk_arrived = trio.Event()
+        elif isinstance(event, protocol.InteractionAccepted):
+            self.interactions_queued.setdefault(event.event_id, t)
         elif isinstance(event, protocol.PongReceived):
             if self._ping_sent:
                 sent = self._ping_sent.popleft()
@@ -152,6 +168,11 @@ class SessionClient:
             self.stopped = event.done.stopped
         elif isinstance(event, protocol.ErrorReceived):
             error = event.error
+            if self.interactions_sent and not event.ends_session:
+                # An interaction the server refused (an engine may refuse one, with a
+                # reason): the session goes on, and the scenario reports the refusal.
+                self.control_errors.append(f"error {error.code}: {error.message}")
+                return
             self.error = f"error {error.code}: {error.message}"
             self.request_id = self.request_id or error.request_id
             # The harness sends no malformed control message, so any error it gets is
@@ -175,6 +196,28 @@ class SessionClient:
             await self._send(protocol.STOP_MESSAGE)
         except ConnectionClosed:
             self.failure = self.failure or "connection closed before session.stop"
+
+    async def interact(
+        self, event_id: str, camera: protocol.Camera, transition_chunks: int = 0
+    ) -> bool:
+        """Send a camera ``session.interaction``; False when the connection is gone."""
+        message = protocol.interaction_message(
+            None, event_id=event_id, transition_chunks=transition_chunks, camera=camera
+        )
+        self.interactions_sent[event_id] = now()
+        try:
+            await self._send(message)
+        except ConnectionClosed:
+            return False
+        return True
+
+    async def wait_started(self, event_id: str, timeout: float) -> float | None:
+        """When the first chunk generated under ``event_id`` arrived; None when none came
+        within ``timeout`` seconds or the session ended first."""
+        with trio.move_on_after(timeout):
+            while event_id not in self.events_started and not self.finished.is_set():
+                await self._chunk_arrived.wait()
+        return self.events_started.get(event_id)
 
     async def disconnect(self) -> None:
         """Cut the TCP connection without a WebSocket close, as a vanished client does."""

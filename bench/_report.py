@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -22,6 +22,53 @@ from bench._stats import Figures, summarize
 
 if TYPE_CHECKING:
     from bench.scenarios.diffusers import DiffusersScenario
+
+
+class Section(Protocol):
+    """A scenario that reports in a section of its own (it starts its own servers):
+    its description and table as markdown lines."""
+
+    def markdown(self) -> list[str]: ...
+
+
+def make_verdict(
+    name: str,
+    measured: float | None,
+    limit: float | None,
+    rule: str,
+    note: str = "",
+    *,
+    at_least: bool = False,
+) -> dict[str, Any]:
+    """One target judged: N/A without a measurement or a limit; ``at_least`` for a
+    figure that must reach its limit (a speed-up) rather than stay under it."""
+    status = "N/A" if measured is None or limit is None else "PASS"
+    if status == "PASS":
+        assert measured is not None and limit is not None
+        if (measured < limit) if at_least else (measured > limit):
+            status = "FAIL"
+    return {
+        "target": name,
+        "rule": rule,
+        "measured": measured,
+        "threshold": limit,
+        "status": status,
+        "note": note,
+    }
+
+
+def cleanup_verdict(scenario: str, checks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Nothing left on a server after each part of a scenario that started its own."""
+    leftovers = [c for c in checks if c["ok"] is False]
+    unknown = not checks or any(c["ok"] is None for c in checks)
+    return {
+        "target": f"{scenario}: cleanup, nothing left on the server after each level",
+        "rule": "sessions_active = streams_open = worker_threads = 0",
+        "measured": {"checks_with_leftovers": len(leftovers), "checks": len(checks)},
+        "threshold": None,
+        "status": "N/A" if unknown else "FAIL" if leftovers else "PASS",
+        "note": "needs /stats" if unknown else "",
+    }
 
 
 def evaluate(
@@ -37,19 +84,7 @@ def evaluate(
     def verdict(
         name: str, measured: float | None, limit: float | None, rule: str, note: str = ""
     ) -> None:
-        status = "N/A" if measured is None or limit is None else "PASS"
-        if status == "PASS" and measured > limit:  # type: ignore[operator]
-            status = "FAIL"
-        results.append(
-            {
-                "target": name,
-                "rule": rule,
-                "measured": measured,
-                "threshold": limit,
-                "status": status,
-                "note": note,
-            }
-        )
+        results.append(make_verdict(name, measured, limit, rule, note))
 
     verdict(
         "control plane: ping RTT p99, 8 sessions streaming",
@@ -165,7 +200,11 @@ def render(
     verdicts: dict[str, list[dict[str, Any]]],
     s: Settings,
     diffusers: DiffusersScenario | None = None,
+    sections: Sequence[Section] = (),
+    section_verdicts: Sequence[dict[str, Any]] = (),
 ) -> str:
+    """The markdown report: the main target's table, then each scenario that started
+    servers of its own (diffusers, ``sections``), then every verdict."""
     m = report["machine"]
     git = m["git"]
     dirty = " (with uncommitted changes)" if git.get("dirty_files") else ""
@@ -175,15 +214,20 @@ def render(
         f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['ram_gib']} GiB RAM, {m['os']}, "
         f"Python {m['python']}, trio {m['versions']['trio']}, av {m['versions']['av']}, "
         f"torch {m['versions']['torch']}, commit {git.get('commit', '?')[:10]}{dirty}",
-        f"Settings: {s.size} at {s.fps} fps, {s.repeat} run(s) per target, concurrency levels "
+    ]
+    # With only scenarios that start their own servers (diffusers, batching, effect), and
+    # maybe the encoder, the main target was never measured: no table and no verdicts.
+    served = any(n in s.scenarios for n in SERVER_SCENARIOS)
+    main_settings = (
+        f"{s.size} at {s.fps} fps, {s.repeat} run(s) per target, concurrency levels "
         f"{','.join(map(str, s.levels))} for {s.window_s:g} s each, a ping every "
         f"{s.ping_interval_s * 1000:.0f} ms per session"
+    )
+    lines += [
+        f"Settings: {main_settings if served else f'{s.repeat} run(s)'}"
         + (" (quick mode: indicative only)" if s.quick else ""),
         "",
     ]
-    # With only the diffusers scenario (which starts its own server), and maybe the encoder,
-    # the targets were never measured: no table and no verdicts for them.
-    served = "diffusers" not in s.scenarios or any(n in s.scenarios for n in SERVER_SCENARIOS)
     header = ("metric", "unit", "median", "p99", "run medians (min - max)", "n")
     if served:
         lines += [f"Target {t.label}: `{t.shown}`" for t in targets] + [""]
@@ -213,6 +257,8 @@ def render(
         if diffusers.target is not None:
             lines += [f"Server: `{diffusers.target.shown}`", ""]
         lines.append(markdown_table(header, figure_rows(diffusers.figures)))
+    for section in sections:
+        lines += ["", *section.markdown()]
     if served:
         for target in targets:
             unavailable = per_target[target.label].unavailable
@@ -226,6 +272,7 @@ def render(
             lines += [_verdict_line(v, prefix) for v in verdicts[target.label]]
     if diffusers is not None:
         lines += [_verdict_line(v) for v in report["diffusers"]["targets"]]
+    lines += [_verdict_line(v) for v in section_verdicts]
     return "\n".join(lines)
 
 

@@ -16,12 +16,28 @@ BENCH_DIR: Final = Path(__file__).resolve().parent
 REPO_DIR: Final = BENCH_DIR.parent
 RESULTS_DIR: Final = BENCH_DIR / "results"
 
-SCENARIOS: Final = ("resources", "latency", "concurrency", "abort", "encoder", "diffusers")
+SCENARIOS: Final = (
+    "resources",
+    "latency",
+    "concurrency",
+    "abort",
+    "encoder",
+    "diffusers",
+    "batching",
+    "effect",
+)
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
 ``diffusers`` is part of ``all`` only where diffusers is installed and the harness starts
-the server itself (it serves a model the harness builds, so neither --url nor --compare)."""
+the server itself (it serves a model the harness builds, so neither --url nor --compare).
+"""
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
+OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect")
+"""Scenarios that start servers of their own (so neither --url nor --compare applies)."""
+ALL_SCENARIOS: Final = SCENARIOS[:5]
+"""What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
+``effect`` (~3 min) are asked for by name: together they would more than double the
+default run, and they measure the shapes engine rather than the transport."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -71,6 +87,22 @@ class Settings:
     """Segments (pipeline calls) per measured session; the first is reported apart."""
     diffusers_reps: int = 2
     """Per run: sessions through the server, and as many direct and engine-alone ones."""
+    batching_preset: str | None = None
+    """quick, cpu or gpu; None: quick with --quick, else gpu where CUDA is available, else
+    cpu (see `bench.scenarios.batching.BatchingPreset`)."""
+    effect_chunk_frames: tuple[int, ...] = (8, 4, 2)
+    """``extra_params.chunk_frames`` of the effect scenario's sessions: its trade-off."""
+    effect_levels: tuple[int, ...] = (1, 8)
+    """Sessions streaming at once in the effect scenario."""
+    effect_interactions: int = 8
+    """Camera interactions per session, one at a time."""
+    effect_gap_s: float = 0.5
+    """An interaction waits a random pause up to this long after the previous took effect."""
+    effect_width: int = 64
+    effect_height: int = 64
+    """Small frames, so that the model, not the encoder, sets the pace."""
+    effect_frames: int = 2400
+    """Longer than any part of the scenario lasts: sessions stream until stopped."""
 
     @property
     def size(self) -> str:
@@ -99,6 +131,9 @@ class Settings:
             "session_timeout_s": 20.0,
             "diffusers_segments": 3,
             "diffusers_reps": 1,
+            "effect_chunk_frames": (8, 2),
+            "effect_interactions": 2,
+            "effect_gap_s": 0.3,
         }
         base.update(overrides)
         return cls(**base)

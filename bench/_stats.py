@@ -108,12 +108,72 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "ms",
         "per run: median server TTFC - median direct first segment",
     ),
+    "batching.{M}.n{N}.ttfc_ms": (
+        "ms",
+        "batching on/off, N sessions started together: session.start -> first media chunk",
+    ),
+    "batching.{M}.n{N}.aggregate_fps": (
+        "fps",
+        "batching on/off, N sessions: frames/s delivered, all together (sum of the sessions' "
+        "rates between their first and last chunk in the window)",
+    ),
+    "batching.{M}.n{N}.session_fps": ("fps", "batching on/off, N sessions: each session's fps"),
+    "batching.{M}.n{N}.stop_done_ms": (
+        "ms",
+        "batching on/off, N sessions: session.stop sent -> session.done received",
+    ),
+    "batching.{M}.n{N}.batch_rows": (
+        "count",
+        "batching on/off, N sessions: rows the server ran in batches (/stats batch_rows)",
+    ),
+    "batching.{M}.n{N}.mean_batch": (
+        "rows",
+        "batching on/off, N sessions: rows per batched call (/stats batch_rows / batches)",
+    ),
+    "batching.{M}.n{N}.server_cpu_cores": ("cores", "batching on/off, N sessions: server CPU"),
+    "batching.{M}.n{N}.errors": ("count", "batching on/off, N sessions: sessions that failed"),
+    "batching.{M}.n{N}.ended_early": (
+        "count",
+        "batching on/off, N sessions: sessions whose video ended before the window did",
+    ),
+    "batching.n{N}.fps_ratio": (
+        "x",
+        "per run: aggregate fps batching on / off, N sessions",
+    ),
+    "batching.n{N}.ttfc_ratio": (
+        "x",
+        "per run: median TTFC batching on / off, N sessions",
+    ),
+    "effect.c{C}.n{N}.latency_ms": (
+        "ms",
+        "chunk_frames C, N sessions: camera interaction sent -> first chunk generated under "
+        "it (started_event_ids) received",
+    ),
+    "effect.c{C}.n{N}.queued_ms": (
+        "ms",
+        "chunk_frames C, N sessions: session.interaction sent -> session.interaction.queued",
+    ),
+    "effect.c{C}.n{N}.aggregate_fps": (
+        "fps",
+        "chunk_frames C, N sessions: frames/s delivered, all together, while interacting",
+    ),
+    "effect.c{C}.n{N}.unresolved": (
+        "count",
+        "chunk_frames C, N sessions: interactions no chunk listed as started",
+    ),
+    "effect.c{C}.n{N}.errors": (
+        "count",
+        "chunk_frames C, N sessions: sessions that failed, interactions refused",
+    ),
 }
 
 
 def catalogue_key(name: str) -> str:
     """``concurrency.n8.ping_rtt_ms`` -> ``concurrency.n{N}.ping_rtt_ms``, and so on."""
     name = re.sub(r"^concurrency\.n\d+\.", "concurrency.n{N}.", name)
+    name = re.sub(r"^batching\.(on|off)\.n\d+\.", "batching.{M}.n{N}.", name)
+    name = re.sub(r"^batching\.n\d+\.", "batching.n{N}.", name)
+    name = re.sub(r"^effect\.c\d+\.n\d+\.", "effect.c{C}.n{N}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
     name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the day a machine with a CUDA GPU is available: the CUDA tests and the
-# real-time figures of the shapes and diffusers engines, in at most 10 minutes.
+# real-time figures of the shapes and diffusers engines, and what batching buys on a GPU,
+# in at most 13 minutes.
 #
 #     bash bench/gpu_check.sh            # results in bench/results/gpu-<time>/
 #
@@ -48,6 +49,10 @@ step shapes-eval 180 "$python" bench/evaluate_shapes.py --count 24 --interaction
 # The server's overhead on a GPU-sized random Wan pipeline, against direct calls.
 step diffusers-bench 240 "$python" bench/run.py --scenario diffusers --diffusers-preset gpu \
     --repeat 2 --output "$out/diffusers.json"
+# Batching on the GPU: the shapes engine with max_batch 32 against 1, at 1 to 64
+# sessions (the gpu preset: --device=cuda, --max-sessions 64, longer videos).
+step batching-bench 180 "$python" bench/run.py --scenario batching --batching-preset gpu \
+    --repeat 2 --output "$out/batching.json"
 
 echo "gpu_check: $failed failed step(s); results in $out"
 exit "$failed"

@@ -18,6 +18,12 @@
 * ``diffusers`` (where diffusers is installed): a random Wan pipeline, built in a temporary
   directory, served by ``--engine diffusers``: the server's time per segment (and TTFC,
   delivered fps) against the same pipeline calls made directly, in a process of their own.
+* ``batching`` (by name, not in ``all``): the shapes engine with its sessions' steps
+  batched and not, at 1 to 16 sessions, in the same run: aggregate and per-session fps,
+  TTFC, stop -> done, and the on/off ratios;
+* ``effect`` (by name, not in ``all``): a camera interaction sent -> the first chunk
+  generated under it, at 1 and 8 sessions and 8-, 4- and 2-frame chunks, against the
+  delivered fps each chunk size gives.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -76,9 +82,11 @@ from bench._server import (
     os_threads,
 )
 from bench._settings import (
+    ALL_SCENARIOS,
     BENCH_DIR,
     DEFAULT_ENGINE,
     DEFAULT_SYNTHETIC_ARGS,
+    OWN_SERVER_SCENARIOS,
     PROMPT,
     REPO_DIR,
     RESULTS_DIR,
@@ -90,6 +98,7 @@ from bench._settings import (
 )
 from bench._stats import CATALOGUE, Figure, Figures, catalogue_key, percentile, summarize
 from bench.scenarios import SCENARIO_FUNCTIONS, run_target
+from bench.scenarios.batching import BATCHING_PRESETS, BatchingPreset, BatchingScenario
 from bench.scenarios.concurrency import session_fps
 from bench.scenarios.diffusers import (
     DIFFUSERS_OVERHEAD_LIMIT_PCT,
@@ -99,12 +108,15 @@ from bench.scenarios.diffusers import (
     diffusers_available,
     diffusers_worker,
 )
+from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
 
 _read = read_file
 _START_TIME = START_TIME
 
 __all__ = [
+    "ALL_SCENARIOS",
+    "BATCHING_PRESETS",
     "BENCH_DIR",
     "CATALOGUE",
     "CLIENT_MAX_MESSAGE",
@@ -120,8 +132,11 @@ __all__ = [
     "SCENARIOS",
     "SCENARIO_FUNCTIONS",
     "SERVER_SCENARIOS",
+    "BatchingPreset",
+    "BatchingScenario",
     "DiffusersPreset",
     "DiffusersScenario",
+    "EffectScenario",
     "Endpoint",
     "Figure",
     "Figures",
@@ -195,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         action="append",
         default=None,
-        help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated",
+        help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
+        "(all leaves out batching and effect, which take minutes: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -248,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="size of the diffusers scenario's random pipeline (default: tiny with --quick, "
         "else gpu where CUDA is available, else cpu)",
     )
+    add(
+        "--batching-preset",
+        choices=BATCHING_PRESETS,
+        default=None,
+        help="the batching scenario's levels, batch size and device (default: quick with "
+        "--quick, else gpu where CUDA is available, else cpu)",
+    )
     add("--diffusers-worker", default=None, help=argparse.SUPPRESS)
     add("--output", type=Path, default=None, help="JSON path (default bench/results/<time>.json)")
     add("--strict", action="store_true", help="exit with status 1 when a target is missed")
@@ -259,13 +282,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for item in args.scenario or ["all"]:
         for name in (n.strip() for n in item.split(",")):
             if name == "all":
-                chosen.extend(SCENARIOS[:-1])
+                chosen.extend(ALL_SCENARIOS)
                 if not (args.url or args.compare) and diffusers_available():
                     chosen.append("diffusers")
             elif name == "diffusers" and not diffusers_available():
                 raise SystemExit(
                     "the diffusers scenario needs diffusers and transformers: "
                     "pip install 'trio-vstream[diffusers]'"
+                )
+            elif name in OWN_SERVER_SCENARIOS[1:] and (args.url or args.compare):
+                raise SystemExit(
+                    f"the {name} scenario starts shapes servers of its own: "
+                    "it takes neither --url nor --compare"
                 )
             elif name in SCENARIOS:
                 chosen.append(name)
@@ -277,6 +305,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "fps": args.fps,
         "seed": args.seed,
         "diffusers_preset": args.diffusers_preset,
+        "batching_preset": args.batching_preset,
     }
     for option, field in (
         ("repeat", "repeat"),
@@ -369,6 +398,21 @@ async def main_async(args: argparse.Namespace) -> int:
                     await diffusers.run(run, Path(log_dir))
             finally:
                 await diffusers.close()
+        batching: BatchingScenario | None = None
+        if "batching" in s.scenarios:
+            batching_preset = (
+                BatchingPreset.named(s.batching_preset)
+                if s.batching_preset
+                else BatchingPreset.default(s.quick)
+            )
+            batching = BatchingScenario(s, batching_preset, args.server_arg)
+            for run in range(s.repeat):
+                await batching.run(run, Path(log_dir))
+        effect: EffectScenario | None = None
+        if "effect" in s.scenarios:
+            effect = EffectScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await effect.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -402,9 +446,19 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
+    sections: list[BatchingScenario | EffectScenario] = []
+    section_verdicts: list[dict[str, Any]] = []
+    for name, section in (("batching", batching), ("effect", effect)):
+        if section is not None:
+            judged = section.evaluate()
+            report[name] = section.to_json(judged)
+            sections.append(section)
+            section_verdicts += judged
     if len(targets) == 2:
         report["compare"] = compare_json(per_target["A"], per_target["B"])
-    text = render(report, targets, per_target, local, verdicts, s, diffusers)
+    text = render(
+        report, targets, per_target, local, verdicts, s, diffusers, sections, section_verdicts
+    )
     print(text)
     stamp = started.strftime("%Y%m%d-%H%M%S") + ("-quick" if s.quick else "")
     output = args.output or RESULTS_DIR / f"bench-{stamp}.json"
@@ -413,7 +467,9 @@ async def main_async(args: argparse.Namespace) -> int:
     output.with_suffix(".md").write_text(text + "\n")
     progress(f"wrote {output} and {output.with_suffix('.md')}")
     missed = any(
-        v["status"] == "FAIL" for vs in [*verdicts.values(), diffusers_verdicts] for v in vs
+        v["status"] == "FAIL"
+        for vs in [*verdicts.values(), diffusers_verdicts, section_verdicts]
+        for v in vs
     )
     return 1 if missed and args.strict else 0
 

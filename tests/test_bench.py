@@ -483,7 +483,7 @@ def test_all_includes_diffusers_only_where_it_can_run(monkeypatch: pytest.Monkey
         not in bench.settings_from(parse(["--compare", "ws://a:1/v", "ws://b:1/v"])).scenarios
     )
     monkeypatch.setattr(bench, "diffusers_available", lambda: False)
-    assert bench.settings_from(parse([])).scenarios == bench.SCENARIOS[:-1]
+    assert bench.settings_from(parse([])).scenarios == bench.ALL_SCENARIOS
     with pytest.raises(SystemExit):
         bench.settings_from(parse(["--scenario", "diffusers"]))
     assert bench.catalogue_key("diffusers.server.faults_per_segment") in bench.CATALOGUE

@@ -1,7 +1,8 @@
 """The scenarios, one module each, and ``run_target``, which runs the server scenarios on
 one target: it starts the server (for a command target), measures, and always stops it.
 
-``encoder`` (no server) and ``diffusers`` (a server of its own) are driven by ``run.py``.
+``encoder`` (no server), ``diffusers`` (a server of its own), ``batching`` and ``effect``
+(shapes servers of their own) are driven by ``run.py``.
 """
 
 from __future__ import annotations
