@@ -121,8 +121,17 @@ class SessionCheckpoint(Checkpoint):
             return
         trio.from_thread.check_cancelled()
         member = trio.from_thread.run_sync(batcher.join, run_batch, self._on_progress)
+
+        def step(row: In) -> Out:
+            trio.from_thread.check_cancelled()
+            if trio.from_thread.run_sync(batcher.claim_alone, member):
+                # Nobody to batch with: the row runs here, as an unbatched step would,
+                # without two hand-overs to and from the batcher's thread.
+                return batch_result(run_batch([row]), 0, 1)
+            return trio.from_thread.run(batcher.step, member, row)
+
         try:
-            yield lambda row: trio.from_thread.run(batcher.step, member, row)
+            yield step
         finally:
             trio.from_thread.run_sync(batcher.leave, member)
 
@@ -216,6 +225,10 @@ class StepBatcher:
         self._changed = trio.Event()
         self._thread = trio.CapacityLimiter(1)
         self._handed_over = 0
+        self._running = False
+        self._alone: _Member | None = None
+        """A member running its own step in its thread (see `claim_alone`): no batch runs
+        meanwhile, so ``run_batch`` is never called from two threads at once."""
         self.batches = 0
         """Batched calls run so far."""
         self.rows = 0
@@ -239,7 +252,33 @@ class StepBatcher:
         self._queues.setdefault(run_batch, deque())
         return member
 
+    def claim_alone(self, member: _Member) -> bool:
+        """Whether ``member`` may run its next step itself, now: it is the only session
+        stepping, nothing waits and no batch runs. Batching one row would only add two
+        thread hand-overs per step. A claim lasts until the member's next step or its
+        leaving, and counts as a step taken (progress), like a batch."""
+        self._release_alone(member)
+        alone = (
+            not self._running
+            and self._members.get(member.run_batch) == {member}
+            and not any(self._queues.values())
+        )
+        if alone:
+            self._alone = member
+            self.batches += 1
+            self.rows += 1
+            self._on_batch(1)
+            member.on_progress()
+            self._progress.step_taken()
+        return alone
+
+    def _release_alone(self, member: _Member) -> None:
+        if self._alone is member:
+            self._alone = None
+            self._changed.set()  # a row that arrived meanwhile may now run
+
     def leave(self, member: _Member) -> None:
+        self._release_alone(member)
         members = self._members.get(member.run_batch)
         if members is not None and member in members:
             members.discard(member)
@@ -271,6 +310,8 @@ class StepBatcher:
 
     def _next_batch(self) -> list[_Row] | None:
         """The rows of the next batch, or None when no group is ready."""
+        if self._alone is not None:
+            return None
         ready: list[deque[_Row]] = []
         for run_batch, queue in self._queues.items():
             members = self._members.get(run_batch, set())
@@ -285,12 +326,15 @@ class StepBatcher:
         run_batch = rows[0].member.run_batch
         for row in rows:
             row.in_flight = True
+        self._running = True
         try:
             results: Sequence[Any] = await trio.to_thread.run_sync(
                 _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
             )
         except Exception as exc:  # the whole batch failed: every row fails with it
             results = [exc] * len(rows)
+        finally:
+            self._running = False
         self.batches += 1
         self.rows += len(rows)
         self._on_batch(len(rows))
