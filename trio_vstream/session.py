@@ -80,6 +80,7 @@ from trio_vstream.engines.base import (
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
+from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
@@ -220,13 +221,11 @@ class Session:
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
         self._pacing: protocol.Pacing | None = None
-        self._camera_scripted = False
         self._taps = TapSet("", ())
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
-        self._scripted: dict[int, list[PromptChange]] = {}
-        """Scripted changes by the chunk they go before: ``extra_params.interaction_script``'s
-        interactions, then ``extra_params.camera_action_script``'s camera."""
+        self._scripts = Scripts()
+        """The request's scripted interactions, handed to the engine before their chunks."""
         self._media_clock: float | None = None
         """Trio time at which the video's media time 0 was (or would have been) sent."""
 
@@ -433,10 +432,11 @@ class Session:
             extra.pop(key, None)
         extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
         extra.pop(protocol.INTERACTION_SCRIPT_PARAM, None)  # and this one
-        # Interactions first: a live one for chunk k arrived while chunk k-1 was being
-        # generated, before the camera script's entry for k, and replays keep that order.
-        self._script_interactions(start.interaction_script)
-        self._script_cameras(start.camera_script)
+        try:
+            self._scripts = Scripts.from_start(start, interaction_kinds(self._res.engine))
+        except ScriptRefused as exc:
+            raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
+        self._event_ids |= self._scripts.event_ids
         image: np.ndarray | None = None
         if start.image is not None:
             source = start.image
@@ -495,54 +495,6 @@ class Session:
             raise _Failure(ErrorCode.GENERATION_FAILED, _describe(exc)) from exc
         self._res.stats.streams_open += 1
         return generation_request
-
-    def _script_interactions(self, script: tuple[protocol.ScriptedInteraction, ...]) -> None:
-        """Queue an interaction script's entries for `_generate_chunks`, each before its chunk.
-
-        Their ids are reserved like the camera script's (a live interaction reusing one
-        gets ``event_id_conflict``); an engine that does not take a kind an entry carries
-        refuses the start, as it would have refused the live interaction.
-        """
-        takes = interaction_kinds(self._res.engine)
-        for entry in script:
-            change = PromptChange(
-                entry.event_id, entry.prompt, entry.transition_chunks, entry.camera
-            )
-            refused = sorted(change.kinds - takes)
-            if refused:
-                raise _Failure(
-                    ErrorCode.INVALID_REQUEST,
-                    f"Invalid session.start: extra_params.{protocol.INTERACTION_SCRIPT_PARAM}: "
-                    f"this engine takes no {' or '.join(refused)} interactions "
-                    f"(it takes: {', '.join(sorted(takes)) or 'none'})",
-                )
-            self._event_ids.add(entry.event_id)
-            self._scripted.setdefault(entry.chunk_index, []).append(change)
-
-    def _script_cameras(self, script: tuple[protocol.ScriptedCamera, ...]) -> None:
-        """Turn a camera script into the changes `_generate_chunks` hands the engine.
-
-        Each goes in as the camera interaction a client could have sent before that
-        chunk, with the server's event id ``script-<chunk index>``: reserved here, so a
-        client that sends one gets ``event_id_conflict``, and the ids the server mints
-        for clients (uuid hex) never look like one. An engine that takes no cameras
-        refuses the start: silently dropping the script would be a different video.
-        """
-        if not script:
-            return
-        takes = interaction_kinds(self._res.engine)
-        if "camera" not in takes:
-            raise _Failure(
-                ErrorCode.INVALID_REQUEST,
-                f"Invalid session.start: extra_params.{protocol.CAMERA_SCRIPT_PARAM}: this "
-                f"engine takes no camera interactions (it takes: {', '.join(sorted(takes))})",
-            )
-        self._camera_scripted = True
-        for entry in script:
-            event_id = f"script-{entry.chunk_index}"
-            self._event_ids.add(event_id)
-            change = PromptChange(event_id, None, 0, entry.camera)
-            self._scripted.setdefault(entry.chunk_index, []).append(change)
 
     # --------------------------------------------------------- receive loop
 
@@ -606,14 +558,10 @@ class Session:
         change = PromptChange(event_id, message.prompt, message.transition_chunks, message.camera)
         # An engine only ever sees the kinds it declared (a prompt-only engine could not
         # act on a camera, and would fail or, worse, silently drop it).
-        takes = interaction_kinds(self._res.engine)
-        refused = sorted(change.kinds - takes)
-        if refused:
-            return ErrorCode.INTERACTION_FAILED, (
-                f"this engine takes no {' or '.join(refused)} interactions "
-                f"(it takes: {', '.join(sorted(takes)) or 'none'})"
-            )
-        if change.camera is not None and self._camera_scripted:
+        refusal = kinds_refusal(change.kinds, interaction_kinds(self._res.engine))
+        if refusal is not None:
+            return ErrorCode.INTERACTION_FAILED, refusal
+        if change.camera is not None and self._scripts.owns_camera:
             # As in vllm-omni, a scripted session's camera is the script's: a live camera
             # would be overridden at the next scripted chunk, so it is refused outright.
             return ErrorCode.INTERACTION_FAILED, (
@@ -685,7 +633,7 @@ class Session:
             began = trio.current_time()
             try:
                 # The scripts' entries for this chunk, queued at its boundary.
-                for change in self._scripted.pop(index, ()):
+                for change in self._scripts.before_chunk(index):
                     stream.interact(change)
                 chunk = await self._in_thread(stream.next_chunk, self._checkpoint)
             except trio.Cancelled:
