@@ -79,6 +79,16 @@ def skyreels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def anyflow_far(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An AnyFlow FAR pipeline directory (AnyFlowFARPipeline, one transformer layer)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from trio_vstream.engines.diffusers.tiny import build_anyflow_far
+
+    return build_anyflow_far(tmp_path_factory.mktemp("anyflow_models") / "AnyFlow-FAR-tiny")
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
     """Load engines as ``--engine diffusers`` does (CPU, 5-frame segments, one thread);

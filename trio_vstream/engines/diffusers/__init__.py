@@ -20,7 +20,9 @@ session's history latents (``_history``), so the frames are exactly those
 of the pipeline's single call and sessions take turns at chunk boundaries. A
 diffusion-forcing pipeline (SkyReels-V2 DF) is streamed window by window: the engine
 drives its window loop from the pipeline's components (``_forcing``), since its call
-keeps the overlap latents to itself and decodes only at its end.
+keeps the overlap latents to itself and decodes only at its end. An AnyFlow FAR pipeline is
+streamed chunk by chunk the same way (``_far``): the engine drives its causal chunk loop,
+KV cache included, since its call keeps the cache to itself and decodes only at its end.
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -43,7 +45,7 @@ private modules hold one concern each: ``_settings`` (engine args),
 ``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
 ``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
 ``_history`` (a chunk-autoregressive session's history), ``_forcing`` (a
-diffusion-forcing session's window loop).
+diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chunk loop).
 ``tiny`` builds tiny random pipelines for the tests and the benchmark.
 """
 
@@ -59,6 +61,9 @@ import torch
 
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.diffusers._far import ENGINE_SET_ARGS as FAR_LOOP_ARGS
+from trio_vstream.engines.diffusers._far import chunk_latent_frames as far_chunk_latent_frames
+from trio_vstream.engines.diffusers._far import far_plan
 from trio_vstream.engines.diffusers._forcing import window_plan
 from trio_vstream.engines.diffusers._history import ENGINE_SET_ARGS as CHUNK_LOOP_ARGS
 from trio_vstream.engines.diffusers._history import chunk_latent_frames
@@ -169,13 +174,16 @@ class DiffusersEngine:
         self.windowed = model.streams_windows and not self.chunked
         """One diffusion-forcing window per chunk, the loop driven by the engine (SkyReels-V2
         DF): see `ForcingLoop`."""
-        if (self.chunked or self.windowed) and i2v is not None:
+        self.far = model.streams_far and not self.chunked and not self.windowed
+        """One causal chunk per ``next_chunk``, the loop and its KV cache driven by the
+        engine (AnyFlow FAR): see `FarLoop`."""
+        if (self.chunked or self.windowed or self.far) and i2v is not None:
             raise config_error(
                 f"i2v_model: {model.class_name} continues each chunk from its own history "
                 "latents and takes image_reference itself; leave i2v_model out"
             )
         self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
-        if self.chunked or self.windowed:
+        if self.chunked or self.windowed or self.far:
             self.continuation = None
         pipelines = [model] + ([i2v] if i2v is not None else [])
         self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
@@ -195,6 +203,16 @@ class DiffusersEngine:
                     f"{self.frame_step}*n+1 with n >= 2 (e.g. "
                     f"{valid_frames(max(segment, 2 * self.frame_step + 1), self.frame_step)}), "
                     f"got {segment}"
+                )
+        elif self.far:
+            # A chunk's frames (all but the video's first chunk): chunk_partition's unit.
+            segment = (
+                settings.segment_frames or far_chunk_latent_frames(model.pipe) * self.frame_step
+            )
+            if segment % self.frame_step:
+                raise config_error(
+                    f"segment_frames is {model.class_name}'s chunk: whole latent frames, a "
+                    f"multiple of {self.frame_step} (e.g. {3 * self.frame_step}), got {segment}"
                 )
         elif settings.segment_frames is not None:
             segment = settings.segment_frames
@@ -241,8 +259,8 @@ class DiffusersEngine:
                 f"got {request.width}x{request.height}"
             )
         if request.image is not None:
-            if model.takes_image or self.windowed:
-                first = model  # a diffusion-forcing loop conditions its first window itself
+            if model.takes_image or self.windowed or self.far:
+                first = model  # an engine-driven loop conditions its first chunk itself
             elif self.i2v is not None:
                 first = self.i2v
             else:
@@ -330,6 +348,8 @@ class DiffusersEngine:
 
         extra = dict(request.extra_params)
         engine_set = set(_ENGINE_SET_ARGS) | (set(CHUNK_LOOP_ARGS) if self.chunked else set())
+        if self.far:
+            engine_set |= set(FAR_LOOP_ARGS)
         reserved = sorted(k for k in extra if k in engine_set)
         if reserved:
             hints = [
@@ -368,6 +388,17 @@ class DiffusersEngine:
                 temporal=self.frame_step,
                 problems=problems,
             )
+        far = None
+        if self.far:
+            far = far_plan(
+                model,
+                extra,
+                num_frames=valid_frames(request.num_frames, self.frame_step),
+                temporal=self.frame_step,
+                chunk=self.segment_frames // self.frame_step,
+                image=request.image is not None,
+                problems=problems,
+            )
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = request.seed
@@ -380,6 +411,7 @@ class DiffusersEngine:
             continues=continuation is not None,
             chunked=self.chunked,
             windows=windows,
+            far=far,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,
             config_overrides=config_overrides,

@@ -334,41 +334,48 @@ class ForcingLoop:
         return prefix[:, :, : prefix.shape[2] - extra] if extra else prefix
 
     def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
-        """Decode ``latents`` (the window's new latent frames) as the call's one decode
-        decodes them: frame by frame through ``vae.decoder``, continuing the session's
-        causal cache (``AutoencoderKLWan._decode``, without the cache reset between)."""
-        vae = pipe.vae
-        _onload(vae)
-        latents = latents.to(vae.dtype)
-        z_dim = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-        mean = mean.to(latents.device, latents.dtype)
-        inv_std = inv_std.to(latents.device, latents.dtype)
-        latents = latents / inv_std + mean
-        first = self._decoder_cache is None
-        if first:
-            convs = _causal_convs(vae.decoder)
-            self._decoder_cache = [None] * convs
-        cache = self._decoder_cache
-        x = vae.post_quant_conv(latents)
-        parts = []
-        for i in range(x.shape[2]):
-            parts.append(
-                vae.decoder(
-                    x[:, :, i : i + 1],
-                    feat_cache=cache,
-                    feat_idx=[0],
-                    first_chunk=first and i == 0,
-                )
-            )
-        out = torch.cat(parts, dim=2)
-        if vae.config.get("patch_size") is not None:
-            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+        """Decode the window's new latent frames, continuing the session's decoder cache."""
+        if self._decoder_cache is None:
+            self._decoder_cache = []
+        return decode_continuing(pipe, latents, self._decoder_cache)
 
-            out = unpatchify(out, patch_size=vae.config.patch_size)
-        out = torch.clamp(out, min=-1.0, max=1.0)
-        return pipe.video_processor.postprocess_video(out, output_type="pt")
+
+def decode_continuing(pipe: Any, latents: torch.Tensor, cache: list[Any]) -> torch.Tensor:
+    """Decode ``latents`` (B, C, T, H, W, normalised) with a Wan VAE as one decode of the
+    whole video would decode them: frame by frame through ``vae.decoder``, continuing the
+    causal ``cache`` (``AutoencoderKLWan._decode``, without its cache reset between calls).
+    ``cache`` is the session's: empty before its first frame, filled here, and kept by the
+    caller for the next call. Returns the frames as ``output_type="pt"`` makes them."""
+    vae = pipe.vae
+    _onload(vae)
+    latents = latents.to(vae.dtype)
+    z_dim = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+    mean = mean.to(latents.device, latents.dtype)
+    inv_std = inv_std.to(latents.device, latents.dtype)
+    latents = latents / inv_std + mean
+    first = not cache
+    if first:
+        cache.extend([None] * _causal_convs(vae.decoder))
+    x = vae.post_quant_conv(latents)
+    parts = []
+    for i in range(x.shape[2]):
+        parts.append(
+            vae.decoder(
+                x[:, :, i : i + 1],
+                feat_cache=cache,
+                feat_idx=[0],
+                first_chunk=first and i == 0,
+            )
+        )
+    out = torch.cat(parts, dim=2)
+    if vae.config.get("patch_size") is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    out = torch.clamp(out, min=-1.0, max=1.0)
+    return pipe.video_processor.postprocess_video(out, output_type="pt")
 
 
 def _predict(

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from trio_vstream.engines.diffusers._far import streams_far
 from trio_vstream.engines.diffusers._forcing import streams_windows
 from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
@@ -167,6 +168,9 @@ class PipelineInfo:
     streams_windows: bool = False
     """Whether it is a diffusion-forcing pipeline (SkyReels-V2 DF) whose window loop the
     engine drives itself from its components, one window per chunk (`ForcingLoop`)."""
+    streams_far: bool = False
+    """Whether it is an AnyFlow FAR pipeline whose causal chunk loop the engine drives
+    itself from its components, one chunk per ``next_chunk`` (`FarLoop`)."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -253,6 +257,7 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         encode_params=encode_params,
         streams_chunks=streams_chunks(params),
         streams_windows=streams_windows(params, pipe),
+        streams_far=streams_far(params, pipe),
     )
 
 

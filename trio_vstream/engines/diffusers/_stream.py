@@ -8,7 +8,8 @@ decode. The frames come back as uint8 on the device and are copied to the host o
 For a chunk-autoregressive pipeline (Helios) a segment is one chunk of the model's own
 loop, and `ChunkHistory` carries the session's history latents and generator into the
 next call instead of a frame. For a diffusion-forcing pipeline (SkyReels-V2 DF) a segment
-is one window of its loop, which `ForcingLoop` runs from the pipeline's components.
+is one window of its loop, which `ForcingLoop` runs from the pipeline's components; for
+an AnyFlow FAR pipeline, one causal chunk of its loop, which `FarLoop` runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     PromptChange,
 )
+from trio_vstream.engines.diffusers._far import FarLoop, FarPlan
 from trio_vstream.engines.diffusers._forcing import ForcingLoop, WindowPlan
 from trio_vstream.engines.diffusers._history import ChunkHistory
 from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
@@ -66,6 +68,8 @@ class StreamPlan:
     frame_step: int
     windows: WindowPlan | None = None
     """The diffusion-forcing window loop, one window per chunk (None: not such a pipeline)."""
+    far: FarPlan | None = None
+    """The AnyFlow FAR chunk loop, one causal chunk per chunk (None: not such a pipeline)."""
 
 
 class DiffusersStream:
@@ -96,6 +100,9 @@ class DiffusersStream:
         self._forcing: ForcingLoop | None = None
         if plan.windows is not None:
             self._forcing = ForcingLoop(plan.windows, plan.seed)
+        self._far: FarLoop | None = None
+        if plan.far is not None:
+            self._far = FarLoop(plan.far, plan.seed)
         self._image = None
         if request.image is not None:
             self._image = to_pil(request.image, request.width, request.height)
@@ -116,6 +123,8 @@ class DiffusersStream:
             return None
         if self._forcing is not None:
             return self._next_window(checkpoint, remaining)
+        if self._far is not None:
+            return self._next_far_chunk(checkpoint, remaining)
         index = self._next_index
         conditioning = self._schedule.next_conditioning()
         if index == 0:
@@ -163,6 +172,8 @@ class DiffusersStream:
             self._history.clear()
         if self._forcing is not None:
             self._forcing.clear()
+        if self._far is not None:
+            self._far.clear()
         self._image = None
         if self._lora is not None:
             entry, self._lora = self._lora[0], None
@@ -266,6 +277,55 @@ class DiffusersStream:
                     width=request.width,
                     fps=request.fps,
                     image=self._image if index == 0 else None,
+                    attention_kwargs=kwargs.get("attention_kwargs"),
+                )
+                if engine.settings.offload != "none":
+                    info.pipe.maybe_free_model_hooks()
+        frames = frames_to_uint8(video)
+        del video
+        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
+        del frames
+        self._frames_done += host.shape[0]
+        self._next_index += 1
+        return conditioning.chunk(host, index)
+
+    def _next_far_chunk(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next AnyFlow FAR chunk's frames, made under the lock with the session's
+        LoRA, a fresh scheduler and the schedule's (blended) prompt embeddings."""
+        far, plan, request, engine = self._far, self._plan, self._request, self._engine
+        assert far is not None
+        info, index = plan.first, self._next_index
+        conditioning = self._schedule.next_conditioning()
+        kwargs = plan.call_kwargs[info.role]
+        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
+        guidance = plan.guidance_scale if plan.guidance_scale is not None else 1.0
+        image = None
+        if index == 0 and self._image is not None:
+            pixels = np.asarray(self._image.convert("RGB"), dtype=np.float32) / 255.0
+            image = torch.from_numpy(pixels).permute(2, 0, 1)[None, None]  # (1, 1, 3, H, W)
+        with engine.lock.held(checkpoint):
+            lora = self._lora
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            mixed = self._mix(info, conditioning.mix)
+            if mixed is None:
+                raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
+            negative = None
+            if guidance > 1.0:
+                negative = self._encode(info, request.negative_prompt or "")[0]
+            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
+                logger.debug(
+                    "request %s: chunk %d of %d", request.request_id, index, far.plan.chunks
+                )
+                video = far.run_chunk(
+                    checkpoint,
+                    info.pipe,
+                    prompt_embeds=mixed[0],
+                    negative_prompt_embeds=negative,
+                    guidance_scale=guidance,
+                    num_inference_steps=int(steps or 50),
+                    height=request.height,
+                    width=request.width,
+                    image=image,
                     attention_kwargs=kwargs.get("attention_kwargs"),
                 )
                 if engine.settings.offload != "none":

@@ -24,11 +24,13 @@ from typing import Literal
 import attrs
 
 __all__ = [
+    "ANYFLOW_FAR_PARTITION",
     "HELIOS_VARIANTS",
     "SKYREELS_DF_VARIANTS",
     "TEXT_DIM",
     "TINY",
     "WanSize",
+    "build_anyflow_far",
     "build_helios",
     "build_lora",
     "build_skyreels_df",
@@ -320,6 +322,48 @@ def build_skyreels_df(
     )
     pipe = kind(
         tokenizer=tokenizer, text_encoder=encoder, vae=vae(size), transformer=model, scheduler=sched
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+ANYFLOW_FAR_PARTITION = (1, 2, 2)
+"""The tiny FAR transformer's own ``chunk_partition``: a first chunk of one latent frame
+(the first frame), then chunks of two (8 frames each)."""
+
+
+def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Path:
+    """A random ``AnyFlowFARPipeline`` (causal, chunk by chunk, with a FAR KV cache),
+    saved to ``path``: the Wan text encoder and VAE of the other tiny pipelines, a
+    one-layer ``AnyFlowFARTransformer3DModel`` with ``full_chunk_limit`` 3 (so a fourth
+    chunk already sees the first one compressed) and ``FlowMapEulerDiscreteScheduler``.
+    Its attention is flex attention, slow unfused on a CPU: one layer keeps a call short.
+    Requests must be multiples of 16 (``check_inputs``)."""
+    import torch
+    from diffusers import (
+        AnyFlowFARPipeline,
+        AnyFlowFARTransformer3DModel,
+        FlowMapEulerDiscreteScheduler,
+    )
+
+    torch.manual_seed(seed)
+    encoder, tokenizer = text_encoder_and_tokenizer()
+    model = AnyFlowFARTransformer3DModel(
+        num_attention_heads=size.heads,
+        attention_head_dim=size.head_dim,
+        text_dim=TEXT_DIM,
+        ffn_dim=size.ffn_dim,
+        num_layers=1,
+        full_chunk_limit=3,
+        rope_max_seq_len=size.rope_max_seq_len,
+        chunk_partition=ANYFLOW_FAR_PARTITION,
+    )
+    pipe = AnyFlowFARPipeline(
+        tokenizer=tokenizer,
+        text_encoder=encoder,
+        transformer=model,
+        vae=vae(size),
+        scheduler=FlowMapEulerDiscreteScheduler(shift=5.0),
     )
     pipe.save_pretrained(path)
     return path

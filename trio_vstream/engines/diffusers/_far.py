@@ -1,0 +1,392 @@
+"""`FarLoop`: one session's AnyFlow FAR chunks, one per ``next_chunk``.
+
+``AnyFlowFARPipeline`` makes a video chunk by chunk (``chunk_partition``, in latent
+frames): each chunk is denoised with flow-map steps while attending, through a KV cache,
+to every chunk before it, the older ones compressed (FAR: ``compressed_patch_size``)
+once ``full_chunk_limit`` chunks are in view. But its ``__call__`` runs every chunk in
+one call, keeps its KV cache to itself, and decodes the whole video once at its end.
+Passing the history back in (``video_latents``) makes a call treat it as context and
+re-encode the cache once per context chunk, so one call per chunk would cost a number
+of cache passes that grows with the chunk index, and its noise would not be the single
+call's (that call draws the whole video's noise at once).
+
+So the engine runs the call's chunk loop itself from the pipeline's public parts
+(``transformer``, ``scheduler``, ``encode_kv_cache``, ``encode_video``, ``vae``):
+`FarLoop.run_chunk` is one iteration of the call's ``for chunk_idx in
+range(len(chunk_partition))`` loop (diffusers 0.42.1, ``pipeline_anyflow_far.py``,
+steps 4 to 8: the noise drawn for the whole video, the KV cache allocated as the call
+allocates it, the inner flow-map steps, then ``encode_kv_cache``), restated here, and
+then decodes that chunk's latent frames with the session's own causal VAE cache (the
+same ``AutoencoderKLWan`` as SkyReels-V2 DF, see `decode_continuing`). The cache pass
+that ends a chunk in the call is run at the start of the next one instead: its inputs
+are the same, so the numbers are too, and the frames go out before it. So the frames,
+joined, equal the single call's (tested), each chunk is handed over as soon as it is
+decoded, and sessions take turns on the shared pipeline at every chunk.
+
+What does not carry over from Helios and SkyReels-V2 DF is a bounded history: FAR keeps
+every past chunk in view (compressed), and each cache pass re-encodes the whole video
+so far. A session holds what the single call holds (the whole video's noise and
+latents, a KV cache sized for all its chunks, allocated at its first chunk), so memory
+is flat from chunk to chunk but grows with ``num_frames``, and a chunk's cache pass
+costs more the later the chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from trio_vstream.engines.diffusers._forcing import _onload, decode_continuing
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers._loading import PipelineInfo
+
+FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
+"""What a FAR pipeline's ``__call__`` takes for its causal chunk loop."""
+
+ENGINE_SET_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache")
+"""Chunk-loop arguments a request may not set: the engine keeps the history and the KV
+cache itself (``chunk_partition``, ``use_mean_velocity``, ``sigmas`` and ``timesteps``
+may be set, as for the call)."""
+
+
+def streams_far(params: Collection[str], pipe: Any) -> bool:
+    """Whether the engine can drive this pipeline's FAR chunk loop itself: a ``__call__``
+    with the loop's arguments, and the call's cache pass as a public method."""
+    return all(name in params for name in FAR_ARGS) and callable(
+        getattr(pipe, "encode_kv_cache", None)
+    )
+
+
+def chunk_latent_frames(pipe: Any) -> int:
+    """Latent frames per chunk when a request gives no ``chunk_partition``: the most
+    common chunk after the first in the transformer's own partition (3 for the released
+    checkpoints' ``(1, 3, 3, 3, 3, 3, 3, 2)``)."""
+    own = list(getattr(pipe.transformer.config, "chunk_partition", None) or (1, 3))
+    rest = own[1:] or own
+    return max(set(rest), key=rest.count)
+
+
+@attrs.frozen(kw_only=True)
+class FarPlan:
+    """The chunk loop's shape, in latent frames (the VAE makes 4 frames of each but the
+    video's first)."""
+
+    partition: tuple[int, ...]
+    """Latent frames per chunk; sums to the video's latent frames."""
+    use_mean_velocity: bool = True
+    sigmas: tuple[float, ...] | None = None
+    timesteps: tuple[float, ...] | None = None
+
+    @property
+    def chunks(self) -> int:
+        return len(self.partition)
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """Latent frames ``[start, end)`` of chunk ``index``."""
+        start = sum(self.partition[:index])
+        return start, start + self.partition[index]
+
+
+def far_plan(
+    info: PipelineInfo,
+    extra: Mapping[str, Any],
+    *,
+    num_frames: int,
+    temporal: int,
+    chunk: int,
+    image: bool,
+    problems: list[str],
+) -> FarPlan | None:
+    """The chunk loop a request asks for: ``chunk_partition`` from ``extra_params`` (it
+    must sum to the video's latent frames, as for the call), else the first chunk of the
+    transformer's own partition followed by chunks of ``chunk`` latent frames, the last
+    one what is left. Appends what is wrong to ``problems`` (then returns None), so a bad
+    request is refused before it runs."""
+    latent_frames = (num_frames - 1) // temporal + 1
+    given = extra.get("chunk_partition")
+    if given is not None:
+        if (
+            not isinstance(given, (list, tuple))
+            or not given
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in given)
+        ):
+            problems.append(
+                f"extra_params.chunk_partition must be a list of positive integers, got {given!r}"
+            )
+            return None
+        partition = tuple(int(n) for n in given)
+        if sum(partition) != latent_frames:
+            problems.append(
+                f"extra_params.chunk_partition sums to {sum(partition)}, but {num_frames} frames "
+                f"are {latent_frames} latent frames"
+            )
+            return None
+    else:
+        own = list(getattr(info.pipe.transformer.config, "chunk_partition", None) or (1,))
+        first = min(int(own[0]), latent_frames)
+        left = latent_frames - first
+        partition = (first, *([chunk] * (left // chunk)), *([left % chunk] if left % chunk else []))
+    if image and partition[0] != 1:
+        problems.append(
+            "image_reference is the first latent frame: chunk_partition must start with 1, "
+            f"got {list(partition)}"
+        )
+    mean_velocity = extra.get("use_mean_velocity", True)
+    if not isinstance(mean_velocity, bool):
+        problems.append(
+            f"extra_params.use_mean_velocity must be true or false, got {mean_velocity!r}"
+        )
+        mean_velocity = True
+    schedules: dict[str, tuple[float, ...] | None] = {}
+    for name in ("sigmas", "timesteps"):
+        value = extra.get(name)
+        if value is None:
+            schedules[name] = None
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
+            schedules[name] = tuple(float(v) for v in value)
+        else:
+            problems.append(f"extra_params.{name} must be a list of numbers, got {value!r}")
+            schedules[name] = None
+    return FarPlan(
+        partition=partition,
+        use_mean_velocity=mean_velocity,
+        sigmas=schedules["sigmas"],
+        timesteps=schedules["timesteps"],
+    )
+
+
+class FarLoop:
+    """One session's place in the FAR chunk loop: the video's noise and latents so far,
+    its KV cache, its decoder cache, and its generator."""
+
+    def __init__(self, plan: FarPlan, seed: int) -> None:
+        self.plan = plan
+        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        """Draws the whole video's noise at the first chunk, as the single call does."""
+        self._noise: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._kv_cache: dict[int, dict[str, torch.Tensor]] | None = None
+        self._kv_flag: dict[str, Any] | None = None
+        self._decoder_cache: list[Any] = []
+        self._context_chunks = 0
+        self._cached_chunks = 0
+        self.chunks_done = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunk of the video has been made."""
+        return self.chunks_done >= self.plan.chunks
+
+    def clear(self) -> None:
+        """Drop the tensors (the stream is closing)."""
+        self._noise = None
+        self._output = None
+        self._kv_cache = None
+        self._decoder_cache = []
+
+    @torch.no_grad()
+    def run_chunk(
+        self,
+        checkpoint: Any,
+        pipe: Any,
+        *,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance_scale: float,
+        num_inference_steps: int,
+        height: int,
+        width: int,
+        image: torch.Tensor | None = None,
+        attention_kwargs: Any = None,
+    ) -> torch.Tensor:
+        """Denoise and decode the next chunk: its frames as the pipeline's
+        ``output_type="pt"`` makes them, (1, T, C, H, W) in [0, 1]. ``checkpoint()`` runs
+        before the cache pass, before every transformer step and before the decode, so a
+        stop leaves after the step in progress and a stopped chunk is never decoded (nor
+        kept). ``image`` (1, 1, 3, H, W) in [0, 1] is the first frame (``video=`` of the
+        call), read at the first chunk only."""
+        plan, index = self.plan, self.chunks_done
+        device = pipe._execution_device
+        transformer = pipe.transformer
+        dtype = transformer.dtype
+        cfg = guidance_scale > 1.0
+        prompt_embeds = prompt_embeds.to(device, dtype)
+        if cfg:
+            assert negative_prompt_embeds is not None
+            negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
+        else:
+            negative_prompt_embeds = None
+        # encode_kv_cache reads these two from the pipeline, as the call sets them.
+        pipe._guidance_scale = guidance_scale
+        pipe._attention_kwargs = attention_kwargs
+        if self._noise is None:
+            self._start(pipe, height=height, width=width, batch=2 if cfg else 1, image=image)
+        noise, output = self._noise, self._output
+        assert noise is not None and output is not None
+        # The call's cache pass after each chunk but the last, run here for the chunks
+        # the last call made (one, or the image's context chunk).
+        while self._cached_chunks < index:
+            checkpoint()
+            done = self._cached_chunks
+            self._kv_cache = pipe.encode_kv_cache(
+                self._kv_cache,
+                self._kv_flag,
+                chunk_partition=list(plan.partition[: done + 1]),
+                chunk_idx=done,
+                output=output,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+            )
+            self._cached_chunks += 1
+        start, end = plan.bounds(index)
+        if index >= self._context_chunks:
+            latents = self._denoise(
+                checkpoint,
+                pipe,
+                noise[:, start:end],
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+                guidance_scale=guidance_scale,
+                num_inference_steps=num_inference_steps,
+                attention_kwargs=attention_kwargs,
+                device=device,
+            )
+        else:
+            latents = output[:, start:end]  # the image's chunk: context, not denoised
+        checkpoint()  # the decode
+        video = decode_continuing(pipe, latents.permute(0, 2, 1, 3, 4), self._decoder_cache)
+        # The chunk is complete: only now does it become the next one's context.
+        output[:, start:end] = latents
+        self.chunks_done += 1
+        return video
+
+    def _start(
+        self, pipe: Any, *, height: int, width: int, batch: int, image: torch.Tensor | None
+    ) -> None:
+        """What the call prepares before its loop (steps 4 to 7): the whole video's noise
+        (one draw, so every chunk's noise is the single call's), the output latents, the
+        KV cache sized for the whole partition, and the image's latent as the prefix."""
+        plan = self.plan
+        transformer = pipe.transformer
+        config = transformer.config
+        dtype = transformer.dtype
+        device = pipe._execution_device
+        from diffusers.utils.torch_utils import randn_tensor
+
+        latent_frames = sum(plan.partition)
+        shape = (
+            1,
+            config.in_channels,
+            latent_frames,
+            height // pipe.vae_scale_factor_spatial,
+            width // pipe.vae_scale_factor_spatial,
+        )
+        noise = randn_tensor(shape, generator=self.generator, device=device, dtype=torch.float32)
+        noise = noise.to(dtype).permute(0, 2, 1, 3, 4)
+        self._noise = noise
+        output = torch.zeros_like(noise)
+        full_tokens = (shape[3] // config.patch_size[1]) * (shape[4] // config.patch_size[2])
+        compressed_tokens = (shape[3] // config.compressed_patch_size[1]) * (
+            shape[4] // config.compressed_patch_size[2]
+        )
+        largest = max(plan.partition)
+        slots = {
+            "full_cache": config.full_chunk_limit * largest * full_tokens,
+            "compressed_cache": (plan.chunks - config.full_chunk_limit + 1)
+            * largest
+            * compressed_tokens,
+        }
+        self._kv_cache = {
+            layer: {
+                name: torch.zeros(
+                    (2, batch, config.num_attention_heads, size, config.attention_head_dim),
+                    device=noise.device,
+                    dtype=noise.dtype,
+                )
+                for name, size in slots.items()
+            }
+            for layer in range(config.num_layers)
+        }
+        self._kv_flag = {"num_cached_chunks": 0, "is_cache_step": False}
+        if image is not None:
+            _onload(pipe.vae)  # encode_video calls vae._encode, which no offload hook sees
+            prefix = pipe.encode_video(image, height=height, width=width)
+            output[:, : prefix.shape[1]] = prefix
+            self._context_chunks = next(
+                i + 1 for i in range(plan.chunks) if sum(plan.partition[: i + 1]) >= prefix.shape[1]
+            )
+        self._output = output
+
+    def _denoise(
+        self,
+        checkpoint: Any,
+        pipe: Any,
+        latents: torch.Tensor,
+        *,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance_scale: float,
+        num_inference_steps: int,
+        attention_kwargs: Any,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The call's inner loop over timesteps for one chunk (flow-map Euler steps from
+        ``t`` to the next sigma's ``r``), with a ``checkpoint()`` before every step."""
+        plan, index = self.plan, self.chunks_done
+        scheduler = pipe.scheduler
+        scheduler.set_timesteps(
+            num_inference_steps,
+            device=device,
+            sigmas=list(plan.sigmas) if plan.sigmas is not None else None,
+            timesteps=list(plan.timesteps) if plan.timesteps is not None else None,
+        )
+        cfg = negative_prompt_embeds is not None
+        embeds = torch.cat([negative_prompt_embeds, prompt_embeds]) if cfg else prompt_embeds
+        partition = list(plan.partition[: index + 1])
+        for i, t in enumerate(scheduler.timesteps):
+            r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
+            if t == r:
+                continue
+            checkpoint()  # raises when the session is over: no more steps, no decode
+            model_input = torch.cat([latents] * 2) if cfg else latents
+            timestep = t.expand(model_input.shape[0]).unsqueeze(-1)
+            timestep = timestep.repeat((1, model_input.shape[1]))
+            if plan.use_mean_velocity:
+                r_timestep = r.expand(model_input.shape[0]).unsqueeze(-1)
+                r_timestep = r_timestep.repeat((1, model_input.shape[1]))
+            else:
+                r_timestep = timestep
+            noise_pred, _ = pipe.transformer(
+                hidden_states=model_input,
+                timestep=timestep,
+                r_timestep=r_timestep,
+                encoder_hidden_states=embeds,
+                attention_kwargs=attention_kwargs,
+                return_dict=False,
+                chunk_partition=partition,
+                kv_cache=self._kv_cache,
+                kv_cache_flag=copy.deepcopy(self._kv_flag),
+            )
+            if cfg:
+                uncond, cond = noise_pred.chunk(2)
+                noise_pred = uncond + guidance_scale * (cond - uncond)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        return latents
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of tensors the session holds now (for tests)."""
+        tensors: list[torch.Tensor] = [t for t in (self._noise, self._output) if t is not None]
+        for layer in (self._kv_cache or {}).values():
+            tensors.extend(layer.values())
+        tensors.extend(t for t in self._decoder_cache if isinstance(t, torch.Tensor))
+        return sum(t.untyped_storage().nbytes() for t in tensors)
