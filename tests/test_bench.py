@@ -447,15 +447,28 @@ def test_diffusers_scenario_quick(tmp_path: Path) -> None:
         figures["diffusers.inproc.segment_ms"]["median"],
     )
     assert overhead == pytest.approx(100 * (server / inproc - 1))
-    verdict, cleanup = result["targets"]
+    verdicts = {v["target"]: v for v in result["targets"]}
+    assert len(verdicts) == 4
+    verdict = verdicts["diffusers: server overhead per segment"]
     assert verdict["threshold"] == 5.0 and verdict["measured"] == pytest.approx(overhead)
     assert verdict["status"] == ("PASS" if overhead <= 5.0 else "FAIL")
-    assert cleanup["status"] == "PASS", result["checks"]
+    # Streamed chunk by chunk (Helios) and window by window (SkyReels DF): the first
+    # chunk's share of the whole call, against 1.5 / k.
+    for target, figure in (
+        ("diffusers: chunked first chunk", "diffusers.chunked.first_chunk_fraction"),
+        ("diffusers: diffusion-forcing first window", "diffusers.forcing.first_chunk_fraction"),
+    ):
+        streamed = verdicts[target]
+        fraction = figures[figure]["median"]
+        assert 0 < fraction < 1 and streamed["measured"] == pytest.approx(fraction), target
+        assert streamed["threshold"] == pytest.approx(1.5 / segments), target
+        assert streamed["status"] == ("PASS" if fraction <= 1.5 / segments else "FAIL"), target
+    assert verdicts["diffusers: cleanup"]["status"] == "PASS", result["checks"]
     assert result["runs"][0]["server_exit"] == 0 and result["worker_exit"] == 0
     assert not _alive(result["runs"][0]["server_pid"])
     # Only the diffusers scenario ran: no table or verdicts for the synthetic target.
     assert report["results"]["A"]["figures"] == {}
-    assert done.stdout.count("- **PASS**") + done.stdout.count("- **FAIL**") == 2
+    assert done.stdout.count("- **PASS**") + done.stdout.count("- **FAIL**") == 4
     assert "| diffusers.overhead_pct | % |" in done.stdout
 
 
