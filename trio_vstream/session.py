@@ -37,10 +37,12 @@ whichever task notices it first.
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-One module, a little over the house's 800 lines, on purpose: the tasks of a
+One module, over the house's 800 lines (about 950), on purpose: the tasks of a
 session share its state (the outcome, the sends, the cancel scopes), and how a
-session ends reads best in one place. How sessions share the engine's steps
-lives in ``steps``.
+session ends reads best in one place. What is not about that state lives
+elsewhere: how sessions share the engine's steps in ``steps``, scripted
+interactions in ``scripts``, the session's followers (viewers, recordings) in
+``taps``, fetching an image URL in ``image_fetch``.
 """
 
 from __future__ import annotations
