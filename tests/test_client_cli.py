@@ -68,8 +68,10 @@ async def run_cli(
     while_running: Callable[[trio.Process], Awaitable[None]] | None = None,
     timeout: float = 20,
     env: dict[str, str] | None = None,
+    command: str = "client",
 ) -> CliRun:
-    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files).
+    """``python -m trio_vstream client ARGS`` in a subprocess (outputs go to files);
+    ``command`` names another subcommand (``watch``).
 
     The environment is this one plus ``env``, less any API key of the developer's own:
     a test gives the client a key only on purpose.
@@ -78,7 +80,7 @@ async def run_cli(
     environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | (env or {})
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_vstream", "client", *args],
+            [sys.executable, "-m", "trio_vstream", command, *args],
             stdout=out,
             stderr=err,
             cwd=REPO,

@@ -1,16 +1,20 @@
 """The player page's share link, in a real browser (see ``tests/test_player.py``): the
 owner's page shows a watch link; a second page opened from it plays the same stream
-live, read-only, from where it joined. Every wait is on state the pages show."""
+live, read-only, from where it joined, and saves what it received. Every wait is on
+state the pages show."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, expect
 
+from tests.conftest import decode_video
 from tests.test_player import (
     CHROMIUM,
+    CHUNK_FRAMES,
     WAIT_MS,
     cosine,
     launch_chromium,
@@ -86,6 +90,46 @@ def test_a_share_link_plays_the_stream_live_and_read_only(browser: Browser, base
         expect(viewer.locator("#errors")).to_be_empty()
         context.close()
         assert script_errors == [], "the viewer's page raised JavaScript errors"
+
+
+def test_a_viewer_saves_what_it_received_as_an_mp4(
+    browser: Browser, base_url: str, tmp_path: Path
+) -> None:
+    with open_player(browser, base_url) as owner:
+        expect(owner.locator("#watch-save")).to_be_hidden()  # the owner's Save is in the form
+        start(owner, seconds=30)
+        owner.wait_for_function("Number(document.getElementById('fig-chunks').textContent) >= 2")
+        link = owner.locator("#share-link").input_value()
+
+        context = browser.new_context(accept_downloads=True)
+        viewer = context.new_page()
+        viewer.set_default_timeout(WAIT_MS)
+        viewer.goto(link)
+        save = viewer.locator("#watch-save")
+        expect(save).to_be_visible()
+        viewer.wait_for_function("Number(document.getElementById('fig-chunks').textContent) >= 1")
+        expect(save).to_be_enabled()
+        owner.click("#stop")
+        expect(owner.locator("#status")).to_contain_text("session.done")
+        expect(viewer.locator("#status")).to_contain_text("session.done")
+
+        files = {}
+        for name, page, button in (("owner", owner, "#save"), ("viewer", viewer, "#watch-save")):
+            with page.expect_download() as download:
+                page.click(button)
+            files[name] = tmp_path / f"{name}.mp4"
+            download.value.save_as(files[name])
+            assert download.value.suggested_filename.endswith(".mp4")
+        viewer_chunks = int(viewer.locator("#fig-chunks").text_content() or "0")
+        context.close()
+    # The viewer's file decodes on its own: the owner's frames from where it joined.
+    mine, theirs = (
+        decode_video(files["viewer"].read_bytes()),
+        decode_video(files["owner"].read_bytes()),
+    )
+    assert mine.shape[0] == viewer_chunks * CHUNK_FRAMES
+    assert 0 < mine.shape[0] < theirs.shape[0]
+    assert (mine == theirs[theirs.shape[0] - mine.shape[0] :]).all()
 
 
 def test_a_share_link_of_an_ended_session_says_so(browser: Browser, base_url: str) -> None:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m trio_vstream [serve] ...`` and ``... client ...``."""
+"""Command line: ``python -m trio_vstream [serve] ...``, ``... client ...``, ``... watch ...``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from trio_vstream import access, image_fetch, memory, protocol
 from trio_vstream.client import (
     add_client_arguments,
     add_replay_arguments,
+    add_watch_arguments,
     run_client,
     run_replay,
+    run_watch,
 )
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
@@ -33,7 +35,7 @@ from trio_vstream.watch import WatchConfig
 
 DEFAULT_ENGINE = "shapes"
 API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
-_COMMANDS = ("serve", "client", "replay")
+_COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
 """Seconds the server waits at exit for ``--record``'s last recordings to be written."""
 
@@ -86,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         "4 output not written, 130 interrupted).",
     )
     add_client_arguments(client)
+    watch = commands.add_parser(
+        "watch",
+        help="watch a running session through its watch link, into an MP4 file",
+        description="Connect to a session's watch link (video.start's watch_path), receive "
+        "its video from the next keyframe chunk to the end, read-only, and write it as a "
+        "progressive MP4 (exit status: 0 done, 1 server error such as watch_not_found or "
+        "viewer_too_slow, 2 usage, 3 connection, 4 output not written, 130 interrupted).",
+    )
+    add_watch_arguments(watch)
     replay = commands.add_parser(
         "replay",
         help="repeat a recorded session (--record) against a server, and compare",
@@ -284,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "client":
         return run_client(args)
+    if args.command == "watch":
+        return run_watch(args)
     if args.command == "replay":
         return run_replay(args)
     return run_serve(args)

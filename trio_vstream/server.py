@@ -11,6 +11,8 @@ is admitted any more (``/health`` and WebSocket upgrades answer 503 before
 anything is accepted, so the balancer retries elsewhere), running sessions
 finish their videos, and only those still running when the grace period ends
 are wound down with ``server_shutdown``; after that, what is left is aborted.
+Viewers of watch links get one close timeout more (within that bound) to receive
+what was queued for them and their session's terminal message.
 """
 
 from __future__ import annotations
@@ -204,9 +206,12 @@ class VideoServer:
 
     async def _drain(self, handlers: trio.Nursery) -> None:
         """Let running sessions finish within the grace; then wind down the rest, abort
-        stragglers, and cancel what remains."""
+        stragglers, let viewers receive their last chunks, and cancel what remains."""
         self._draining = True
         grace = self.config.shutdown_grace
+        close_timeout = self.config.session.close_timeout
+        # The drain's bound: the grace, then a close timeout to wind down, one to abort.
+        bound = trio.current_time() + grace + 2 * close_timeout
         logger.info(
             "draining: no new sessions; %d running get %g s to finish", len(self._sessions), grace
         )
@@ -227,6 +232,11 @@ class VideoServer:
                 )
             with trio.move_on_after(self.config.session.close_timeout):
                 await self._wait_no_sessions()
+        # Viewers may still be sending what was queued for them and the terminal
+        # message (a viewer a few chunks behind): a close timeout more for them, never
+        # past the bound, so the drain stays within what the README promises.
+        with trio.move_on_at(min(trio.current_time() + close_timeout, bound)):
+            await self.watch.wait_connections_closed()
         # Connections still in their handshake, and anything left, go now.
         handlers.cancel_scope.cancel()
 

@@ -28,7 +28,10 @@ The pieces, from the session outwards:
 * `WatchRegistry` maps tokens to hubs, server-wide; a hub leaves it when its session
   ends (a later viewer gets ``watch_not_found``). The map holds hubs weakly too, so a
   session that never got to tell its taps it ended (it failed while sending
-  ``video.start``, before anyone could know the token) leaves nothing behind.
+  ``video.start``, before anyone could know the token) leaves nothing behind. It also
+  counts the viewers' connections, so that the server's drain can let viewers still
+  behind when the last session ends receive their queued chunks and the terminal
+  message (up to a close timeout) rather than cutting them off.
 
 Memory: chunk bytes are shared by all viewers (one extra copy per chunk for joiners,
 the init segment in front), so what viewers hold is at most ``queue_chunks`` chunks
@@ -294,6 +297,9 @@ class WatchRegistry:
         self._close_timeout = close_timeout
         self._send_timeout = send_timeout
         self._hubs: weakref.WeakValueDictionary[str, WatchHub] = weakref.WeakValueDictionary()
+        self._connections = 0
+        """Viewers' connections being served, refused ones included."""
+        self._connections_changed = trio.Event()
 
     def taps(self, request_id: str, start: protocol.SessionStart) -> SessionTaps:
         """The `TapFactory`: a hub and its ``watch_path`` for each session."""
@@ -312,8 +318,32 @@ class WatchRegistry:
     def forget(self, token: str) -> None:
         self._hubs.pop(token, None)
 
+    @property
+    def connections(self) -> int:
+        """Viewers' connections being served now (refused ones until they close)."""
+        return self._connections
+
+    async def wait_connections_closed(self) -> None:
+        """Return once no viewer's connection is being served.
+
+        For the server's drain: when the last session has ended, its viewers may still
+        be sending what was queued for them and the terminal message; the drain waits
+        for that (under its own deadline) instead of cutting them off.
+        """
+        while self._connections:
+            await self._connections_changed.wait()
+
     async def serve(self, request: WebSocketRequest, token: str) -> None:
         """One viewer's connection, from the handshake to the close."""
+        self._connections += 1
+        try:
+            await self._serve(request, token)
+        finally:
+            self._connections -= 1
+            self._connections_changed.set()
+            self._connections_changed = trio.Event()
+
+    async def _serve(self, request: WebSocketRequest, token: str) -> None:
         ws = await request.accept(
             subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
         )

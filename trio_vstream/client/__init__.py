@@ -18,6 +18,8 @@ Private modules, one concern each:
 - ``_mp4``: `remux_to_mp4`, and the frame rate read from the stream itself.
 - ``_cli``: `add_client_arguments`, `run_client`, the summary and ``--json``.
 - ``_replay``: `load_recording`, `replay`, `run_replay`: a server's recording, again.
+- ``_watch``: `run_watch`, `watch_link_url`: ``python -m trio_vstream watch``, a viewer
+  of a watch link (`watch_video`, in ``_stream``, is its library side).
 """
 
 from trio_vstream.client._cli import (
@@ -56,7 +58,9 @@ from trio_vstream.client._stream import (
     ChunkCallback,
     MessageCallback,
     stream_video,
+    watch_video,
 )
+from trio_vstream.client._watch import add_watch_arguments, run_watch, watch_link_url
 
 __all__ = [
     "API_KEY_ENV",
@@ -83,10 +87,14 @@ __all__ = [
     "StreamResult",
     "add_client_arguments",
     "add_replay_arguments",
+    "add_watch_arguments",
     "load_recording",
     "remux_to_mp4",
     "replay",
     "run_client",
     "run_replay",
+    "run_watch",
     "stream_video",
+    "watch_link_url",
+    "watch_video",
 ]

@@ -609,11 +609,12 @@ def _finish(args: argparse.Namespace, result: StreamResult, out: TextIO, err: Te
             file=err,
         )
     elif result.outcome is StreamOutcome.ABORTED:
-        reason = (
-            f"no session.done within {args.stop_timeout:g} s of session.stop"
-            if result.stop_timed_out
-            else "interrupted"
-        )
+        if result.stop_timed_out:
+            reason = f"no session.done within {args.stop_timeout:g} s of session.stop"
+        elif result.watching:
+            reason = "interrupted (left the watch link; the session goes on)"
+        else:
+            reason = "interrupted"
         print(f"error: gave up: {reason}", file=err)
 
     written: dict[str, Any] = {"output": None, "output_frames": None, "raw": None}
@@ -676,7 +677,11 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
         ("outcome", outcome),
         ("request id", summary["request_id"] or "-"),
         ("seed", "unknown" if summary["seed"] is None else str(summary["seed"])),
-        ("time to video.start", seconds(summary["time_to_video_start_s"])),
+        # A viewer sends no session.start: its times count from the connection.
+        (
+            "time to watch.start" if summary["watching"] else "time to video.start",
+            seconds(summary["time_to_video_start_s"]),
+        ),
         ("time to first chunk", seconds(summary["time_to_first_chunk_s"])),
         ("frames", str(summary["frames"])),
         ("delivered fps", "-" if fps is None else f"{fps:.2f}"),

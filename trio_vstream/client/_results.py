@@ -162,6 +162,11 @@ class StreamResult:
     stop_requested_at: float | None = None
     ended_at: float | None = None
     video_start: protocol.VideoStart | None = None
+    watching: bool = False
+    """A viewer of a watch link (`watch_video`): nothing was requested, and the times
+    count from the connection being open, since no ``session.start`` was sent."""
+    watch_start: protocol.WatchStart | None = None
+    """A viewer's ``watch.start`` (in place of ``video_start``)."""
     messages: list[protocol.ServerMessage] = attrs.field(factory=list)
     chunks: list[ReceivedChunk] = attrs.field(factory=list)
     binary_messages: list[bytes] = attrs.field(factory=list, repr=False)
@@ -182,7 +187,8 @@ class StreamResult:
 
     @property
     def request_id(self) -> str | None:
-        return self.video_start.request_id if self.video_start is not None else None
+        start = self.video_start or self.watch_start
+        return start.request_id if start is not None else None
 
     @property
     def seed(self) -> int | None:
@@ -192,15 +198,21 @@ class StreamResult:
         server did not confirm (the reference echoes only what the client sent) may not
         be the one it used. None when it was not reported.
         """
-        if self.video_start is None:
+        start = self.video_start or self.watch_start
+        if start is None:
             return None
-        seed = self.video_start.config.get("seed")
+        seed = start.config.get("seed")
         return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
     @property
     def rejected(self) -> bool:
-        """The server refused the session: it ended with an error before ``video.start``."""
-        return self.outcome is StreamOutcome.ERROR and self.video_start is None
+        """The server refused the session: it ended with an error before ``video.start``
+        (for a viewer, before ``watch.start``: ``watch_not_found``, ``server_busy``)."""
+        return (
+            self.outcome is StreamOutcome.ERROR
+            and self.video_start is None
+            and self.watch_start is None
+        )
 
     @property
     def media_time(self) -> float | None:
@@ -263,6 +275,7 @@ class StreamResult:
         error = self.error
         return {
             "url": self.url,
+            "watching": self.watching,
             "outcome": self.outcome.value if self.outcome is not None else None,
             "request_id": self.request_id,
             "seed": self.seed,

@@ -37,7 +37,13 @@ from trio_vstream.client._results import (
     StreamResult,
 )
 
-__all__ = ["MAX_MESSAGE_SIZE", "ChunkCallback", "MessageCallback", "stream_video"]
+__all__ = [
+    "MAX_MESSAGE_SIZE",
+    "ChunkCallback",
+    "MessageCallback",
+    "stream_video",
+    "watch_video",
+]
 
 #: trio-websocket's default (1 MiB) closes the connection with 1009 on the first big
 #: chunk; lossless or high-resolution chunks easily exceed that.
@@ -83,7 +89,6 @@ async def stream_video(
     fields = dict(start_fields)
     machine = protocol.ClientProtocol()
     start_text = machine.start(**fields)  # raises ValueError on a malformed request
-    extra_headers = [] if api_key is None else [(b"authorization", bearer(api_key))]
 
     result = StreamResult(url=url, request=fields, started_at=trio.current_time())
     result.interactions = [
@@ -98,6 +103,81 @@ async def stream_video(
         on_chunk=on_chunk,
         on_message=on_message,
     )
+    await _connect_and_run(
+        session,
+        start_text,
+        abort_event=abort_event,
+        connect_timeout=connect_timeout,
+        max_message_size=max_message_size,
+        api_key=api_key,
+    )
+    return result
+
+
+async def watch_video(
+    url: str,
+    *,
+    on_chunk: ChunkCallback | None = None,
+    on_message: MessageCallback | None = None,
+    abort_event: trio.Event | None = None,
+    connect_timeout: float = 10.0,
+    max_message_size: int = MAX_MESSAGE_SIZE,
+    api_key: str | None = None,
+) -> StreamResult:
+    """Watch a running session through its watch link and return what arrived.
+
+    ``url`` is the full ``ws(s)://`` address of a watch link (``video.start``'s
+    ``watch_path`` on the owner's server). Nothing is sent to start: the server opens
+    with ``watch.start`` (kept in ``result.watch_start``), then the owner's chunks from
+    the next keyframe chunk on, the first with the init segment in front, so
+    ``result.video`` decodes on its own; then the session's own terminal message.
+    A viewer cannot stop the session (the server answers ``read_only``), so there is no
+    ``stop_event``: setting ``abort_event`` leaves, keeping what arrived (outcome
+    ``aborted``). The ``time_to_*`` figures count from the connection being open.
+    A watch link that is wrong or whose session ended gives outcome ``error`` with
+    ``watch_not_found``; a viewer that fell too far behind, ``viewer_too_slow``.
+    ``api_key`` is for servers started with ``--watch-requires-key``. Raises
+    `StreamConnectError` when no connection could be made.
+    """
+    result = StreamResult(url=url, request={}, started_at=trio.current_time(), watching=True)
+    session = _StreamRun(
+        result,
+        protocol.ClientProtocol(),
+        stop_event=trio.Event(),  # never set: only the owner may stop
+        stop_timeout=0.0,
+        on_chunk=on_chunk,
+        on_message=on_message,
+    )
+    await _connect_and_run(
+        session,
+        None,
+        abort_event=abort_event,
+        connect_timeout=connect_timeout,
+        max_message_size=max_message_size,
+        api_key=api_key,
+    )
+    return result
+
+
+async def _connect_and_run(
+    session: _StreamRun,
+    start_text: str | None,
+    *,
+    abort_event: trio.Event | None,
+    connect_timeout: float,
+    max_message_size: int,
+    api_key: str | None,
+) -> None:
+    """Open the WebSocket, run the session on it, and settle ``session.result``.
+
+    Shared by owners (``start_text`` is their ``session.start``) and viewers (None:
+    they send nothing to start). Raises `StreamConnectError` only when no connection
+    was made; anything later is in the result.
+    """
+    result = session.result
+    url = result.url
+    # A malformed key is the caller's ValueError, raised before connecting.
+    extra_headers = [] if api_key is None else [(b"authorization", bearer(api_key))]
     async with trio.open_nursery() as nursery:
         abort = abort_event if abort_event is not None else trio.Event()
         nursery.start_soon(session.watch_abort, abort, nursery.cancel_scope)
@@ -127,7 +207,6 @@ async def stream_video(
         raise StreamConnectError(url, session.connect_failure, session.connect_status)
     result.outcome = session.outcome()
     session.explain_unsent()
-    return result
 
 
 class _StreamRun:
@@ -221,11 +300,13 @@ class _StreamRun:
             nursery.start_soon(abort_on, abort_event, False)
             nursery.start_soon(abort_on, self.stop_event, True)
 
-    async def run(self, ws: WebSocketConnection, start_text: str) -> None:
+    async def run(self, ws: WebSocketConnection, start_text: str | None) -> None:
+        """``start_text`` None: a viewer, which sends nothing; its times count from now."""
         # If the server spoke first and closed (server_busy, server_shutdown), what it
         # said is still queued for the receive loop.
-        with contextlib.suppress(ConnectionClosed):
-            await ws.send_message(start_text)
+        if start_text is not None:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send_message(start_text)
         self.result.start_sent_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_asked, ws, nursery.cancel_scope)
@@ -278,6 +359,11 @@ class _StreamRun:
             result.video_start_at = now
             echoed = _announced_rate(event.start.config.get("fps"))
             self.announced_rate = echoed or _announced_rate(result.request.get("fps"))
+            result.frame_rate = self.timing.frame_rate or self.announced_rate
+        elif isinstance(event, protocol.WatchStarted):
+            result.watch_start = event.start
+            result.video_start_at = now
+            self.announced_rate = _announced_rate(event.start.config.get("fps"))
             result.frame_rate = self.timing.frame_rate or self.announced_rate
         elif isinstance(event, protocol.InteractionAccepted):
             record = self.records.get(event.event_id)

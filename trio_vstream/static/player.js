@@ -546,7 +546,7 @@ class Session {
     const meta = this.pendingMeta;
     this.pendingMeta = null;
     this.parts.push(data);
-    $("save").disabled = false;
+    setSaveEnabled(true);
     if (this.parts.length === 1) {
       this.codec = codecFromInit(data);
       if (!this.codec) {
@@ -788,7 +788,7 @@ function start() {
   $("errors").replaceChildren();
   $("timeline").replaceChildren();
   $("track").querySelectorAll(".marker").forEach((m) => m.remove());
-  $("save").disabled = true;
+  setSaveEnabled(false);
   showShare(null);
   const { fps, frames } = expectedShape(built.request);
   // Reserve the video's shape before the first frame, so the page does not jump.
@@ -801,6 +801,12 @@ function start() {
   $("stop").disabled = false;
   $("send").disabled = false;
   session = new Session(built.request, built.exact, fps, frames, $("live").checked);
+}
+
+// Save is the owner's button in the request form, and a viewer's own (the form is
+// hidden when watching): both download what arrived.
+function setSaveEnabled(enabled) {
+  for (const id of ["save", "watch-save"]) $(id).disabled = !enabled;
 }
 
 // The share field: shown while a session with a watch link runs.
@@ -827,6 +833,8 @@ function startWatching() {
   document.body.dataset.mode = "watch";
   for (const id of ["start-form", "interact-form", "camera-panel"]) $(id).hidden = true;
   $("watch-note").hidden = false;
+  $("watch-actions").hidden = false;
+  setSaveEnabled(false);
   $("model-info").textContent = "A shared stream on this server.";
   session?.dispose();
   $("errors").replaceChildren();
@@ -912,7 +920,8 @@ for (const button of document.querySelectorAll("[data-camera]")) {
 
 function save() {
   if (!session || session.parts.length === 0) return;
-  // The binary messages in order are one fragmented MP4 file.
+  // The binary messages in order are one fragmented MP4 file; a viewer's too (its
+  // first is the init segment and a keyframe chunk, wherever it joined).
   const blob = new Blob(session.parts, { type: "video/mp4" });
   const link = document.createElement("a");
   link.href = URL.createObjectURL(blob);
@@ -988,6 +997,7 @@ $("prompt").addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", () => session?.stop());
 $("save").addEventListener("click", save);
+$("watch-save").addEventListener("click", save);
 $("interact-form").addEventListener("submit", (event) => {
   event.preventDefault();
   const prompt = $("interact-prompt").value;
