@@ -219,6 +219,11 @@ class SessionClient:
                 await self._chunk_arrived.wait()
         return self.events_started.get(event_id)
 
+    async def wait_chunk_since(self, since: float) -> None:
+        """Until a chunk arrives at or after ``since`` (or the session ends)."""
+        while not self.finished.is_set() and not any(t >= since for t, _, _ in self.arrivals):
+            await self._chunk_arrived.wait()
+
     async def disconnect(self) -> None:
         """Cut the TCP connection without a WebSocket close, as a vanished client does."""
         self.t_disconnect = now()

@@ -56,6 +56,13 @@ async def _stream_and_ping(
             nursery.start_soon(client.ping_every, s.ping_interval_s, done)
         nursery.start_soon(lag_monitor, window.client_lag_ms, done)
         await trio.sleep(s.window_s)
+        # A window too short for every session to get a chunk (the quick form's, on a
+        # busy machine) would call a session starved that was only waiting its turn:
+        # it lasts until each has had one, unless one gets none within the session
+        # timeout, which is starvation (fairness 0).
+        with trio.move_on_after(s.session_timeout_s):
+            for client in clients:
+                await client.wait_chunk_since(window.start)
         window.end = now()
         server1, client1 = cpu_seconds(ctx.pid), cpu_seconds("self")
         done.set()
