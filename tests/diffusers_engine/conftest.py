@@ -89,6 +89,17 @@ def anyflow_far(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_anyflow_far(tmp_path_factory.mktemp("anyflow_models") / "AnyFlow-FAR-tiny")
 
 
+@pytest.fixture(scope="session")
+def framepack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A FramePack pipeline directory (HunyuanVideoFramepackPipeline, tokenizers and
+    SigLIP built in code)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from trio_vstream.engines.diffusers.tiny import build_framepack
+
+    return build_framepack(tmp_path_factory.mktemp("framepack_models") / "Framepack-tiny")
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
     """Load engines as ``--engine diffusers`` does (CPU, 5-frame segments, one thread);

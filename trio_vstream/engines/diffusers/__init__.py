@@ -22,7 +22,10 @@ diffusion-forcing pipeline (SkyReels-V2 DF) is streamed window by window: the en
 drives its window loop from the pipeline's components (``_forcing``), since its call
 keeps the overlap latents to itself and decodes only at its end. An AnyFlow FAR pipeline is
 streamed chunk by chunk the same way (``_far``): the engine drives its causal chunk loop,
-KV cache included, since its call keeps the cache to itself and decodes only at its end.
+KV cache included, since its call keeps the cache to itself and decodes only at its end. A
+FramePack pipeline with ``sampling_type="vanilla"`` is streamed section by section
+(``_framepack``): the engine drives its section loop and holds back each section's
+cross-faded overlap frames until the next section has blended them.
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -45,7 +48,8 @@ private modules hold one concern each: ``_settings`` (engine args),
 ``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
 ``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
 ``_history`` (a chunk-autoregressive session's history), ``_forcing`` (a
-diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chunk loop).
+diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chunk loop),
+``_framepack`` (a FramePack session's section loop).
 ``tiny`` builds tiny random pipelines for the tests and the benchmark.
 """
 
@@ -65,6 +69,8 @@ from trio_vstream.engines.diffusers._far import ENGINE_SET_ARGS as FAR_LOOP_ARGS
 from trio_vstream.engines.diffusers._far import chunk_latent_frames as far_chunk_latent_frames
 from trio_vstream.engines.diffusers._far import far_plan
 from trio_vstream.engines.diffusers._forcing import window_plan
+from trio_vstream.engines.diffusers._framepack import ENGINE_SET_ARGS as FRAMEPACK_LOOP_ARGS
+from trio_vstream.engines.diffusers._framepack import default_window, framepack_plan
 from trio_vstream.engines.diffusers._history import ENGINE_SET_ARGS as CHUNK_LOOP_ARGS
 from trio_vstream.engines.diffusers._history import chunk_latent_frames
 from trio_vstream.engines.diffusers._loading import (
@@ -177,13 +183,20 @@ class DiffusersEngine:
         self.far = model.streams_far and not self.chunked and not self.windowed
         """One causal chunk per ``next_chunk``, the loop and its KV cache driven by the
         engine (AnyFlow FAR): see `FarLoop`."""
-        if (self.chunked or self.windowed or self.far) and i2v is not None:
+        self.framepack = (
+            model.streams_sections and not self.chunked and not self.windowed and not self.far
+        )
+        """One FramePack section per ``next_chunk``, the loop driven by the engine and each
+        section's overlap frames held back until the next one blends them: see
+        `FramepackLoop`."""
+        looped = self.chunked or self.windowed or self.far or self.framepack
+        if looped and i2v is not None:
             raise config_error(
                 f"i2v_model: {model.class_name} continues each chunk from its own history "
                 "latents and takes image_reference itself; leave i2v_model out"
             )
         self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
-        if self.chunked or self.windowed or self.far:
+        if looped:
             self.continuation = None
         pipelines = [model] + ([i2v] if i2v is not None else [])
         self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
@@ -213,6 +226,15 @@ class DiffusersEngine:
                 raise config_error(
                     f"segment_frames is {model.class_name}'s chunk: whole latent frames, a "
                     f"multiple of {self.frame_step} (e.g. {3 * self.frame_step}), got {segment}"
+                )
+        elif self.framepack:
+            # A section's new frames: latent_window_size latent frames of frame_step each.
+            segment = settings.segment_frames or default_window(model) * self.frame_step
+            if segment % self.frame_step:
+                raise config_error(
+                    f"segment_frames is {model.class_name}'s section (latent_window_size "
+                    f"latent frames): a multiple of {self.frame_step} (e.g. "
+                    f"{default_window(model) * self.frame_step}), got {segment}"
                 )
         elif settings.segment_frames is not None:
             segment = settings.segment_frames
@@ -259,7 +281,7 @@ class DiffusersEngine:
                 f"got {request.width}x{request.height}"
             )
         if request.image is not None:
-            if model.takes_image or self.windowed or self.far:
+            if model.takes_image or self.windowed or self.far or self.framepack:
                 first = model  # an engine-driven loop conditions its first chunk itself
             elif self.i2v is not None:
                 first = self.i2v
@@ -350,6 +372,8 @@ class DiffusersEngine:
         engine_set = set(_ENGINE_SET_ARGS) | (set(CHUNK_LOOP_ARGS) if self.chunked else set())
         if self.far:
             engine_set |= set(FAR_LOOP_ARGS)
+        if self.framepack:
+            engine_set |= set(FRAMEPACK_LOOP_ARGS)
         reserved = sorted(k for k in extra if k in engine_set)
         if reserved:
             hints = [
@@ -399,6 +423,16 @@ class DiffusersEngine:
                 image=request.image is not None,
                 problems=problems,
             )
+        framepack = None
+        if self.framepack:
+            framepack = framepack_plan(
+                model,
+                extra,
+                num_frames=request.num_frames,
+                window=self.segment_frames // self.frame_step,
+                true_cfg_scale=request.true_cfg_scale,
+                problems=problems,
+            )
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = request.seed
@@ -412,6 +446,7 @@ class DiffusersEngine:
             chunked=self.chunked,
             windows=windows,
             far=far,
+            framepack=framepack,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,
             config_overrides=config_overrides,

@@ -27,6 +27,7 @@ import torch
 
 from trio_vstream.engines.diffusers._far import streams_far
 from trio_vstream.engines.diffusers._forcing import streams_windows
+from trio_vstream.engines.diffusers._framepack import streams_sections
 from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
 from trio_vstream.video import VideoDefaults
@@ -171,6 +172,9 @@ class PipelineInfo:
     streams_far: bool = False
     """Whether it is an AnyFlow FAR pipeline whose causal chunk loop the engine drives
     itself from its components, one chunk per ``next_chunk`` (`FarLoop`)."""
+    streams_sections: bool = False
+    """Whether it is a FramePack pipeline whose section loop the engine drives itself from
+    its components, one section per ``next_chunk`` (`FramepackLoop`)."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -258,6 +262,7 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         streams_chunks=streams_chunks(params),
         streams_windows=streams_windows(params, pipe),
         streams_far=streams_far(params, pipe),
+        streams_sections=streams_sections(params, pipe),
     )
 
 

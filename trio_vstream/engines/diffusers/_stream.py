@@ -9,7 +9,8 @@ For a chunk-autoregressive pipeline (Helios) a segment is one chunk of the model
 loop, and `ChunkHistory` carries the session's history latents and generator into the
 next call instead of a frame. For a diffusion-forcing pipeline (SkyReels-V2 DF) a segment
 is one window of its loop, which `ForcingLoop` runs from the pipeline's components; for
-an AnyFlow FAR pipeline, one causal chunk of its loop, which `FarLoop` runs.
+an AnyFlow FAR pipeline, one causal chunk of its loop, which `FarLoop` runs; for a
+FramePack pipeline (vanilla sampling), one section of its loop, which `FramepackLoop` runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.diffusers._far import FarLoop, FarPlan
 from trio_vstream.engines.diffusers._forcing import ForcingLoop, WindowPlan
+from trio_vstream.engines.diffusers._framepack import FramepackLoop, FramepackPlan, Prompt
 from trio_vstream.engines.diffusers._history import ChunkHistory
 from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
 from trio_vstream.engines.diffusers._lora import LoadedLora
@@ -70,6 +72,8 @@ class StreamPlan:
     """The diffusion-forcing window loop, one window per chunk (None: not such a pipeline)."""
     far: FarPlan | None = None
     """The AnyFlow FAR chunk loop, one causal chunk per chunk (None: not such a pipeline)."""
+    framepack: FramepackPlan | None = None
+    """The FramePack section loop, one section per chunk (None: not such a pipeline)."""
 
 
 class DiffusersStream:
@@ -103,6 +107,10 @@ class DiffusersStream:
         self._far: FarLoop | None = None
         if plan.far is not None:
             self._far = FarLoop(plan.far, plan.seed)
+        self._framepack: FramepackLoop | None = None
+        self._prompts: dict[str, Prompt] = {}
+        if plan.framepack is not None:
+            self._framepack = FramepackLoop(plan.framepack, plan.seed)
         self._image = None
         if request.image is not None:
             self._image = to_pil(request.image, request.width, request.height)
@@ -125,6 +133,8 @@ class DiffusersStream:
             return self._next_window(checkpoint, remaining)
         if self._far is not None:
             return self._next_far_chunk(checkpoint, remaining)
+        if self._framepack is not None:
+            return self._next_section(checkpoint, remaining)
         index = self._next_index
         conditioning = self._schedule.next_conditioning()
         if index == 0:
@@ -174,6 +184,9 @@ class DiffusersStream:
             self._forcing.clear()
         if self._far is not None:
             self._far.clear()
+        if self._framepack is not None:
+            self._framepack.clear()
+        self._prompts.clear()
         self._image = None
         if self._lora is not None:
             entry, self._lora = self._lora[0], None
@@ -337,6 +350,60 @@ class DiffusersStream:
         self._frames_done += host.shape[0]
         self._next_index += 1
         return conditioning.chunk(host, index)
+
+    def _next_section(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next FramePack section's final frames, made under the lock with the
+        session's LoRA, a fresh scheduler and the schedule's (blended) prompt conditioning
+        (the LLaMA embeddings and mask and the CLIP pooled embedding, blended alike)."""
+        loop, plan, request, engine = self._framepack, self._plan, self._request, self._engine
+        assert loop is not None
+        info, index = plan.first, self._next_index
+        conditioning = self._schedule.next_conditioning()
+        kwargs = plan.call_kwargs[info.role]
+        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
+        guidance = plan.guidance_scale if plan.guidance_scale is not None else 6.0
+        with engine.lock.held(checkpoint):
+            lora = self._lora
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            prompt = Prompt.mixed(
+                [(self._section_prompt(info, text), weight) for text, weight in conditioning.mix]
+            )
+            negative = None
+            if loop.plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
+                negative = self._section_prompt(info, request.negative_prompt)
+            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
+                logger.debug(
+                    "request %s: section %d of %d", request.request_id, index, loop.plan.sections
+                )
+                video = loop.run_section(
+                    checkpoint,
+                    info.pipe,
+                    prompt=prompt,
+                    negative=negative,
+                    guidance_scale=guidance,
+                    num_inference_steps=int(steps or 50),
+                    height=request.height,
+                    width=request.width,
+                    image=self._image if index == 0 else None,
+                    attention_kwargs=kwargs.get("attention_kwargs"),
+                )
+                if engine.settings.offload != "none":
+                    info.pipe.maybe_free_model_hooks()
+        frames = frames_to_uint8(video)
+        del video
+        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
+        del frames
+        self._frames_done += host.shape[0]
+        self._next_index += 1
+        return conditioning.chunk(host, index)
+
+    def _section_prompt(self, info: PipelineInfo, text: str) -> Prompt:
+        """One prompt's FramePack conditioning, encoded once per stream."""
+        cached = self._prompts.get(text)
+        if cached is None:
+            cached = Prompt.encode(info.pipe, text, self._plan.max_sequence_length)
+            self._prompts[text] = cached
+        return cached
 
     def _prompt_kwargs(self, info: PipelineInfo, conditioning: ChunkConditioning) -> dict[str, Any]:
         """The call's prompt arguments: embeddings where the pipeline takes them (so a

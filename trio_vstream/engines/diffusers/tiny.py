@@ -25,12 +25,14 @@ import attrs
 
 __all__ = [
     "ANYFLOW_FAR_PARTITION",
+    "FRAMEPACK_WORDS",
     "HELIOS_VARIANTS",
     "SKYREELS_DF_VARIANTS",
     "TEXT_DIM",
     "TINY",
     "WanSize",
     "build_anyflow_far",
+    "build_framepack",
     "build_helios",
     "build_lora",
     "build_skyreels_df",
@@ -40,6 +42,7 @@ __all__ = [
     "text_encoder_and_tokenizer",
     "transformer",
     "vae",
+    "word_tokenizer",
 ]
 
 TEXT_DIM = 32
@@ -364,6 +367,158 @@ def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Pat
         transformer=model,
         vae=vae(size),
         scheduler=FlowMapEulerDiscreteScheduler(shift=5.0),
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def word_tokenizer(text: str, *, eos: bool) -> object:
+    """A word-level ``PreTrainedTokenizerFast`` built in memory (``tokenizers``): the words
+    and punctuation of ``text``, with ``<unk>`` for any other word, ``<pad>`` to pad,
+    ``<s>`` first and, with ``eos``, ``</s>`` last (CLIP pools its output at the end
+    token). No file to download, and it tokenizes FramePack's LLaMA prompt template
+    (whose system prefix comes to 130 tokens, more than the template's ``crop_start`` of
+    95, so a prompt's own words are never cropped away)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
+    )
+    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3}
+    for word in sorted({w for w, _ in split.pre_tokenize_str(text)}):
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = split
+    special = [("<s>", 2), ("</s>", 3)]
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>" if eos else "<s> $A", special_tokens=special
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
+FRAMEPACK_WORDS = "a red fox in the snow blue whale blurry cat dog"
+"""The tiny FramePack tokenizer's words besides its template's (others are ``<unk>``)."""
+
+
+def build_framepack(path: Path, *, seed: int = 0) -> Path:
+    """A random ``HunyuanVideoFramepackPipeline``, saved to ``path``. The transformer and
+    VAE follow diffusers' fast test for it (``test_hunyuan_video_framepack.py``); the
+    tokenizers, which that test downloads, are `word_tokenizer`s built here over the
+    pipeline's own prompt template, and the SigLIP image encoder and its processor are
+    built from tiny configs. Requests are multiples of 16 (``check_inputs``) and need an
+    ``image_reference`` (the pipeline is image-to-video)."""
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoFramepackPipeline,
+        HunyuanVideoFramepackTransformer3DModel,
+    )
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video_framepack import (
+        DEFAULT_PROMPT_TEMPLATE,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        LlamaConfig,
+        LlamaModel,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
+
+    try:  # without torchvision, transformers picks this class anyway, with a warning
+        from transformers import SiglipImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import SiglipImageProcessor as ImageProcessor
+
+    torch.manual_seed(seed)
+    words = DEFAULT_PROMPT_TEMPLATE["template"].format(FRAMEPACK_WORDS)
+    tokenizer = word_tokenizer(words, eos=False)
+    vocab = len(tokenizer)
+    model = HunyuanVideoFramepackTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+        image_condition_type=None,
+        has_image_proj=True,
+        image_proj_dim=32,
+        has_clean_x_embedder=True,
+    )
+    blocks = 4
+    autoencoder = AutoencoderKLHunyuanVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * blocks,
+        up_block_types=("HunyuanVideoUpBlock3D",) * blocks,
+        block_out_channels=(8,) * blocks,
+        layers_per_block=1,
+        act_fn="silu",
+        norm_num_groups=4,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )
+    ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0, "vocab_size": vocab}
+    text_encoder = LlamaModel(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            hidden_act="gelu",
+            **ids,
+        )
+    )
+    text_encoder_2 = CLIPTextModel(
+        CLIPTextConfig(
+            hidden_size=8,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            projection_dim=8,
+            max_position_embeddings=77,
+            **ids,
+        )
+    )
+    image_encoder = SiglipVisionModel(
+        SiglipVisionConfig(
+            hidden_size=32,  # the transformer's image_proj_dim
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+    )
+    pipe = HunyuanVideoFramepackPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=model,
+        vae=autoencoder,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=word_tokenizer(words, eos=True),
+        image_encoder=image_encoder,
+        feature_extractor=ImageProcessor(size={"height": 32, "width": 32}),
     )
     pipe.save_pretrained(path)
     return path

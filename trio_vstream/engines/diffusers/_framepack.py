@@ -1,0 +1,415 @@
+"""`FramepackLoop`: one session's FramePack-F1 sections, one per ``next_chunk``.
+
+``HunyuanVideoFramepackPipeline`` with ``sampling_type="vanilla"`` (FramePack-F1) makes a
+video forwards in sections of ``latent_window_size`` latent frames: each section is
+denoised from fresh noise while attending to the first frame's latent and to the last
+16+2+1 latent frames made before it (``history_sizes``, packed at 4x, 2x and 1x). Its
+``__call__`` runs every section in one call and takes no history back in, so no sequence
+of calls continues it. And each section is decoded on its own, together with the section
+before it, and cross-faded into the video over ``(latent_window_size-1)*4+1`` frames
+(``_soft_append``): a section's last frames are not final until the next section has
+blended them.
+
+So the engine runs the call's section loop itself from the pipeline's public parts
+(``encode_image``, ``prepare_image_latents``, ``prepare_latents``, ``transformer``,
+``scheduler``, ``vae``, ``video_processor``, and the pipeline module's ``calculate_shift``
+and ``retrieve_timesteps``): `FramepackLoop.run_section` is one iteration of the call's
+``for k in range(num_latent_sections)`` loop for ``FramepackSamplingType.VANILLA``
+(diffusers 0.42.1, ``pipeline_hunyuan_video_framepack.py``, steps 4 to 7 and the
+decode-and-blend after them), restated here. It hands over the frames that are final:
+the blend is computed on the held-back overlap frames exactly as ``_soft_append``
+computes it on the video's tail (element by element, so the same numbers), and those
+overlap frames are held back until the next section, or sent with the last one. So the
+frames, joined, equal the single call's (tested), the first section's first 4 frames go
+out as soon as it is decoded, and sessions take turns on the shared pipeline at every
+section.
+
+What a session keeps is bounded whatever the video's length: the first frame's latent
+and image embedding, the last ``max(19, 2*latent_window_size)`` latent frames (the next
+section's history and the next decode's input), the held-back overlap frames, and its
+generator.
+
+``sampling_type="inverted_anti_drifting"`` (the call's default, and the released
+FramePackI2V_HY checkpoint's) makes the sections from the video's end backwards, each
+prepended to the history: the first frames come last, so nothing can be sent in time
+order before the whole video is made. The engine refuses it (`framepack_plan`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import torch
+
+from trio_vstream.engines.diffusers._forcing import _onload
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers._loading import PipelineInfo
+
+FRAMEPACK_ARGS: tuple[str, ...] = ("latent_window_size", "sampling_type", "image_latents")
+"""What a FramePack pipeline's ``__call__`` takes for its section loop."""
+
+ENGINE_SET_ARGS: tuple[str, ...] = (
+    "image_latents",
+    "last_image_latents",
+    "pooled_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+    "prompt_2",
+    "negative_prompt_2",
+    "prompt_template",
+)
+"""Call arguments a request may not set for a section-streamed pipeline: the engine
+encodes the image and the prompts itself, with the call's default template
+(``sampling_type``, ``latent_window_size``, ``sigmas``, ``max_sequence_length`` and
+``attention_kwargs`` may be set, as for the call)."""
+
+HISTORY_SIZES: tuple[int, int, int] = (16, 2, 1)
+"""The vanilla history's 4x, 2x and 1x latent frames (the call's, fixed for F1)."""
+
+VANILLA = "vanilla"
+
+
+def streams_sections(params: Collection[str], pipe: Any) -> bool:
+    """Whether the engine can drive this pipeline's FramePack section loop itself: a
+    ``__call__`` with the loop's arguments, and the parts the loop is made of."""
+    return all(name in params for name in FRAMEPACK_ARGS) and all(
+        callable(getattr(pipe, name, None))
+        for name in ("encode_image", "prepare_image_latents", "prepare_latents")
+    )
+
+
+def default_window(info: PipelineInfo) -> int:
+    """Latent frames per section when nothing says otherwise: the call's (9)."""
+    value = info.default("latent_window_size")
+    return int(value) if isinstance(value, int) and value > 0 else 9
+
+
+@attrs.frozen(kw_only=True)
+class FramepackPlan:
+    """The section loop's shape, as the call works it out from its arguments."""
+
+    window: int
+    """``latent_window_size``: latent frames per section (4 frames each)."""
+    sections: int
+    """The call's ``num_latent_sections``."""
+    sigmas: tuple[float, ...] | None = None
+    true_cfg_scale: float = 1.0
+
+    @property
+    def overlap(self) -> int:
+        """Frames each section is cross-faded over (the call's ``overlapped_frames``)."""
+        return (self.window - 1) * 4 + 1
+
+    @property
+    def kept_latents(self) -> int:
+        """Latent frames of history a session keeps: the next section's context and the
+        next decode's two sections."""
+        return max(sum(HISTORY_SIZES), 2 * self.window)
+
+
+def framepack_plan(
+    info: PipelineInfo,
+    extra: Mapping[str, Any],
+    *,
+    num_frames: int,
+    window: int,
+    true_cfg_scale: float | None,
+    problems: list[str],
+) -> FramepackPlan | None:
+    """The section loop a request asks for. ``sampling_type`` must be ``"vanilla"``:
+    the call's default, ``"inverted_anti_drifting"``, makes the video backwards, so it
+    cannot stream. ``latent_window_size`` (else ``window``, the engine's) and ``sigmas``
+    may come in ``extra_params``. Appends what is wrong to ``problems`` (then returns
+    None), so a bad request is refused before it runs."""
+    sampling = extra.get("sampling_type", info.default("sampling_type"))
+    sampling = getattr(sampling, "value", sampling)
+    if sampling != VANILLA:
+        problems.append(
+            f"{info.class_name} streams only with extra_params.sampling_type='vanilla' "
+            f"(FramePack-F1 checkpoints), got {sampling!r}: inverted_anti_drifting makes "
+            "the video from its end backwards, so no frame could be sent before the "
+            "whole video is made"
+        )
+    size = extra.get("latent_window_size", window)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        problems.append(f"extra_params.latent_window_size must be an integer >= 1, got {size!r}")
+        return None
+    sigmas = extra.get("sigmas")
+    if sigmas is not None:
+        if not (
+            isinstance(sigmas, (list, tuple))
+            and sigmas
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sigmas)
+        ):
+            problems.append(f"extra_params.sigmas must be a list of numbers, got {sigmas!r}")
+            return None
+        sigmas = tuple(float(v) for v in sigmas)
+    if sampling != VANILLA:
+        return None
+    window_frames = (size - 1) * 4 + 1
+    return FramepackPlan(
+        window=size,
+        sections=max(1, (num_frames + window_frames - 1) // window_frames),
+        sigmas=sigmas,
+        true_cfg_scale=1.0 if true_cfg_scale is None else float(true_cfg_scale),
+    )
+
+
+@attrs.frozen
+class Prompt:
+    """One prompt's conditioning, as the call's ``encode_prompt`` returns it."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def encode(cls, pipe: Any, text: str, max_sequence_length: int | None) -> Prompt:
+        """``encode_prompt`` as the call runs it (its default template)."""
+        kwargs: dict[str, Any] = {"prompt": text, "device": pipe._execution_device}
+        if max_sequence_length is not None:
+            kwargs["max_sequence_length"] = max_sequence_length
+        with torch.no_grad():
+            embeds, pooled, mask = pipe.encode_prompt(**kwargs)
+        return cls(embeds, pooled, mask)
+
+    @classmethod
+    def mixed(cls, parts: Sequence[tuple[Prompt, float]]) -> Prompt:
+        """The weighted sum of the prompts (a transition's blend); the masks joined. One
+        prompt is returned as it is, so an unblended section gets the call's tensors."""
+        if len(parts) == 1:
+            return parts[0][0]
+        first = parts[0][0]
+
+        def blend(name: str) -> torch.Tensor:
+            total = torch.zeros_like(getattr(first, name), dtype=torch.float32)
+            for prompt, weight in parts:
+                total += weight * getattr(prompt, name).float()
+            return total.to(getattr(first, name).dtype)
+
+        mask = first.mask
+        for prompt, _ in parts[1:]:
+            mask = torch.maximum(mask, prompt.mask)
+        return cls(blend("embeds"), blend("pooled"), mask)
+
+
+class FramepackLoop:
+    """One session's place in the vanilla section loop: the first frame's latent and
+    embedding, the latest latent frames, the held-back overlap frames, the generator."""
+
+    def __init__(self, plan: FramepackPlan, seed: int) -> None:
+        self.plan = plan
+        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        """Draws the image latent's sample, then each section's noise: the call's order."""
+        self._image_latents: torch.Tensor | None = None
+        self._image_embeds: torch.Tensor | None = None
+        self._history: torch.Tensor | None = None
+        self._tail: torch.Tensor | None = None
+        self.sections_done = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every section of the video has been made."""
+        return self.sections_done >= self.plan.sections
+
+    def clear(self) -> None:
+        """Drop the tensors (the stream is closing)."""
+        self._image_latents = None
+        self._image_embeds = None
+        self._history = None
+        self._tail = None
+
+    @torch.no_grad()
+    def run_section(
+        self,
+        checkpoint: Callable[[], None],
+        pipe: Any,
+        *,
+        prompt: Prompt,
+        negative: Prompt | None,
+        guidance_scale: float,
+        num_inference_steps: int,
+        height: int,
+        width: int,
+        image: Any = None,
+        attention_kwargs: Any = None,
+    ) -> torch.Tensor:
+        """Denoise, decode and blend the next section; return the frames now final, as
+        the pipeline's ``output_type="pt"`` makes them, (1, T, C, H, W) in [0, 1]: the
+        first section's first 4, then 4 per latent frame, and the held-back overlap with
+        the last. ``checkpoint()`` runs before the image encode, before every transformer
+        step and before the decode, so a stop leaves after the step in progress and a
+        stopped section is never decoded (nor kept). ``image`` (the call's ``image=``) is
+        read at the first section only; ``negative`` turns true CFG on (the call's
+        ``true_cfg_scale > 1`` with a negative prompt)."""
+        plan = self.plan
+        device = pipe._execution_device
+        transformer = pipe.transformer
+        dtype = transformer.dtype
+        if self._image_latents is None:
+            checkpoint()  # the image encodes
+            self._start(pipe, image, height=height, width=width, dtype=dtype)
+        assert self._history is not None and self._image_latents is not None
+        sizes = list(HISTORY_SIZES)
+        # The call's step 7, vanilla: the clean latents' positions and the packed history.
+        indices = torch.arange(0, sum([1, *sizes, plan.window]))
+        prefix_at, history_4x_at, history_2x_at, history_1x_at, latents_at = indices.split(
+            [1, *sizes, plan.window], dim=0
+        )
+        clean_at = torch.cat([prefix_at, history_1x_at], dim=0)
+        history_4x, history_2x, history_1x = self._history[:, :, -sum(sizes) :].split(sizes, dim=2)
+        clean = torch.cat([self._image_latents, history_1x], dim=2)
+        latents = pipe.prepare_latents(
+            1,
+            transformer.config.in_channels,
+            height,
+            width,
+            (plan.window - 1) * pipe.vae_scale_factor_temporal + 1,
+            dtype=torch.float32,
+            device=device,
+            generator=self.generator,
+        )
+        timesteps = self._timesteps(pipe, latents, num_inference_steps, device)
+        guidance = torch.tensor([guidance_scale], dtype=dtype, device=device) * 1000.0
+        conditions = {
+            "image_embeds": self._image_embeds,
+            "indices_latents": latents_at,
+            "guidance": guidance,
+            "latents_clean": clean.to(dtype),
+            "indices_latents_clean": clean_at,
+            "latents_history_2x": history_2x.to(dtype),
+            "indices_latents_history_2x": history_2x_at,
+            "latents_history_4x": history_4x.to(dtype),
+            "indices_latents_history_4x": history_4x_at,
+            "attention_kwargs": attention_kwargs,
+            "return_dict": False,
+        }
+
+        def predict(hidden: torch.Tensor, timestep: torch.Tensor, text: Prompt) -> torch.Tensor:
+            return transformer(
+                hidden_states=hidden,
+                timestep=timestep,
+                encoder_hidden_states=text.embeds.to(device, dtype),
+                encoder_attention_mask=text.mask.to(device, dtype),
+                pooled_projections=text.pooled.to(device, dtype),
+                **conditions,
+            )[0]
+
+        for t in timesteps:
+            checkpoint()  # raises when the session is over: no more steps, no decode
+            timestep = t.expand(latents.shape[0])
+            hidden = latents.to(dtype)
+            noise_pred = predict(hidden, timestep, prompt)
+            if negative is not None:
+                negative_pred = predict(hidden, timestep, negative)
+                noise_pred = negative_pred + plan.true_cfg_scale * (noise_pred - negative_pred)
+            latents = pipe.scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
+        checkpoint()  # the decode
+        history = torch.cat([self._history, latents], dim=2)
+        # The call decodes the image latent and the first section, then each section with
+        # the one before it.
+        first = self.sections_done == 0
+        span = plan.window + 1 if first else 2 * plan.window
+        decoded = self._decode(pipe, history[:, :, -span:])
+        last = self.sections_done + 1 == plan.sections
+        frames = self._final_frames(decoded, first=first, last=last)
+        # The section is complete: only now does it become the next one's history.
+        self._history = history[:, :, -plan.kept_latents :].clone()
+        self.sections_done += 1
+        return pipe.video_processor.postprocess_video(frames, output_type="pt")
+
+    def _start(self, pipe: Any, image: Any, *, height: int, width: int, dtype: torch.dtype) -> None:
+        """What the call prepares before its loop (steps 4 and 5, vanilla): the image's
+        SigLIP embedding, its latent (the generator's first draw), and the zero history
+        with the image latent at its end."""
+        if image is None:
+            raise ValueError("the first section needs the first frame (image=)")
+        device = pipe._execution_device
+        pixels = pipe.video_processor.preprocess(image, height, width)
+        self._image_embeds = pipe.encode_image(pixels, device=device).to(dtype)
+        _onload(pipe.vae)  # prepare_image_latents calls vae.encode, which no offload hook sees
+        image_latents = pipe.prepare_image_latents(
+            pixels, dtype=torch.float32, device=device, generator=self.generator
+        )
+        zeros = torch.zeros(
+            (1, pipe.transformer.config.in_channels, sum(HISTORY_SIZES), *image_latents.shape[3:]),
+            device=device,
+            dtype=torch.float32,
+        )
+        self._image_latents = image_latents
+        self._history = torch.cat([zeros, image_latents], dim=2)
+
+    def _timesteps(
+        self, pipe: Any, latents: torch.Tensor, steps: int, device: torch.device
+    ) -> torch.Tensor:
+        """The call's per-section schedule: linear sigmas (or the request's), shifted by
+        ``mu`` from the section's token count, capped at log(7)."""
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video_framepack import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        scheduler = pipe.scheduler
+        sigmas = (
+            np.linspace(1.0, 0.0, steps + 1)[:-1]
+            if self.plan.sigmas is None
+            else list(self.plan.sigmas)
+        )
+        seq_len = (
+            latents.shape[2]
+            * latents.shape[3]
+            * latents.shape[4]
+            / pipe.transformer.config.patch_size**2
+        )
+        mu = calculate_shift(
+            seq_len,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        mu = min(mu, math.log(7.0))
+        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        return timesteps
+
+    def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+        """One section's decode, as the call makes it (with the section before it)."""
+        vae = pipe.vae
+        _onload(vae)
+        return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+
+    def _final_frames(self, decoded: torch.Tensor, *, first: bool, last: bool) -> torch.Tensor:
+        """The frames of ``decoded`` that no later section changes, after blending its
+        start into the held-back tail as ``_soft_append(history, current, overlap)`` does
+        (the same element-wise arithmetic on the same frames); its last ``overlap``
+        frames are held back, unless it is the last section."""
+        overlap = self.plan.overlap
+        if first:
+            video = decoded
+        else:
+            tail = self._tail
+            assert tail is not None
+            weights = torch.linspace(1, 0, overlap, dtype=tail.dtype, device=tail.device)
+            weights = weights.view(1, 1, -1, 1, 1)
+            blended = weights * tail + (1 - weights) * decoded[:, :, :overlap]
+            video = torch.cat([blended, decoded[:, :, overlap:]], dim=2).to(tail)
+        if last:
+            self._tail = None
+            return video
+        self._tail = video[:, :, -overlap:].clone()
+        return video[:, :, :-overlap]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of tensors the session holds now (for tests)."""
+        tensors = (self._image_latents, self._image_embeds, self._history, self._tail)
+        return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+    @property
+    def held_latent_frames(self) -> int:
+        """Latent frames of history held now; bounded by `FramepackPlan.kept_latents`."""
+        return 0 if self._history is None else int(self._history.shape[2])
