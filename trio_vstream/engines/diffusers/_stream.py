@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -43,6 +43,21 @@ if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
 
 logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+
+Mix = tuple[tuple[str, float], ...]
+"""A schedule's prompt mix: (prompt, weight) pairs."""
+
+
+@attrs.frozen
+class DrivenPass:
+    """What one pass of an engine-driven loop is run with."""
+
+    index: int
+    """The chunk's index in the stream."""
+    steps: int
+    guidance: float
+    kwargs: dict[str, Any]
+    """The request's call arguments for the pipeline."""
 
 
 @attrs.frozen
@@ -257,137 +272,111 @@ class DiffusersStream:
         return video
 
     def _next_window(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
-        """The next diffusion-forcing window's new frames, made under the lock with the
-        session's LoRA, a fresh scheduler and the schedule's (blended) prompt embeddings."""
-        forcing, plan, request, engine = self._forcing, self._plan, self._request, self._engine
+        """The next diffusion-forcing window's new frames."""
+        forcing = self._forcing
         assert forcing is not None
-        info, index = plan.first, self._next_index
-        conditioning = self._schedule.next_conditioning()
-        kwargs = plan.call_kwargs[info.role]
-        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
-        guidance = plan.guidance_scale if plan.guidance_scale is not None else 1.0
-        with engine.lock.held(checkpoint):
-            lora = self._lora
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            mixed = self._mix(info, conditioning.mix)
-            if mixed is None:
-                raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
-            negative = None
-            if guidance > 1.0:
-                negative = self._encode(info, request.negative_prompt or "")[0]
-            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
-                logger.debug(
-                    "request %s: window %d of %d", request.request_id, index, forcing.plan.windows
-                )
-                video = forcing.run_window(
-                    checkpoint,
-                    info.pipe,
-                    prompt_embeds=mixed[0],
-                    negative_prompt_embeds=negative,
-                    guidance_scale=guidance,
-                    num_inference_steps=int(steps or 50),
-                    height=request.height,
-                    width=request.width,
-                    fps=request.fps,
-                    image=self._image if index == 0 else None,
-                    attention_kwargs=kwargs.get("attention_kwargs"),
-                )
-                if engine.settings.offload != "none":
-                    info.pipe.maybe_free_model_hooks()
-        frames = frames_to_uint8(video)
-        del video
-        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
-        del frames
-        self._frames_done += host.shape[0]
-        self._next_index += 1
-        return conditioning.chunk(host, index)
+
+        def window(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = self._embeds_and_negative(info, mix, pass_.guidance)
+            return forcing.run_window(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=self._request.height,
+                width=self._request.width,
+                fps=self._request.fps,
+                image=self._image if pass_.index == 0 else None,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return self._driven_chunk(
+            checkpoint, remaining, window, f"window of {forcing.plan.windows}", 1.0
+        )
 
     def _next_far_chunk(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
-        """The next AnyFlow FAR chunk's frames, made under the lock with the session's
-        LoRA, a fresh scheduler and the schedule's (blended) prompt embeddings."""
-        far, plan, request, engine = self._far, self._plan, self._request, self._engine
+        """The next AnyFlow FAR chunk's frames."""
+        far = self._far
         assert far is not None
-        info, index = plan.first, self._next_index
-        conditioning = self._schedule.next_conditioning()
-        kwargs = plan.call_kwargs[info.role]
-        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
-        guidance = plan.guidance_scale if plan.guidance_scale is not None else 1.0
         image = None
-        if index == 0 and self._image is not None:
+        if self._next_index == 0 and self._image is not None:
             pixels = np.asarray(self._image.convert("RGB"), dtype=np.float32) / 255.0
             image = torch.from_numpy(pixels).permute(2, 0, 1)[None, None]  # (1, 1, 3, H, W)
-        with engine.lock.held(checkpoint):
-            lora = self._lora
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            mixed = self._mix(info, conditioning.mix)
-            if mixed is None:
-                raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
-            negative = None
-            if guidance > 1.0:
-                negative = self._encode(info, request.negative_prompt or "")[0]
-            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
-                logger.debug(
-                    "request %s: chunk %d of %d", request.request_id, index, far.plan.chunks
-                )
-                video = far.run_chunk(
-                    checkpoint,
-                    info.pipe,
-                    prompt_embeds=mixed[0],
-                    negative_prompt_embeds=negative,
-                    guidance_scale=guidance,
-                    num_inference_steps=int(steps or 50),
-                    height=request.height,
-                    width=request.width,
-                    image=image,
-                    attention_kwargs=kwargs.get("attention_kwargs"),
-                )
-                if engine.settings.offload != "none":
-                    info.pipe.maybe_free_model_hooks()
-        frames = frames_to_uint8(video)
-        del video
-        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
-        del frames
-        self._frames_done += host.shape[0]
-        self._next_index += 1
-        return conditioning.chunk(host, index)
+
+        def chunk(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = self._embeds_and_negative(info, mix, pass_.guidance)
+            return far.run_chunk(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=self._request.height,
+                width=self._request.width,
+                image=image,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return self._driven_chunk(checkpoint, remaining, chunk, f"chunk of {far.plan.chunks}", 1.0)
 
     def _next_section(self, checkpoint: Checkpoint, remaining: int) -> Chunk:
-        """The next FramePack section's final frames, made under the lock with the
-        session's LoRA, a fresh scheduler and the schedule's (blended) prompt conditioning
-        (the LLaMA embeddings and mask and the CLIP pooled embedding, blended alike)."""
-        loop, plan, request, engine = self._framepack, self._plan, self._request, self._engine
+        """The next FramePack section's final frames; its conditioning (the LLaMA
+        embeddings and mask and the CLIP pooled embedding) is blended alike."""
+        loop, request = self._framepack, self._request
         assert loop is not None
-        info, index = plan.first, self._next_index
-        conditioning = self._schedule.next_conditioning()
-        kwargs = plan.call_kwargs[info.role]
-        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
-        guidance = plan.guidance_scale if plan.guidance_scale is not None else 6.0
-        with engine.lock.held(checkpoint):
-            lora = self._lora
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            prompt = Prompt.mixed(
-                [(self._section_prompt(info, text), weight) for text, weight in conditioning.mix]
-            )
+
+        def section(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            prompt = Prompt.mixed([(self._section_prompt(info, text), w) for text, w in mix])
             negative = None
             if loop.plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
                 negative = self._section_prompt(info, request.negative_prompt)
-            with _call_overrides(info, plan, offloaded=engine.settings.offload != "none"):
-                logger.debug(
-                    "request %s: section %d of %d", request.request_id, index, loop.plan.sections
-                )
-                video = loop.run_section(
-                    checkpoint,
-                    info.pipe,
-                    prompt=prompt,
-                    negative=negative,
-                    guidance_scale=guidance,
-                    num_inference_steps=int(steps or 50),
-                    height=request.height,
-                    width=request.width,
-                    image=self._image if index == 0 else None,
-                    attention_kwargs=kwargs.get("attention_kwargs"),
-                )
-                if engine.settings.offload != "none":
+            return loop.run_section(
+                checkpoint,
+                info.pipe,
+                prompt=prompt,
+                negative=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                image=self._image if pass_.index == 0 else None,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return self._driven_chunk(
+            checkpoint, remaining, section, f"section of {loop.plan.sections}", 6.0
+        )
+
+    def _driven_chunk(
+        self,
+        checkpoint: Checkpoint,
+        remaining: int,
+        make: Callable[[PipelineInfo, Mix, DrivenPass], torch.Tensor],
+        what: str,
+        default_guidance: float,
+    ) -> Chunk:
+        """One pass of a loop the engine drives (a SkyReels DF window, an AnyFlow FAR
+        chunk, a FramePack section): ``make`` runs it under the lock, with the session's
+        LoRA, a fresh scheduler and the schedule's prompt mix; its frames go to the host
+        once."""
+        plan, request, engine = self._plan, self._request, self._engine
+        info, index = plan.first, self._next_index
+        conditioning = self._schedule.next_conditioning()
+        kwargs = plan.call_kwargs[info.role]
+        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
+        guidance = plan.guidance_scale if plan.guidance_scale is not None else default_guidance
+        pass_ = DrivenPass(index, int(steps or 50), guidance, kwargs)
+        offloaded = engine.settings.offload != "none"
+        with engine.lock.held(checkpoint):
+            lora = self._lora
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            with _call_overrides(info, plan, offloaded=offloaded):
+                logger.debug("request %s: %d, %s", request.request_id, index, what)
+                video = make(info, conditioning.mix, pass_)
+                if offloaded:
                     info.pipe.maybe_free_model_hooks()
         frames = frames_to_uint8(video)
         del video
@@ -396,6 +385,18 @@ class DiffusersStream:
         self._frames_done += host.shape[0]
         self._next_index += 1
         return conditioning.chunk(host, index)
+
+    def _embeds_and_negative(
+        self, info: PipelineInfo, mix: Mix, guidance: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The blended prompt embeddings, and the negative prompt's when guidance is on."""
+        mixed = self._mix(info, mix)
+        if mixed is None:
+            raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
+        negative = None
+        if guidance > 1.0:
+            negative = self._encode(info, self._request.negative_prompt or "")[0]
+        return mixed[0], negative
 
     def _section_prompt(self, info: PipelineInfo, text: str) -> Prompt:
         """One prompt's FramePack conditioning, encoded once per stream."""
