@@ -32,6 +32,16 @@ def _restore_torch_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def probes() -> Iterator[list[Any]]:
+    """Hooks a test puts on the shared pipelines (anything with ``remove()``), taken off
+    after the test whatever happens."""
+    made: list[Any] = []
+    yield made
+    for probe in made:
+        probe.remove()
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """Pipeline directories: ``t2v`` (WanPipeline), ``i2v`` (WanImageToVideoPipeline) and

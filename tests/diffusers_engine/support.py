@@ -10,9 +10,11 @@ the hook notifies), never by polling.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -116,7 +118,7 @@ class Probe:
         self.decodes: list[tuple[float, int]] = []
         self.embeds: list[torch.Tensor] = []
         self.embed_refs: list[weakref.ref[torch.Tensor]] = []
-        self.flow_shifts: list[float] = []
+        self.flow_shifts: list[float | None] = []
         self.images: list[np.ndarray] = []
         self._seen = threading.Condition()
 
@@ -128,7 +130,7 @@ class Probe:
             self.embed_refs.append(weakref.ref(embeds))
             if keep_embeds:
                 self.embeds.append(embeds.detach().clone())
-            self.flow_shifts.append(pipe.scheduler.config.flow_shift)
+            self.flow_shifts.append(pipe.scheduler.config.get("flow_shift"))  # None: no such knob
             if gate is not None:
                 gate.wait(GATE_TIMEOUT)
             if step_delay:
@@ -161,6 +163,19 @@ class Probe:
         self._hook.remove()
         del self.pipe.vae.decode
         del self.pipe.video_processor.preprocess
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every torch tensor alive in the process (the models' weights, a session's
+    history or state, anything leaked): what a memory-flatness test watches."""
+    gc.collect()
+    total = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                total += obj.untyped_storage().nbytes()
+    return total
 
 
 def encode(pipe: Any, text: str) -> torch.Tensor:

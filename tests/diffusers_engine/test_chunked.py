@@ -4,9 +4,6 @@ joined, are exactly those of the pipeline's single call."""
 
 from __future__ import annotations
 
-import gc
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.diffusers_engine.support import Stopped, no_stop, request, run_all
+from tests.diffusers_engine.support import (
+    Probe,
+    Stopped,
+    live_tensor_bytes,
+    no_stop,
+    request,
+    run_all,
+)
 from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
@@ -49,59 +53,22 @@ def single_call(pipe: Any, variant: str, *, num_frames: int, seed: int = 1, **kw
     return frames_to_uint8(output.frames).numpy()
 
 
-class Watch:
-    """Counts the real transformer calls and VAE decodes of a pipeline, keeping the
-    prompt embeddings each transformer call got."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
-        self.forwards = 0
-        self.decodes = 0
-        self.embeds: list[torch.Tensor] = []
-
-        def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-            self.forwards += 1
-            self.embeds.append(kwargs["encoder_hidden_states"].detach().clone())
-
-        self._hook = pipe.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
-        decode = pipe.vae.decode
-
-        def counting_decode(*args: Any, **kwargs: Any) -> Any:
-            self.decodes += 1
-            return decode(*args, **kwargs)
-
-        pipe.vae.decode = counting_decode
-
-    def remove(self) -> None:
-        self._hook.remove()
-        del self.pipe.vae.decode
-
-
-@pytest.fixture
-def watch() -> Iterator[list[Watch]]:
-    """Watches to take off the shared pipelines after the test, whatever happens."""
-    watches: list[Watch] = []
-    yield watches
-    for w in watches:
-        w.remove()
-
-
 @pytest.mark.parametrize("variant", ["base", "pyramid", "distilled"])
 def test_streamed_chunks_equal_the_single_call(
-    variant: str, helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+    variant: str, helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:
     engine = make_engine(helios[variant], segment_frames=str(CHUNK))
     assert engine.chunked
     pipe = engine.model.pipe
-    w = Watch(pipe)
-    watch.append(w)
+    w = Probe(pipe, keep_embeds=True)
+    probes.append(w)
     frames = 97 if variant == "base" else 65  # three chunks; two where the loop is the same
     stream = engine.open_stream(helios_request(num_frames=frames))
     first = stream.next_chunk(no_stop)
     # The first chunk is handed over after the first chunk's work only: one chunk's
     # steps (pyramid: three stages of one step) and one decode, not the video's.
     steps_per_chunk = 1 if variant == "base" else 3
-    assert (w.forwards, w.decodes) == (steps_per_chunk, 1)
+    assert (len(w.forwards), len(w.decodes)) == (steps_per_chunk, 1)
     chunks = [first, *run_all(stream)]
     assert [c.frames.shape[0] for c in chunks] == {97: [33, 33, 31], 65: [33, 32]}[frames]
     assert [c.index for c in chunks] == list(range(len(chunks)))
@@ -149,11 +116,11 @@ def test_sessions_take_turns_at_chunk_boundaries_each_with_its_own_history(
 
 
 def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
-    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+    helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:
     engine = make_engine(helios["pyramid"], segment_frames=str(CHUNK))
-    w = Watch(engine.model.pipe)
-    watch.append(w)
+    w = Probe(engine.model.pipe, keep_embeds=True)
+    probes.append(w)
     stream = engine.open_stream(helios_request(num_frames=99, num_inference_steps=2))
     calls = 0
     stop_at = 0
@@ -168,24 +135,24 @@ def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
     try:
         assert stream.next_chunk(checkpoint) is not None
         per_chunk = calls  # 1 before the call + 6 steps (3 stages of 2)
-        assert per_chunk == 7 and (w.forwards, w.decodes) == (6, 1)
+        assert per_chunk == 7 and (len(w.forwards), len(w.decodes)) == (6, 1)
         stop_at = calls + 3  # the second chunk's third checkpoint: after its second step
         with pytest.raises(Stopped):
             stream.next_chunk(checkpoint)
     finally:
         stream.close()
-    assert w.forwards == 6 + 2  # no step after the stop
-    assert w.decodes == 1  # the stopped chunk was not decoded
+    assert len(w.forwards) == 6 + 2  # no step after the stop
+    assert len(w.decodes) == 1  # the stopped chunk was not decoded
     assert not engine.lock.locked
 
 
 def test_interaction_blends_embeddings_from_the_next_chunk_on(
-    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+    helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:
     engine = make_engine(helios["base"], segment_frames=str(CHUNK))
     pipe = engine.model.pipe
-    w = Watch(pipe)
-    watch.append(w)
+    w = Probe(pipe, keep_embeds=True)
+    probes.append(w)
     stream = engine.open_stream(helios_request(prompt="a red fox", num_frames=4 * CHUNK))
     try:
         stream.next_chunk(no_stop)
@@ -211,19 +178,6 @@ def test_interaction_blends_embeddings_from_the_next_chunk_on(
     assert chunks[1].completed_event_ids == ("e1",)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every torch tensor alive in the process (CPU: the model's weights, the
-    session's history, anything leaked)."""
-    gc.collect()
-    total = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                total += obj.untyped_storage().nbytes()
-    return total
-
-
 def test_memory_stays_flat_over_many_chunks(helios: dict[str, Path], make_engine: Any) -> None:
     engine = make_engine(helios["base"], segment_frames=str(CHUNK))
     chunks = 7
@@ -235,7 +189,7 @@ def test_memory_stays_flat_over_many_chunks(helios: dict[str, Path], make_engine
             chunk = stream.next_chunk(no_stop)
             assert chunk is not None and chunk.frames.shape[0] == CHUNK
             del chunk
-            sizes.append(_live_tensor_bytes())
+            sizes.append(live_tensor_bytes())
             held.append(stream._history.held_latent_frames)
         assert stream.next_chunk(no_stop) is None
     finally:
@@ -258,10 +212,10 @@ def test_chunk_loop_arguments_are_the_engines(helios: dict[str, Path], make_engi
 
 
 def test_pyramid_steps_are_per_stage(
-    helios: dict[str, Path], make_engine: Any, watch: list[Watch]
+    helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:
     engine = make_engine(helios["distilled"], segment_frames=str(CHUNK))
-    w = Watch(engine.model.pipe)
-    watch.append(w)
+    w = Probe(engine.model.pipe, keep_embeds=True)
+    probes.append(w)
     run_all(engine.open_stream(helios_request(num_frames=CHUNK, num_inference_steps=2)))
-    assert w.forwards == 3 * 2
+    assert len(w.forwards) == 3 * 2

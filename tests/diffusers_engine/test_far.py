@@ -4,7 +4,6 @@ the frames, joined, are exactly those of the pipeline's single call."""
 
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.diffusers_engine.support import Stopped, no_stop, request, run_all
+from tests.diffusers_engine.support import (
+    Stopped,
+    live_tensor_bytes,
+    no_stop,
+    request,
+    run_all,
+)
 from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
@@ -96,28 +101,19 @@ class Counts:
             hook.remove()
 
 
-@pytest.fixture
-def counts() -> Iterator[list[Counts]]:
-    """Counters to take off the shared pipeline after the test, whatever happens."""
-    made: list[Counts] = []
-    yield made
-    for c in made:
-        c.remove()
-
-
 @pytest.mark.parametrize(
     "guided",
     [{}, {"guidance_scale": 3.0, "negative_prompt": "blurry"}],
     ids=["plain", "guided"],
 )
 def test_chunks_stream_as_the_single_call(
-    guided: dict[str, Any], anyflow_far: Path, make_engine: Any, counts: list[Counts]
+    guided: dict[str, Any], anyflow_far: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(anyflow_far, segment_frames="8")
     assert engine.far and not engine.chunked and not engine.windowed
     pipe = engine.model.pipe
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(far_request(**guided))
     first = stream.next_chunk(no_stop)
     first_work = (c.steps, c.cache_passes, c.decoded)
@@ -169,11 +165,11 @@ def test_sessions_take_turns_at_chunk_boundaries_each_with_its_own_state(
 
 
 def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
-    anyflow_far: Path, make_engine: Any, counts: list[Counts]
+    anyflow_far: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(anyflow_far, segment_frames="8")
     c = Counts(engine.model.pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(far_request(num_inference_steps=3))
     calls = 0
     stop_at = 0
@@ -202,12 +198,12 @@ def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
 
 
 def test_interaction_blends_embeddings_from_the_next_chunk_on(
-    anyflow_far: Path, make_engine: Any, counts: list[Counts]
+    anyflow_far: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(anyflow_far, segment_frames="8")
     pipe = engine.model.pipe
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(far_request(prompt="a red fox"))
     try:
         stream.next_chunk(no_stop)
@@ -234,18 +230,6 @@ def test_interaction_blends_embeddings_from_the_next_chunk_on(
     assert chunks[1].completed_event_ids == ("e1",)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every torch tensor alive in the process."""
-    gc.collect()
-    total = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                total += obj.untyped_storage().nbytes()
-    return total
-
-
 def test_memory_is_flat_over_chunks_but_sized_by_the_video(
     anyflow_far: Path, make_engine: Any
 ) -> None:
@@ -260,7 +244,7 @@ def test_memory_is_flat_over_chunks_but_sized_by_the_video(
             chunk = stream.next_chunk(no_stop)
             assert chunk is not None
             del chunk
-            sizes.append(_live_tensor_bytes())
+            sizes.append(live_tensor_bytes())
             held.append(stream._far.held_bytes)
         assert stream.next_chunk(no_stop) is None
     finally:

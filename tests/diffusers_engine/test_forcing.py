@@ -4,9 +4,6 @@ and the frames, joined, are exactly those of the pipeline's single call."""
 
 from __future__ import annotations
 
-import gc
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.diffusers_engine.support import Stopped, no_stop, request, run_all
+from tests.diffusers_engine.support import (
+    Stopped,
+    live_tensor_bytes,
+    no_stop,
+    request,
+    run_all,
+)
 from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
@@ -80,15 +83,6 @@ class Counts:
             hook.remove()
 
 
-@pytest.fixture
-def counts() -> Iterator[list[Counts]]:
-    """Counters to take off the shared pipelines after the test, whatever happens."""
-    made: list[Counts] = []
-    yield made
-    for c in made:
-        c.remove()
-
-
 @pytest.mark.parametrize(
     ("num_frames", "extra", "sizes", "forwards"),
     [
@@ -115,14 +109,14 @@ def test_windows_stream_as_the_single_call(
     forwards: list[int],
     skyreels: dict[str, Path],
     make_engine: Any,
-    counts: list[Counts],
+    probes: list[Counts],
 ) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     assert engine.windowed and not engine.chunked
     pipe = engine.model.pipe
     guided = {"guidance_scale": 6.0, "negative_prompt": "blurry"} if extra else {}
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(df_request(num_frames=num_frames, extra_params=extra, **guided))
     first = stream.next_chunk(no_stop)
     first_work = (c.forwards, c.decoded)
@@ -188,11 +182,11 @@ def test_sessions_take_turns_at_window_boundaries_each_with_its_own_state(
 
 
 def test_stop_within_a_step_and_the_stopped_window_is_not_decoded(
-    skyreels: dict[str, Path], make_engine: Any, counts: list[Counts]
+    skyreels: dict[str, Path], make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     c = Counts(engine.model.pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(df_request(num_frames=41, num_inference_steps=3))
     calls = 0
     stop_at = 0
@@ -220,12 +214,12 @@ def test_stop_within_a_step_and_the_stopped_window_is_not_decoded(
 
 
 def test_interaction_blends_embeddings_from_the_next_window_on(
-    skyreels: dict[str, Path], make_engine: Any, counts: list[Counts]
+    skyreels: dict[str, Path], make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     pipe = engine.model.pipe
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(df_request(prompt="a red fox", num_frames=41))
     try:
         stream.next_chunk(no_stop)
@@ -252,19 +246,6 @@ def test_interaction_blends_embeddings_from_the_next_window_on(
     assert chunks[1].completed_event_ids == ("e1",)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every torch tensor alive in the process (the model's weights, the
-    session's state, anything leaked)."""
-    gc.collect()
-    total = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                total += obj.untyped_storage().nbytes()
-    return total
-
-
 def test_memory_stays_flat_over_many_windows(skyreels: dict[str, Path], make_engine: Any) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     windows = 6
@@ -276,7 +257,7 @@ def test_memory_stays_flat_over_many_windows(skyreels: dict[str, Path], make_eng
             chunk = stream.next_chunk(no_stop)
             assert chunk is not None
             del chunk
-            sizes.append(_live_tensor_bytes())
+            sizes.append(live_tensor_bytes())
             held.append(stream._forcing.held_latent_frames)
         assert stream.next_chunk(no_stop) is None
     finally:

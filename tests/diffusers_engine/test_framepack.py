@@ -6,9 +6,6 @@ of the pipeline's single call."""
 
 from __future__ import annotations
 
-import gc
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.diffusers_engine.support import Stopped, no_stop, request, run_all
+from tests.diffusers_engine.support import (
+    Stopped,
+    live_tensor_bytes,
+    no_stop,
+    request,
+    run_all,
+)
 from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
@@ -98,28 +101,19 @@ class Counts:
         del self._vae.decode
 
 
-@pytest.fixture
-def counts() -> Iterator[list[Counts]]:
-    """Counters to take off the shared pipeline after the test, whatever happens."""
-    made: list[Counts] = []
-    yield made
-    for c in made:
-        c.remove()
-
-
 @pytest.mark.parametrize(
     "guided",
     [{}, {"true_cfg_scale": 3.0, "negative_prompt": "blurry"}],
     ids=["plain", "true-cfg"],
 )
 def test_sections_stream_as_the_single_call(
-    guided: dict[str, Any], framepack: Path, make_engine: Any, counts: list[Counts]
+    guided: dict[str, Any], framepack: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
     assert engine.framepack and not (engine.chunked or engine.windowed or engine.far)
     pipe = engine.model.pipe
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(fp_request(**guided))
     per_step = 2 if guided else 1
     first = stream.next_chunk(no_stop)
@@ -157,11 +151,11 @@ def test_sessions_take_turns_at_section_boundaries_each_with_its_own_state(
 
 
 def test_stop_within_a_step_and_the_stopped_section_is_not_decoded(
-    framepack: Path, make_engine: Any, counts: list[Counts]
+    framepack: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
     c = Counts(engine.model.pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(fp_request(num_inference_steps=3))
     calls = 0
     stop_at = 0
@@ -189,12 +183,12 @@ def test_stop_within_a_step_and_the_stopped_section_is_not_decoded(
 
 
 def test_interaction_blends_conditioning_from_the_next_section_on(
-    framepack: Path, make_engine: Any, counts: list[Counts]
+    framepack: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
     pipe = engine.model.pipe
     c = Counts(pipe)
-    counts.append(c)
+    probes.append(c)
     stream = engine.open_stream(fp_request(prompt="a red fox", num_frames=36))
     try:
         stream.next_chunk(no_stop)
@@ -221,18 +215,6 @@ def test_interaction_blends_conditioning_from_the_next_section_on(
     assert chunks[1].completed_event_ids == ("e1",)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every torch tensor alive in the process."""
-    gc.collect()
-    total = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance wakes deprecated lazy torch attributes
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                total += obj.untyped_storage().nbytes()
-    return total
-
-
 def test_memory_is_flat_over_sections(framepack: Path, make_engine: Any) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
     sections = 5
@@ -244,7 +226,7 @@ def test_memory_is_flat_over_sections(framepack: Path, make_engine: Any) -> None
             chunk = stream.next_chunk(no_stop)
             assert chunk is not None
             del chunk
-            sizes.append(_live_tensor_bytes())
+            sizes.append(live_tensor_bytes())
             held.append(stream._framepack.held_bytes)
             assert stream._framepack.held_latent_frames == 19  # max(16+2+1, 2*3)
     finally:
