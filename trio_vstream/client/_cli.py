@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import functools
 import json
 import math
 import mimetypes
@@ -17,7 +18,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 from urllib.parse import urlsplit
@@ -472,6 +473,54 @@ class _Run:
     connect_error: StreamConnectError | None = None
 
 
+async def _stream_to_end(
+    run: _Run,
+    progress: _Progress,
+    on_signal: Callable[[int], None],
+    stream: Callable[[], Awaitable[StreamResult]],
+) -> None:
+    """Run ``stream`` with the progress line, handing SIGINT/SIGTERM to ``on_signal``;
+    its result, or its failure to connect, goes into ``run``. What ``client`` and
+    ``watch`` share: only what a signal means differs."""
+    progress.started = trio.current_time()
+
+    async def relay(signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            on_signal(signum)
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay, signals)
+            if progress.enabled:
+                nursery.start_soon(progress.run)
+            try:
+                run.result = await stream()
+            except StreamConnectError as exc:
+                run.connect_error = exc
+            nursery.cancel_scope.cancel()
+
+
+def _run_streaming(
+    main: Callable[[], Awaitable[None]], run: _Run, progress: _Progress, err: TextIO
+) -> int | None:
+    """``trio.run(main)``; the exit status when there is no result to report (interrupted
+    before one, or no connection), else None: the caller reports ``run.result``."""
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        # A signal outside the receiver's lifetime: before it was installed (nothing
+        # received yet) or just after the stream ended (the result is in `run`).
+        if run.result is None:
+            print("interrupted", file=err)
+            return EXIT_INTERRUPTED
+    finally:
+        progress.clear()
+    if run.connect_error is not None:
+        print(f"error: {_connect_error_line(run.connect_error)}", file=err)
+        return EXIT_CONNECTION
+    return None
+
+
 async def _run_async(
     args: argparse.Namespace,
     api_key: str | None,
@@ -481,42 +530,36 @@ async def _run_async(
     run: _Run,
 ) -> None:
     stop_event, abort_event = trio.Event(), trio.Event()
-    progress.started = trio.current_time()
 
-    async def watch_signals(signals: AsyncIterator[int]) -> None:
+    def on_signal(signum: int) -> None:
         # First signal: stop cleanly and keep what arrives; second: give up now.
-        async for signum in signals:
-            if not stop_event.is_set():
-                stop_event.set()
-                progress.stopping = True
-                progress.note(
-                    f"{signal.Signals(signum).name}: stopping (sent session.stop); "
-                    "press Ctrl-C again to quit now"
-                )
-            else:
-                abort_event.set()
+        if not stop_event.is_set():
+            stop_event.set()
+            progress.stopping = True
+            progress.note(
+                f"{signal.Signals(signum).name}: stopping (sent session.stop); "
+                "press Ctrl-C again to quit now"
+            )
+        else:
+            abort_event.set()
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_signals, signals)
-            if progress.enabled:
-                nursery.start_soon(progress.run)
-            try:
-                run.result = await stream_video(
-                    args.url,
-                    fields,
-                    interactions=interactions,
-                    on_chunk=progress.update,
-                    on_message=progress.update,
-                    stop_event=stop_event,
-                    abort_event=abort_event,
-                    stop_timeout=args.stop_timeout,
-                    connect_timeout=args.connect_timeout,
-                    api_key=api_key,
-                )
-            except StreamConnectError as exc:
-                run.connect_error = exc
-            nursery.cancel_scope.cancel()
+    await _stream_to_end(
+        run,
+        progress,
+        on_signal,
+        lambda: stream_video(
+            args.url,
+            fields,
+            interactions=interactions,
+            on_chunk=progress.update,
+            on_message=progress.update,
+            stop_event=stop_event,
+            abort_event=abort_event,
+            stop_timeout=args.stop_timeout,
+            connect_timeout=args.connect_timeout,
+            api_key=api_key,
+        ),
+    )
 
 
 def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
@@ -544,19 +587,10 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
 
     run = _Run()
     progress = _Progress(err, enabled=err.isatty())
-    try:
-        trio.run(_run_async, args, api_key, fields, interactions, progress, run)
-    except KeyboardInterrupt:
-        # A signal outside the receiver's lifetime: before it was installed (nothing
-        # received yet) or just after the stream ended (the result is in `run`).
-        if run.result is None:
-            print("interrupted", file=err)
-            return EXIT_INTERRUPTED
-    finally:
-        progress.clear()
-    if run.connect_error is not None:
-        print(f"error: {_connect_error_line(run.connect_error)}", file=err)
-        return EXIT_CONNECTION
+    main = functools.partial(_run_async, args, api_key, fields, interactions, progress, run)
+    status = _run_streaming(main, run, progress, err)
+    if status is not None:
+        return status
     result = run.result
     assert result is not None
     return _finish(args, result, out, err)

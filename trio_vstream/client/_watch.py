@@ -11,9 +11,8 @@ so scripts read both the same way. A refused link (``watch_not_found``,
 from __future__ import annotations
 
 import argparse
-import signal
+import functools
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -23,19 +22,17 @@ import trio
 from trio_vstream.client._cli import (
     API_KEY_ENV,
     DEFAULT_URL,
-    EXIT_CONNECTION,
-    EXIT_INTERRUPTED,
     EXIT_USAGE,
     _api_key,
     _check_output,
     _check_url,
-    _connect_error_line,
     _finish,
     _Progress,
     _Run,
+    _run_streaming,
+    _stream_to_end,
     _UsageError,
 )
-from trio_vstream.client._results import StreamConnectError
 from trio_vstream.client._stream import watch_video
 
 __all__ = ["add_watch_arguments", "run_watch", "watch_link_url"]
@@ -123,30 +120,23 @@ async def _watch_async(
     url: str, api_key: str | None, timeout: float, progress: _Progress, run: _Run
 ) -> None:
     abort_event = trio.Event()
-    progress.started = trio.current_time()
 
-    async def leave_on_signal(signals: AsyncIterator[int]) -> None:
-        # A viewer cannot stop the session, only leave it: what arrived is kept.
-        async for _ in signals:
-            abort_event.set()
+    def leave(signum: int) -> None:
+        abort_event.set()  # a viewer cannot stop the session, only leave: what arrived is kept
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(leave_on_signal, signals)
-            if progress.enabled:
-                nursery.start_soon(progress.run)
-            try:
-                run.result = await watch_video(
-                    url,
-                    on_chunk=progress.update,
-                    on_message=progress.update,
-                    abort_event=abort_event,
-                    connect_timeout=timeout,
-                    api_key=api_key,
-                )
-            except StreamConnectError as exc:
-                run.connect_error = exc
-            nursery.cancel_scope.cancel()
+    await _stream_to_end(
+        run,
+        progress,
+        leave,
+        lambda: watch_video(
+            url,
+            on_chunk=progress.update,
+            on_message=progress.update,
+            abort_event=abort_event,
+            connect_timeout=timeout,
+            api_key=api_key,
+        ),
+    )
 
 
 def run_watch(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
@@ -170,16 +160,9 @@ def run_watch(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
 
     run = _Run()
     progress = _Progress(err, enabled=err.isatty())
-    try:
-        trio.run(_watch_async, url, api_key, args.connect_timeout, progress, run)
-    except KeyboardInterrupt:
-        if run.result is None:
-            print("interrupted", file=err)
-            return EXIT_INTERRUPTED
-    finally:
-        progress.clear()
-    if run.connect_error is not None:
-        print(f"error: {_connect_error_line(run.connect_error)}", file=err)
-        return EXIT_CONNECTION
+    main = functools.partial(_watch_async, url, api_key, args.connect_timeout, progress, run)
+    status = _run_streaming(main, run, progress, err)
+    if status is not None:
+        return status
     assert run.result is not None
     return _finish(args, run.result, out, err)
