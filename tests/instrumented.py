@@ -100,6 +100,8 @@ class TakingTurnsEngine(InstrumentedEngine):
         self._waiting = 0
         self.max_waiting = 0
         """The most sessions seen waiting for their turn at once."""
+        self.longest_wait = 0.0
+        """The longest any session waited for its turn, in seconds."""
 
     def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
         stream = super().open_stream(request)
@@ -121,6 +123,7 @@ class TakingTurnsEngine(InstrumentedEngine):
         with checkpoint.waiting():
             with self._turn:
                 self._waiting += 1
+            began = time.monotonic()
             try:
                 while True:
                     checkpoint.check_cancelled()
@@ -133,3 +136,4 @@ class TakingTurnsEngine(InstrumentedEngine):
             finally:
                 with self._turn:
                     self._waiting -= 1
+                    self.longest_wait = max(self.longest_wait, time.monotonic() - began)

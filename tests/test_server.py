@@ -369,19 +369,21 @@ async def test_stall_guard_aborts_a_hung_engine(start_server: Any) -> None:
 
 
 async def test_pings_keep_a_silent_engine_alive(start_server: Any) -> None:
-    running = await start_server(SyntheticSettings(hang_at_chunk=0), stall_timeout=0.3)
+    # The timeout is well above the ping interval, so that a pause of the whole test
+    # process (a full garbage collection, say) cannot pass for a stall.
+    running = await start_server(SyntheticSettings(hang_at_chunk=0), stall_timeout=1.5)
     transcript = Transcript()
     async with running.connect() as ws:
         await ws.send_message(json.dumps({**START, "num_frames": 10}))
         await receive_until(ws, transcript, is_type("video.start"))
-        for _ in range(8):  # 0.8 s of a hung engine, well past the 0.3 s stall timeout
+        for _ in range(10):  # 3 s of a hung engine, well past the 1.5 s stall timeout
             await ws.send_message('{"type": "session.ping"}')
             await receive_until(ws, transcript, is_type("session.pong"))
-            await trio.sleep(0.1)  # the client's ping interval: time passing is the test
+            await trio.sleep(0.3)  # the client's ping interval: time passing is the test
         await ws.send_message('{"type": "session.stop"}')
         await receive_into(ws, transcript)
     assert not transcript.of_type("error")
-    assert len(transcript.of_type("session.pong")) == 8
+    assert len(transcript.of_type("session.pong")) == 10
     assert transcript.terminal == [
         {
             "type": "session.done",
@@ -393,12 +395,15 @@ async def test_pings_keep_a_silent_engine_alive(start_server: Any) -> None:
 
 
 async def test_slow_engine_without_client_messages_is_not_a_stall(start_server: Any) -> None:
+    """Each chunk takes 2 s, past the 1.5 s stall timeout, but its steps (0.1 s each)
+    are progress. The timeout stays well above a step, so that a pause of the whole
+    test process cannot pass for a stall."""
     running = await start_server(
-        SyntheticSettings(step_delay=0.05, steps=2, chunk_frames=1), stall_timeout=0.3
+        SyntheticSettings(step_delay=0.1, steps=20, chunk_frames=1), stall_timeout=1.5
     )
-    transcript = await running.run_session({**START, "num_frames": 6})
+    transcript = await running.run_session({**START, "num_frames": 2})
     assert transcript.terminal[0]["type"] == "session.done"
-    assert len(decode_video(transcript.video_bytes)) == 6
+    assert len(decode_video(transcript.video_bytes)) == 2
 
 
 # ---------------------------------------------------------------------- G3

@@ -291,18 +291,23 @@ async def test_clients_that_close_at_once_are_all_disconnects(
 
 
 async def test_sessions_queued_behind_a_busy_engine_are_not_stalled(start_server: Any) -> None:
-    """Three sessions take turns on one lock, a chunk (0.4 s) at a time: each waits
-    longer than the stall timeout for its turn, yet none is stalled."""
+    """Three sessions take turns on one lock, a chunk (1 s, in steps of 0.1 s) at a
+    time: the last in line waits about 2 s for its turn, longer than the 1.5 s stall
+    timeout, yet none is stalled. The timeout stays well above a step, so that a
+    pause of the whole test process (a full garbage collection in a suite that has
+    loaded torch and diffusers) cannot pass for a stall."""
+    stall_timeout = 1.5
     running = await start_server(
-        SyntheticSettings(chunk_frames=4, steps=4, step_delay=0.1),
-        stall_timeout=0.6,
+        SyntheticSettings(chunk_frames=4, steps=10, step_delay=0.1),
+        stall_timeout=stall_timeout,
         engine_class=TakingTurnsEngine,
     )
-    transcripts = await sessions_at_once(running, {**START, "num_frames": 8}, 3)
+    transcripts = await sessions_at_once(running, {**START, "num_frames": 4}, 3)
     for transcript in transcripts:
         assert transcript.terminal == [transcript.json[-1]]
         assert transcript.terminal[0]["type"] == "session.done", transcript.terminal
     assert running.engine.max_waiting >= 2  # they really did queue
+    assert running.engine.longest_wait > stall_timeout  # and one queued past the timeout
 
 
 async def test_an_engine_that_hangs_under_its_lock_stalls_every_queued_session(
