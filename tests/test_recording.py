@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
+from tests.test_http import http_get
 from tests.test_image_fetch import png_of
 from trio_vstream import cli, protocol
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
@@ -274,8 +275,44 @@ async def test_a_full_disk_drops_the_recording_and_the_session_goes_on(
     assert await trio.to_thread.run_sync(recorder.wait_idle, 10)
     assert list(tmp_path.iterdir()) == []  # the partial files are gone
     assert recorder.dropped == 1
+    assert recording_counts(running.server) == {"written": 0, "dropped": 1, "active": 0}
     [line] = [r.getMessage() for r in caplog.records]
     assert "recording dropped" in line and "No space left on device" in line
+
+
+def recording_counts(server: VideoServer) -> dict[str, float | None]:
+    """The recorder's figures in the server's ``/metrics`` registry."""
+    registry, labels = server.metrics.registry, {"model": server.served_model}
+    return {
+        "written": registry.get_sample_value("trio_vstream_recordings_written_total", labels),
+        "dropped": registry.get_sample_value("trio_vstream_recordings_dropped_total", labels),
+        "active": registry.get_sample_value("trio_vstream_recordings_active", labels),
+    }
+
+
+async def test_metrics_count_recordings_written_and_being_written(
+    start_server: Any, tmp_path: Path
+) -> None:
+    recorder = Recorder(tmp_path, engine="synthetic", model="synthetic")
+    running = await start_server(SLOW, taps=recorder)
+    assert recording_counts(running.server) == {"written": 0, "dropped": 0, "active": 0}
+    transcript = Transcript()
+    async with running.connect() as ws:
+        await ws.send_message(json.dumps({**SYNTHETIC, "num_frames": 400}))
+        await receive_until(ws, transcript, is_type("video.chunk_metadata"))
+        assert recording_counts(running.server)["active"] == 1  # until the session ends
+        await ws.send_message(json.dumps({"type": "session.stop"}))
+        await receive_into(ws, transcript)
+    assert await trio.to_thread.run_sync(recorder.wait_idle, 10)
+    assert recording_counts(running.server) == {"written": 1, "dropped": 0, "active": 0}
+    status, body = await http_get(running.server.port, "/metrics")
+    assert status == 200
+    assert 'trio_vstream_recordings_written_total{model="synthetic"} 1.0' in body.decode()
+
+
+async def test_a_server_without_recording_has_no_recording_figures(start_server: Any) -> None:
+    running = await start_server(SLOW)
+    assert "trio_vstream_recordings" not in running.server.metrics.exposition().decode()
 
 
 class StuckDisk:

@@ -9,8 +9,13 @@ Trio's clock, measured where the work happens (the session).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Protocol
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (
     0.001,
@@ -193,5 +198,51 @@ class ServerMetrics:
     def batch_run(self, rows: int) -> None:
         self._batch_rows.labels(self.model).observe(rows)
 
+    def follow_recordings(self, recordings: RecordingCounts) -> None:
+        """Expose a recorder's counts (``--record``), read at each scrape."""
+        self.registry.register(_RecordingFigures(recordings, self.model))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecordingCounts(Protocol):
+    """What `ServerMetrics.follow_recordings` reads: a `trio_vstream.recording.Recorder`."""
+
+    @property
+    def written(self) -> int: ...
+    @property
+    def dropped(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+
+
+class _RecordingFigures(Collector):
+    """The recorder counts its recordings in its writer threads; reading them at scrape
+    time keeps those threads free of any metrics call."""
+
+    def __init__(self, recordings: RecordingCounts, model: str) -> None:
+        self._recordings = recordings
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        recordings, labels = self._recordings, [self._model]
+        written = CounterMetricFamily(
+            "trio_vstream_recordings_written",
+            "Sessions recorded whole (--record): an MP4 and its JSON in place.",
+            labels=["model"],
+        )
+        written.add_metric(labels, recordings.written)
+        dropped = CounterMetricFamily(
+            "trio_vstream_recordings_dropped",
+            "Recordings dropped (the disk too slow or failing); their sessions went on.",
+            labels=["model"],
+        )
+        dropped.add_metric(labels, recordings.dropped)
+        active = GaugeMetricFamily(
+            "trio_vstream_recordings_active",
+            "Recordings being written now.",
+            labels=["model"],
+        )
+        active.add_metric(labels, recordings.active)
+        return iter((written, dropped, active))

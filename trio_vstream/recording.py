@@ -97,6 +97,8 @@ class Recorder:
         self.max_queued_bytes = max_queued_bytes
         self.max_queued_items = max_queued_items
         self.open_part = open_part
+        self.written = 0
+        """Recordings written whole so far (an MP4 and its JSON)."""
         self.dropped = 0
         """Recordings dropped so far (behind, or a disk error)."""
         self._lock = threading.Lock()
@@ -128,6 +130,12 @@ class Recorder:
                 if not tap.join(left):
                     return False
 
+    @property
+    def active(self) -> int:
+        """Recordings being written now."""
+        with self._lock:
+            return len(self._writing)
+
     def _began(self, tap: _RecordingTap) -> None:
         with self._lock:
             self._writing.add(tap)
@@ -136,6 +144,7 @@ class Recorder:
         with self._lock:
             self._writing.discard(tap)
             self.dropped += dropped
+            self.written += not dropped
 
 
 @attrs.define

@@ -37,6 +37,7 @@ from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_strea
 from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol, taps
 from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
 from trio_vstream.protocol import ErrorCode
+from trio_vstream.recording import Recorder
 from trio_vstream.session import (
     Outcome,
     ServerCounters,
@@ -119,6 +120,8 @@ class VideoServer:
         self.tap_factories: list[TapFactory] = [self.watch.taps]
         if taps is not None:
             self.tap_factories.append(taps)
+        if isinstance(taps, Recorder):
+            self.metrics.follow_recordings(taps)
         self._started_at = int(time.time())
         progress = EngineProgress()
         batch = max_batch(engine)
