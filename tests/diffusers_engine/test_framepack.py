@@ -1,11 +1,15 @@
-"""FramePack (``HunyuanVideoFramepackPipeline``, vanilla sampling), streamed section by
+"""FramePack (``HunyuanVideoFramepackPipeline``). Vanilla sampling is streamed section by
 section: the engine drives the pipeline's section loop from its components, each
 ``next_chunk`` hands over the frames a section made final (its cross-faded overlap held
 back until the next section has blended it), and the frames, joined, are exactly those
-of the pipeline's single call."""
+of the pipeline's single call. Inverted sampling (the call's default) is served segment
+by segment: each segment is one real call of one section, the later ones continued from
+the previous segment's last frame; what reaches the call is recorded by a wrapper around
+the pipeline's own ``__call__``, which then runs."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,15 @@ SECTION = "12"
 """``segment_frames``: a section's 12 frames, ``latent_window_size`` 3."""
 
 VANILLA = {"sampling_type": "vanilla"}
+
+INVERTED = "inverted_anti_drifting"
+
+SEGMENT = 13
+"""An inverted segment: one section of ``latent_window_size`` 3 (``segment_frames`` 12)
+makes 13 frames, the conditioning image's first; a continued segment adds 12."""
+
+ONE_SECTION = 9
+"""``num_frames`` for one inverted section of 3 latent frames: ``(3-1)*4+1``."""
 
 IMAGE = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
 
@@ -68,6 +81,39 @@ def single_call(pipe: Any, *, seed: int = 1, **kw: Any) -> np.ndarray:
     }
     args.update(kw)
     return frames_to_uint8(pipe(**args).frames).numpy()
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> list[dict[str, Any]]:
+    """Every call of ``pipe``'s class from now on, as the keyword arguments it was given
+    (the image as an array, the generator as its seed); the real ``__call__`` then runs.
+    ``monkeypatch`` puts the class back after the test."""
+    calls: list[dict[str, Any]] = []
+    cls = type(pipe)
+    call = cls.__call__
+
+    @functools.wraps(call)
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen = dict(kwargs)
+        if "image" in seen:
+            seen["image"] = np.asarray(seen["image"]).copy()
+        if seen.get("generator") is not None:
+            seen["generator"] = seen["generator"].initial_seed()
+        calls.append(seen)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", recording)
+    return calls
+
+
+def inverted_call(pipe: Any, image: np.ndarray, *, seed: int, **kw: Any) -> np.ndarray:
+    """The pipeline's own output for one inverted section from ``image``, as uint8 frames."""
+    args: dict[str, Any] = {
+        "num_frames": ONE_SECTION,
+        "sampling_type": INVERTED,
+        "image": Image.fromarray(image),
+    }
+    args.update(kw)
+    return single_call(pipe, seed=seed, **args)
 
 
 class Counts:
@@ -238,17 +284,27 @@ def test_memory_is_flat_over_sections(framepack: Path, make_engine: Any) -> None
     assert max(sizes[1:]) - min(sizes[1:]) < latent_frame, sizes
 
 
-def test_arguments_are_checked_before_the_stream_starts(framepack: Path, make_engine: Any) -> None:
+def test_arguments_are_checked_before_the_stream_starts(
+    framepack: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
-    for extra in ({}, {"sampling_type": "inverted_anti_drifting"}):
-        with pytest.raises(InvalidRequestError, match="inverted_anti_drifting makes the video"):
-            engine.open_stream(fp_request(extra_params=extra))
-    with pytest.raises(InvalidRequestError, match="image_reference is required"):
-        engine.open_stream(fp_request(image=None))
-    with pytest.raises(InvalidRequestError, match="latent_window_size must be an integer"):
-        engine.open_stream(fp_request(extra_params={**VANILLA, "latent_window_size": 0}))
-    with pytest.raises(InvalidRequestError, match="set by the engine: prompt_template"):
-        engine.open_stream(fp_request(extra_params={**VANILLA, "prompt_template": {}}))
+    calls = record_calls(monkeypatch, engine.model.pipe)
+    # Any sampling_type but the two is refused, naming the field, the value and both.
+    for value in ("backwards", "Vanilla", None, 1):
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.open_stream(fp_request(extra_params={"sampling_type": value}))
+        message = str(refused.value)
+        assert f"extra_params.sampling_type must be {INVERTED!r} or 'vanilla'" in message
+        assert message.endswith(f"got {value!r}")
+    # Both samplings check the rest alike (no sampling_type: the call's default, inverted).
+    for sampling in (VANILLA, {}):
+        with pytest.raises(InvalidRequestError, match="image_reference is required"):
+            engine.open_stream(fp_request(image=None, extra_params=sampling))
+        with pytest.raises(InvalidRequestError, match="latent_window_size must be an integer"):
+            engine.open_stream(fp_request(extra_params={**sampling, "latent_window_size": 0}))
+        with pytest.raises(InvalidRequestError, match="set by the engine: prompt_template"):
+            engine.open_stream(fp_request(extra_params={**sampling, "prompt_template": {}}))
+    assert calls == []  # nothing reached the pipeline
     with pytest.raises(InvalidRequestError, match="multiples of 16"):
         engine.open_stream(fp_request(width=40))
     with pytest.raises(EngineConfigError, match="segment_frames"):
@@ -261,3 +317,139 @@ def test_arguments_are_checked_before_the_stream_starts(framepack: Path, make_en
     assert [ch.frames.shape[0] for ch in custom] == [4, 8, 8, 7]
     reference = single_call(engine.model.pipe, latent_window_size=2)
     np.testing.assert_array_equal(np.concatenate([ch.frames for ch in custom]), reference[:FRAMES])
+    # Inverted, a window of the request's own is the call's too: segments of 9 frames.
+    calls.clear()
+    inverted = run_all(
+        engine.open_stream(fp_request(num_frames=17, extra_params={"latent_window_size": 2}))
+    )
+    assert [ch.frames.shape[0] for ch in inverted] == [9, 8]
+    assert [(c["latent_window_size"], c["num_frames"]) for c in calls] == [(2, 5), (2, 5)]
+    reference = inverted_call(engine.model.pipe, IMAGE, seed=1, latent_window_size=2, num_frames=5)
+    np.testing.assert_array_equal(inverted[0].frames, reference)
+
+
+@pytest.mark.parametrize(
+    ("extra", "guided"),
+    [
+        ({}, {}),
+        ({"sampling_type": INVERTED}, {"true_cfg_scale": 3.0, "negative_prompt": "blurry"}),
+    ],
+    ids=["default", "explicit-true-cfg"],
+)
+def test_inverted_sampling_streams_segment_by_segment_from_the_last_frame(
+    extra: dict[str, Any],
+    guided: dict[str, Any],
+    framepack: Path,
+    make_engine: Any,
+    probes: list[Counts],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = make_engine(framepack, segment_frames=SECTION)
+    assert engine.framepack
+    pipe = engine.model.pipe
+    c = Counts(pipe)
+    probes.append(c)
+    calls = record_calls(monkeypatch, pipe)
+    stream = engine.open_stream(
+        fp_request(num_frames=2 * SEGMENT - 1, extra_params=extra, **guided)
+    )
+    per_step = 2 if guided else 1
+    try:
+        first = stream.next_chunk(no_stop)
+        # The first chunk comes after one whole call: one section's steps, one decode.
+        assert (len(calls), c.steps, c.decoded) == (1, 2 * per_step, 1)
+        second = stream.next_chunk(no_stop)
+        assert stream.next_chunk(no_stop) is None
+    finally:
+        stream.close()
+    assert (len(calls), c.steps, c.decoded) == (2, 4 * per_step, 2)
+    # 13 frames (the image's, then 12), then 12 new ones: the 25 asked for.
+    assert (first.frames.shape, second.frames.shape) == ((SEGMENT, 32, 32, 3), (12, 32, 32, 3))
+    for call, seed in zip(calls, (1, 2), strict=True):
+        assert call["sampling_type"] == INVERTED
+        assert (call["latent_window_size"], call["num_frames"]) == (3, ONE_SECTION)
+        assert call["generator"] == seed  # the segment path's seed + index
+        assert "image_latents" not in call and "last_image" not in call
+    # The first segment is conditioned on the image reference, the second on the first
+    # segment's last frame.
+    np.testing.assert_array_equal(calls[0]["image"], IMAGE)
+    np.testing.assert_array_equal(calls[1]["image"], first.frames[-1])
+    assert not np.array_equal(calls[1]["image"], IMAGE)
+    # Each segment is exactly the pipeline's own call from that image (with the request's
+    # parameters); the continued one without its first frame, the image's copy.
+    calls.clear()
+    reference = inverted_call(pipe, IMAGE, seed=1, **guided)
+    assert reference.shape == (SEGMENT, 32, 32, 3)
+    np.testing.assert_array_equal(first.frames, reference)
+    continued = inverted_call(pipe, first.frames[-1], seed=2, **guided)
+    np.testing.assert_array_equal(second.frames, continued[1:])
+    if guided:  # the negative prompt reached the call: without it, another video
+        assert not np.array_equal(reference, inverted_call(pipe, IMAGE, seed=1))
+
+
+def test_inverted_stop_within_a_step_and_the_stopped_segment_is_not_decoded(
+    framepack: Path, make_engine: Any, probes: list[Counts]
+) -> None:
+    engine = make_engine(framepack, segment_frames=SECTION)
+    c = Counts(engine.model.pipe)
+    probes.append(c)
+    stream = engine.open_stream(fp_request(num_inference_steps=3, extra_params={}))
+    calls = 0
+    stop_at = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        if stop_at and calls >= stop_at:
+            raise Stopped
+
+    checkpoint = checkpoint_calling(step)
+    try:
+        assert stream.next_chunk(checkpoint).frames.shape[0] == SEGMENT
+        assert calls == 1 + 3  # before the call, then after each of its 3 steps
+        assert (c.steps, c.decoded) == (3, 1)
+        stop_at = calls + 3  # after the second segment's second step
+        with pytest.raises(Stopped):
+            stream.next_chunk(checkpoint)
+        assert stream._frames_done == SEGMENT  # the stopped segment sent nothing
+    finally:
+        stream.close()
+    assert c.steps == 3 + 2  # no step after the stop
+    assert c.decoded == 1  # the stopped segment was not decoded
+    assert not engine.lock.locked
+
+
+def test_inverted_interaction_blends_conditioning_from_the_next_segment_on(
+    framepack: Path, make_engine: Any, probes: list[Counts]
+) -> None:
+    engine = make_engine(framepack, segment_frames=SECTION)
+    pipe = engine.model.pipe
+    c = Counts(pipe)
+    probes.append(c)
+    stream = engine.open_stream(
+        fp_request(prompt="a red fox", num_frames=SEGMENT + 2 * 12, extra_params={})
+    )
+    try:
+        first = stream.next_chunk(no_stop)
+        stream.interact(PromptChange("e1", "a blue whale", transition_chunks=2))
+        chunks = [stream.next_chunk(no_stop) for _ in range(2)]
+        assert stream.next_chunk(no_stop) is None
+    finally:
+        stream.close()
+
+    def encode(text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            embeds, pooled, _ = pipe.encode_prompt(prompt=text)
+        return embeds, pooled
+
+    fox, whale = encode("a red fox"), encode("a blue whale")
+    assert not torch.allclose(fox[0], whale[0]) and not torch.allclose(fox[1], whale[1])
+    half = tuple(0.5 * f + 0.5 * w for f, w in zip(fox, whale, strict=True))
+    expected = [e for e in (fox, half, whale) for _ in range(2)]  # two steps a segment
+    assert len(c.embeds) == len(expected)
+    for used, pooled, (target, target_pooled) in zip(c.embeds, c.pooled, expected, strict=True):
+        torch.testing.assert_close(used, target, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pooled, target_pooled, rtol=1e-5, atol=1e-6)
+    assert (first.started_event_ids, first.active_event_ids) == ((), ())
+    assert chunks[0].started_event_ids == ("e1",) and chunks[0].active_event_ids == ("e1",)
+    assert chunks[1].completed_event_ids == ("e1",)

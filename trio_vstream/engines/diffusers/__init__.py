@@ -25,7 +25,10 @@ streamed chunk by chunk the same way (``_far``): the engine drives its causal ch
 KV cache included, since its call keeps the cache to itself and decodes only at its end. A
 FramePack pipeline with ``sampling_type="vanilla"`` is streamed section by section
 (``_framepack``): the engine drives its section loop and holds back each section's
-cross-faded overlap frames until the next section has blended them.
+cross-faded overlap frames until the next section has blended them. With the call's
+default, ``"inverted_anti_drifting"`` (which makes a call's sections backwards), it is
+served segment by segment like Wan image-to-video: one call of one section per segment,
+each later one continued from the last frame (decided per request, in ``_plan``).
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -186,9 +189,11 @@ class DiffusersEngine:
         self.framepack = (
             model.streams_sections and not self.chunked and not self.windowed and not self.far
         )
-        """One FramePack section per ``next_chunk``, the loop driven by the engine and each
-        section's overlap frames held back until the next one blends them: see
-        `FramepackLoop`."""
+        """A FramePack pipeline. With ``sampling_type="vanilla"``, one section per
+        ``next_chunk``, the loop driven by the engine and each section's overlap frames
+        held back until the next one blends them: see `FramepackLoop`. With
+        ``"inverted_anti_drifting"`` (the call's default), the segment path, continued from
+        each segment's last frame: see `FramepackPlan.inverted`."""
         looped = self.chunked or self.windowed or self.far or self.framepack
         if looped and i2v is not None:
             raise config_error(
@@ -424,8 +429,11 @@ class DiffusersEngine:
                 problems=problems,
             )
         framepack = None
+        continues = continuation is not None
+        segment_frames = self.segment_frames
+        call_frames = None
         if self.framepack:
-            framepack = framepack_plan(
+            sections = framepack_plan(
                 model,
                 extra,
                 num_frames=request.num_frames,
@@ -433,6 +441,15 @@ class DiffusersEngine:
                 true_cfg_scale=request.true_cfg_scale,
                 problems=problems,
             )
+            if sections is not None and sections.inverted:
+                # The segment path: one call of one section a segment (the image's frame and
+                # window*frame_step new ones), each later one continued from the last frame.
+                continues = True
+                segment_frames = sections.segment_frames(self.frame_step)
+                call_frames = sections.call_frames(self.frame_step)
+                call_kwargs[model.role].update(sections.call_kwargs())
+            else:
+                framepack = sections
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = request.seed
@@ -442,7 +459,7 @@ class DiffusersEngine:
         return StreamPlan(
             first=first,
             following=following,
-            continues=continuation is not None,
+            continues=continues,
             chunked=self.chunked,
             windows=windows,
             far=far,
@@ -453,8 +470,9 @@ class DiffusersEngine:
             max_sequence_length=max_sequence_length,
             guidance_scale=guidance,
             seed=seed,
-            segment_frames=self.segment_frames,
+            segment_frames=segment_frames,
             frame_step=self.frame_step,
+            call_frames=call_frames,
         )
 
     def _claim_lora(self, request: GenerationRequest) -> tuple[LoadedLora, float] | None:

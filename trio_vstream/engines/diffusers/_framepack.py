@@ -1,4 +1,6 @@
-"""`FramepackLoop`: one session's FramePack-F1 sections, one per ``next_chunk``.
+"""FramePack (``HunyuanVideoFramepackPipeline``): `FramepackLoop` streams one session's
+FramePack-F1 (vanilla) sections, one per ``next_chunk``; inverted sampling goes the
+engine's segment path, one call of one section per segment (`FramepackPlan.inverted`).
 
 ``HunyuanVideoFramepackPipeline`` with ``sampling_type="vanilla"`` (FramePack-F1) makes a
 video forwards in sections of ``latent_window_size`` latent frames: each section is
@@ -31,8 +33,22 @@ generator.
 
 ``sampling_type="inverted_anti_drifting"`` (the call's default, and the released
 FramePackI2V_HY checkpoint's) makes the sections from the video's end backwards, each
-prepended to the history: the first frames come last, so nothing can be sent in time
-order before the whole video is made. The engine refuses it (`framepack_plan`).
+prepended to the history: the first frames come last, so nothing of a multi-section call
+can be sent in time order before the whole call ends, and no loop of the engine's could
+continue it forwards. So it is served as fixed-length image-to-video pipelines (Wan) are,
+segment by segment (``DiffusersStream._generate``): each segment is one whole call of one
+section (``num_frames`` at most ``(latent_window_size-1)*4+1``, which the call rounds up to
+one section; `FramepackPlan.call_frames`), which makes ``4*latent_window_size+1`` frames,
+the conditioning image's own first (`FramepackPlan.segment_frames`). The first segment is
+conditioned on the session's ``image_reference`` and is exactly that call's output; each
+later one is a new call from the previous segment's last frame (``image=``, its copy
+dropped) with the generator seeded ``seed + index``. So the first chunk comes after one
+whole section's call, and the video is not the single call's: a one-section call has no
+later section to make first, so the anti-drifting order (the video's end made first,
+anchored on its first frame) plays no part across segments, and nothing but the last frame
+carries over (no latent history, no motion), so long videos drift as any frame-continued
+video does. The prompts go in as the call's three tensors (`Prompt.call_kwargs`), blended
+while a transition runs. Any other ``sampling_type`` is refused (`framepack_plan`).
 """
 
 from __future__ import annotations
@@ -71,6 +87,11 @@ HISTORY_SIZES: tuple[int, int, int] = (16, 2, 1)
 """The vanilla history's 4x, 2x and 1x latent frames (the call's, fixed for F1)."""
 
 VANILLA = "vanilla"
+"""FramePack-F1's sampling: streamed section by section (`FramepackLoop`)."""
+INVERTED = "inverted_anti_drifting"
+"""The call's default sampling (FramePackI2V_HY's): served segment by segment."""
+SAMPLING_TYPES: tuple[str, ...] = (INVERTED, VANILLA)
+"""The ``sampling_type`` values a request may ask for."""
 
 
 def streams_sections(params: Collection[str], pipe: Any) -> bool:
@@ -95,9 +116,32 @@ class FramepackPlan:
     window: int
     """``latent_window_size``: latent frames per section (4 frames each)."""
     sections: int
-    """The call's ``num_latent_sections``."""
+    """The call's ``num_latent_sections`` for the whole video (the vanilla loop's count)."""
     sigmas: tuple[float, ...] | None = None
     true_cfg_scale: float = 1.0
+    sampling: str = VANILLA
+    """``sampling_type``: `VANILLA` (`FramepackLoop`) or `INVERTED` (the segment path)."""
+
+    @property
+    def inverted(self) -> bool:
+        """Whether the video is served segment by segment, one inverted call a segment."""
+        return self.sampling == INVERTED
+
+    def segment_frames(self, temporal: int) -> int:
+        """Frames one inverted call of one section makes: the conditioning image's frame
+        (the prepended image latent, decoded), then ``temporal`` per latent frame."""
+        return self.window * temporal + 1
+
+    def call_frames(self, temporal: int) -> int:
+        """The most ``num_frames`` an inverted call is asked for: the call runs
+        ``ceil(num_frames / ((window-1)*temporal+1))`` sections, so this is one section."""
+        return (self.window - 1) * temporal + 1
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """What every inverted segment's call is given besides the request's arguments:
+        the sampling (explicitly, not left to the call's default) and the window the
+        segment's frames were counted with."""
+        return {"sampling_type": self.sampling, "latent_window_size": self.window}
 
     @property
     def overlap(self) -> int:
@@ -120,19 +164,21 @@ def framepack_plan(
     true_cfg_scale: float | None,
     problems: list[str],
 ) -> FramepackPlan | None:
-    """The section loop a request asks for. ``sampling_type`` must be ``"vanilla"``:
-    the call's default, ``"inverted_anti_drifting"``, makes the video backwards, so it
-    cannot stream. ``latent_window_size`` (else ``window``, the engine's) and ``sigmas``
-    may come in ``extra_params``. Appends what is wrong to ``problems`` (then returns
-    None), so a bad request is refused before it runs."""
-    sampling = extra.get("sampling_type", info.default("sampling_type"))
-    sampling = getattr(sampling, "value", sampling)
-    if sampling != VANILLA:
+    """The sections a request asks for. ``sampling_type`` (else the call's default,
+    ``"inverted_anti_drifting"``) must be one of `SAMPLING_TYPES`: ``"vanilla"`` is
+    streamed section by section, ``"inverted_anti_drifting"`` segment by segment.
+    ``latent_window_size`` (else ``window``, the engine's) and ``sigmas`` may come in
+    ``extra_params``. Appends what is wrong to ``problems`` (then returns None), so a bad
+    request is refused before it runs."""
+    sampling = extra.get("sampling_type", info.default("sampling_type") or INVERTED)
+    sampling = getattr(sampling, "value", sampling)  # the call's default is an enum
+    known = isinstance(sampling, str) and sampling in SAMPLING_TYPES
+    if not known:
+        accepted = " or ".join(repr(v) for v in SAMPLING_TYPES)
         problems.append(
-            f"{info.class_name} streams only with extra_params.sampling_type='vanilla' "
-            f"(FramePack-F1 checkpoints), got {sampling!r}: inverted_anti_drifting makes "
-            "the video from its end backwards, so no frame could be sent before the "
-            "whole video is made"
+            f"extra_params.sampling_type must be {accepted} for {info.class_name} "
+            f"(inverted_anti_drifting, the call's default, is served segment by segment; "
+            f"vanilla, FramePack-F1, section by section), got {sampling!r}"
         )
     size = extra.get("latent_window_size", window)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -148,7 +194,7 @@ def framepack_plan(
             problems.append(f"extra_params.sigmas must be a list of numbers, got {sigmas!r}")
             return None
         sigmas = tuple(float(v) for v in sigmas)
-    if sampling != VANILLA:
+    if not known:
         return None
     window_frames = (size - 1) * 4 + 1
     return FramepackPlan(
@@ -156,6 +202,7 @@ def framepack_plan(
         sections=max(1, (num_frames + window_frames - 1) // window_frames),
         sigmas=sigmas,
         true_cfg_scale=1.0 if true_cfg_scale is None else float(true_cfg_scale),
+        sampling=sampling,
     )
 
 
@@ -195,6 +242,20 @@ class Prompt:
         for prompt, _ in parts[1:]:
             mask = torch.maximum(mask, prompt.mask)
         return cls(blend("embeds"), blend("pooled"), mask)
+
+    def call_kwargs(self, negative: Prompt | None) -> dict[str, Any]:
+        """The call's prompt arguments for these tensors (which its ``encode_prompt``
+        passes through as they are), and the negative prompt's for true CFG."""
+        kwargs = {
+            "prompt_embeds": self.embeds,
+            "pooled_prompt_embeds": self.pooled,
+            "prompt_attention_mask": self.mask,
+        }
+        if negative is not None:
+            kwargs["negative_prompt_embeds"] = negative.embeds
+            kwargs["negative_pooled_prompt_embeds"] = negative.pooled
+            kwargs["negative_prompt_attention_mask"] = negative.mask
+        return kwargs
 
 
 class FramepackLoop:

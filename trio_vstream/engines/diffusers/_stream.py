@@ -10,7 +10,8 @@ loop, and `ChunkHistory` carries the session's history latents and generator int
 next call instead of a frame. For a diffusion-forcing pipeline (SkyReels-V2 DF) a segment
 is one window of its loop, which `ForcingLoop` runs from the pipeline's components; for
 an AnyFlow FAR pipeline, one causal chunk of its loop, which `FarLoop` runs; for a
-FramePack pipeline (vanilla sampling), one section of its loop, which `FramepackLoop` runs.
+FramePack pipeline (vanilla sampling), one section of its loop, which `FramepackLoop` runs
+(with inverted sampling a FramePack segment is one ordinary call of one section).
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ class StreamPlan:
     far: FarPlan | None = None
     """The AnyFlow FAR chunk loop, one causal chunk per chunk (None: not such a pipeline)."""
     framepack: FramepackPlan | None = None
-    """The FramePack section loop, one section per chunk (None: not such a pipeline)."""
+    """The FramePack section loop, one section per chunk (None: not such a pipeline, or
+    FramePack with inverted sampling, which takes the segment path)."""
+    call_frames: int | None = None
+    """The most ``num_frames`` a segment's call is asked for, whatever frames the segment
+    keeps (None: the segment's own count). FramePack's inverted call runs whole sections,
+    one per ``(latent_window_size-1)*4+1`` frames asked for, and one section makes
+    ``4*latent_window_size+1``: asking for the segment's count would run two."""
 
 
 class DiffusersStream:
@@ -222,7 +229,7 @@ class DiffusersStream:
         scheduler, the LoRA and the per-call attributes are the pipeline's, not ours."""
         plan, request, engine = self._plan, self._request, self._engine
         kwargs: dict[str, Any] = dict(plan.call_kwargs[info.role])
-        kwargs["num_frames"] = count
+        kwargs["num_frames"] = count if plan.call_frames is None else min(count, plan.call_frames)
         history = self._history
         if history is None:
             seed = (plan.seed + index) % 2**64
@@ -409,6 +416,8 @@ class DiffusersStream:
     def _prompt_kwargs(self, info: PipelineInfo, conditioning: ChunkConditioning) -> dict[str, Any]:
         """The call's prompt arguments: embeddings where the pipeline takes them (so a
         transition can blend prompts), else the dominant prompt as text."""
+        if info.streams_sections:
+            return self._framepack_prompt_kwargs(info, conditioning)
         plan, request = self._plan, self._request
         negative_text = request.negative_prompt
         if info.encode_params is not None and info.embed_layout != "strings":
@@ -429,6 +438,22 @@ class DiffusersStream:
         if negative_text is not None:
             kwargs["negative_prompt"] = negative_text
         return kwargs
+
+    def _framepack_prompt_kwargs(
+        self, info: PipelineInfo, conditioning: ChunkConditioning
+    ) -> dict[str, Any]:
+        """A FramePack call's prompt tensors (its ``encode_prompt`` returns three, which
+        the generic layouts do not read), blended as the section loop blends them; the
+        negative prompt's only for true CFG (``guidance_scale`` is distilled guidance)."""
+        prompt = Prompt.mixed([(self._section_prompt(info, t), w) for t, w in conditioning.mix])
+        negative = None
+        true_cfg = self._plan.call_kwargs[info.role].get("true_cfg_scale")
+        if true_cfg is None:
+            true_cfg = info.default("true_cfg_scale")
+        text = self._request.negative_prompt
+        if text is not None and isinstance(true_cfg, (int, float)) and true_cfg > 1.0:
+            negative = self._section_prompt(info, text)
+        return prompt.call_kwargs(negative)
 
     def _mix(
         self, info: PipelineInfo, mix: tuple[tuple[str, float], ...]
