@@ -25,7 +25,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, receive_into
-from trio_vstream.engines import Checkpoint, GenerationRequest
+from trio_vstream.engines import Checkpoint, GenerationRequest, checkpoint_calling
 from trio_vstream.session import SessionSummary
 
 START = {
@@ -77,6 +77,21 @@ def run_all(stream: Any, checkpoint: Checkpoint = no_stop) -> list[Any]:
 
 class Stopped(BaseException):
     """Stands in for trio.Cancelled, which checkpoint() raises: a BaseException."""
+
+
+class StopAtCall:
+    """A checkpoint that counts its calls (``calls``) and raises `Stopped` at the call
+    numbered ``stop_at`` (0: never): how a test stops an engine at a chosen step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.stop_at = 0
+        self.checkpoint = checkpoint_calling(self._step)
+
+    def _step(self) -> None:
+        self.calls += 1
+        if self.stop_at and self.calls >= self.stop_at:
+            raise Stopped
 
 
 class StopWhenTold(Checkpoint):

@@ -13,13 +13,14 @@ import torch
 
 from tests.diffusers_engine.support import (
     Probe,
+    StopAtCall,
     Stopped,
     live_tensor_bytes,
     no_stop,
     request,
     run_all,
 )
-from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
+from trio_vstream.engines import InvalidRequestError, PromptChange
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 
@@ -122,23 +123,15 @@ def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
     w = Probe(engine.model.pipe, keep_embeds=True)
     probes.append(w)
     stream = engine.open_stream(helios_request(num_frames=99, num_inference_steps=2))
-    calls = 0
-    stop_at = 0
-
-    def step() -> None:
-        nonlocal calls
-        calls += 1
-        if stop_at and calls >= stop_at:
-            raise Stopped
-
-    checkpoint = checkpoint_calling(step)
+    stops = StopAtCall()
     try:
-        assert stream.next_chunk(checkpoint) is not None
-        per_chunk = calls  # 1 before the call + 6 steps (3 stages of 2)
+        assert stream.next_chunk(stops.checkpoint) is not None
+        per_chunk = stops.calls  # 1 before the call + 6 steps (3 stages of 2)
         assert per_chunk == 7 and (len(w.forwards), len(w.decodes)) == (6, 1)
-        stop_at = calls + 3  # the second chunk's third checkpoint: after its second step
+        # The second chunk's third checkpoint: after its second step.
+        stops.stop_at = stops.calls + 3
         with pytest.raises(Stopped):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stops.checkpoint)
     finally:
         stream.close()
     assert len(w.forwards) == 6 + 2  # no step after the stop

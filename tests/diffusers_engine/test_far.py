@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from tests.diffusers_engine.support import (
+    StopAtCall,
     Stopped,
     live_tensor_bytes,
     no_stop,
     request,
     run_all,
 )
-from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
+from trio_vstream.engines import InvalidRequestError, PromptChange
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 
@@ -171,24 +172,15 @@ def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
     c = Counts(engine.model.pipe)
     probes.append(c)
     stream = engine.open_stream(far_request(num_inference_steps=3))
-    calls = 0
-    stop_at = 0
-
-    def step() -> None:
-        nonlocal calls
-        calls += 1
-        if stop_at and calls >= stop_at:
-            raise Stopped
-
-    checkpoint = checkpoint_calling(step)
+    stops = StopAtCall()
     try:
-        assert stream.next_chunk(checkpoint) is not None
-        assert calls == 3 + 1  # a checkpoint before each of the 3 steps, and the decode
+        assert stream.next_chunk(stops.checkpoint) is not None
+        assert stops.calls == 3 + 1  # a checkpoint before each of the 3 steps, and the decode
         assert (c.steps, c.decoded) == (3, 1)
         # The second chunk: its cache pass, then its steps; stop at its third step's.
-        stop_at = calls + 1 + 3
+        stops.stop_at = stops.calls + 1 + 3
         with pytest.raises(Stopped):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stops.checkpoint)
         assert stream._far.chunks_done == 1  # the stopped chunk is not kept
     finally:
         stream.close()

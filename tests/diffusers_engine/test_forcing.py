@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from tests.diffusers_engine.support import (
+    StopAtCall,
     Stopped,
     live_tensor_bytes,
     no_stop,
     request,
     run_all,
 )
-from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
+from trio_vstream.engines import InvalidRequestError, PromptChange
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 
@@ -188,23 +189,15 @@ def test_stop_within_a_step_and_the_stopped_window_is_not_decoded(
     c = Counts(engine.model.pipe)
     probes.append(c)
     stream = engine.open_stream(df_request(num_frames=41, num_inference_steps=3))
-    calls = 0
-    stop_at = 0
-
-    def step() -> None:
-        nonlocal calls
-        calls += 1
-        if stop_at and calls >= stop_at:
-            raise Stopped
-
-    checkpoint = checkpoint_calling(step)
+    stops = StopAtCall()
     try:
-        assert stream.next_chunk(checkpoint) is not None
-        assert calls == 3 + 1  # a checkpoint before each of the 3 steps, and the decode
+        assert stream.next_chunk(stops.checkpoint) is not None
+        assert stops.calls == 3 + 1  # a checkpoint before each of the 3 steps, and the decode
         assert (c.forwards, c.decoded) == (3, 5)
-        stop_at = calls + 3  # the second window's third checkpoint: after its second step
+        # The second window's third checkpoint: after its second step.
+        stops.stop_at = stops.calls + 3
         with pytest.raises(Stopped):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stops.checkpoint)
         assert stream._forcing.windows_done == 1  # the stopped window is not kept
     finally:
         stream.close()

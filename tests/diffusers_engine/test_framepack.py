@@ -19,13 +19,14 @@ import torch
 from PIL import Image
 
 from tests.diffusers_engine.support import (
+    StopAtCall,
     Stopped,
     live_tensor_bytes,
     no_stop,
     request,
     run_all,
 )
-from trio_vstream.engines import InvalidRequestError, PromptChange, checkpoint_calling
+from trio_vstream.engines import InvalidRequestError, PromptChange
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 
@@ -203,23 +204,14 @@ def test_stop_within_a_step_and_the_stopped_section_is_not_decoded(
     c = Counts(engine.model.pipe)
     probes.append(c)
     stream = engine.open_stream(fp_request(num_inference_steps=3))
-    calls = 0
-    stop_at = 0
-
-    def step() -> None:
-        nonlocal calls
-        calls += 1
-        if stop_at and calls >= stop_at:
-            raise Stopped
-
-    checkpoint = checkpoint_calling(step)
+    stops = StopAtCall()
     try:
-        assert stream.next_chunk(checkpoint) is not None
-        assert calls == 1 + 3 + 1  # the image encodes, each of the 3 steps, the decode
+        assert stream.next_chunk(stops.checkpoint) is not None
+        assert stops.calls == 1 + 3 + 1  # the image encodes, each of the 3 steps, the decode
         assert (c.steps, c.decoded) == (3, 1)
-        stop_at = calls + 3  # the second section's third step
+        stops.stop_at = stops.calls + 3  # the second section's third step
         with pytest.raises(Stopped):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stops.checkpoint)
         assert stream._framepack.sections_done == 1  # the stopped section is not kept
     finally:
         stream.close()
@@ -394,23 +386,14 @@ def test_inverted_stop_within_a_step_and_the_stopped_segment_is_not_decoded(
     c = Counts(engine.model.pipe)
     probes.append(c)
     stream = engine.open_stream(fp_request(num_inference_steps=3, extra_params={}))
-    calls = 0
-    stop_at = 0
-
-    def step() -> None:
-        nonlocal calls
-        calls += 1
-        if stop_at and calls >= stop_at:
-            raise Stopped
-
-    checkpoint = checkpoint_calling(step)
+    stops = StopAtCall()
     try:
-        assert stream.next_chunk(checkpoint).frames.shape[0] == SEGMENT
-        assert calls == 1 + 3  # before the call, then after each of its 3 steps
+        assert stream.next_chunk(stops.checkpoint).frames.shape[0] == SEGMENT
+        assert stops.calls == 1 + 3  # before the call, then after each of its 3 steps
         assert (c.steps, c.decoded) == (3, 1)
-        stop_at = calls + 3  # after the second segment's second step
+        stops.stop_at = stops.calls + 3  # after the second segment's second step
         with pytest.raises(Stopped):
-            stream.next_chunk(checkpoint)
+            stream.next_chunk(stops.checkpoint)
         assert stream._frames_done == SEGMENT  # the stopped segment sent nothing
     finally:
         stream.close()
