@@ -182,7 +182,9 @@ class Probe:
 
 def live_tensor_bytes() -> int:
     """Bytes of every torch tensor alive in the process (the models' weights, a session's
-    history or state, anything leaked): what a memory-flatness test watches."""
+    history or state, anything leaked): what a memory-flatness test watches. Tensors
+    made while the tests were collected are frozen (``tests/conftest.py``) and not
+    counted; they never change, so no comparison of two counts sees them."""
     gc.collect()
     total = 0
     with warnings.catch_warnings():
