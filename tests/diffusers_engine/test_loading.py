@@ -21,6 +21,7 @@ from trio_vstream.engines import EngineConfigError, load_engine
         ("missing", "no such directory"),
         ("file", "not a directory"),
         ("empty", "missing model_index.json"),
+        ("modular", r"a modular pipeline repository \(modular_model_index.json\)"),
         ("bad_json", "model_index.json is unreadable or not JSON"),
         ("no_vae", r"missing vae/ \(AutoencoderKLWan\)"),
         ("no_weights", r"missing transformer/ weights"),
@@ -35,6 +36,9 @@ def test_a_bad_model_directory_fails_at_start_naming_path_and_problem(
         path.write_text("not a pipeline")
     elif case == "empty":
         path.mkdir()
+    elif case == "modular":
+        path.mkdir()
+        (path / "modular_model_index.json").write_text('{"_class_name": "HeliosModularPipeline"}')
     elif case == "bad_json":
         path.mkdir()
         (path / "model_index.json").write_text("{nope")

@@ -62,6 +62,12 @@ def check_pipeline_dir(path: Path, arg: str = "model") -> dict[str, Any]:
     if not path.is_dir():
         raise config_error(f"{where}: not a directory")
     index_path = path / "model_index.json"
+    if not index_path.is_file() and (path / "modular_model_index.json").is_file():
+        raise config_error(
+            f"{where}: a modular pipeline repository (modular_model_index.json), which this "
+            "engine does not load: give the standard pipeline directory (model_index.json) "
+            "of the same checkpoint"
+        )
     if not index_path.is_file():
         raise config_error(
             f"{where}: missing model_index.json, so not a diffusers pipeline directory "
