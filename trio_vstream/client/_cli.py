@@ -365,6 +365,14 @@ def _image_data_url(path: Path) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``-o/--output`` and ``--raw``: at least one, each a file that can be written."""
+    if args.output is None and args.raw is None:
+        raise _UsageError("nothing to write: give -o/--output FILE.mp4 and/or --raw FILE")
+    _check_output(args.output, "--output")
+    _check_output(args.raw, "--raw")
+
+
 def _check_output(path: Path | None, flag: str) -> None:
     """Fail before streaming, not after minutes of generation."""
     if path is None:
@@ -501,12 +509,18 @@ async def _stream_to_end(
 
 
 def _run_streaming(
-    main: Callable[[], Awaitable[None]], run: _Run, progress: _Progress, err: TextIO
-) -> int | None:
-    """``trio.run(main)``; the exit status when there is no result to report (interrupted
-    before one, or no connection), else None: the caller reports ``run.result``."""
+    args: argparse.Namespace,
+    main: Callable[[_Progress, _Run], Awaitable[None]],
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """``trio.run(main, progress, run)``, with a progress line on a terminal, then the
+    exit status: interrupted before a result, or no connection; else `_finish`'s report
+    of ``run.result``."""
+    run = _Run()
+    progress = _Progress(err, enabled=err.isatty())
     try:
-        trio.run(main)
+        trio.run(main, progress, run)
     except KeyboardInterrupt:
         # A signal outside the receiver's lifetime: before it was installed (nothing
         # received yet) or just after the stream ended (the result is in `run`).
@@ -518,7 +532,8 @@ def _run_streaming(
     if run.connect_error is not None:
         print(f"error: {_connect_error_line(run.connect_error)}", file=err)
         return EXIT_CONNECTION
-    return None
+    assert run.result is not None
+    return _finish(args, run.result, out, err)
 
 
 async def _run_async(
@@ -567,11 +582,8 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     out = stdout or sys.stdout
     err = sys.stderr
     try:
-        if args.output is None and args.raw is None:
-            raise _UsageError("nothing to write: give -o/--output FILE.mp4 and/or --raw FILE")
+        _check_outputs(args)
         _check_url(args.url)
-        _check_output(args.output, "--output")
-        _check_output(args.raw, "--raw")
         fields = _start_fields(args)
         api_key = _api_key(args)
     except _UsageError as exc:
@@ -584,16 +596,8 @@ def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         ScheduledInteraction(at=at, camera=camera, transition_chunks=args.transition_chunks)
         for at, camera in [*args.cameras, *args.key_cameras]
     ]
-
-    run = _Run()
-    progress = _Progress(err, enabled=err.isatty())
-    main = functools.partial(_run_async, args, api_key, fields, interactions, progress, run)
-    status = _run_streaming(main, run, progress, err)
-    if status is not None:
-        return status
-    result = run.result
-    assert result is not None
-    return _finish(args, result, out, err)
+    main = functools.partial(_run_async, args, api_key, fields, interactions)
+    return _run_streaming(args, main, out, err)
 
 
 def _connect_error_line(exc: StreamConnectError) -> str:

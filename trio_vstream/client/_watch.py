@@ -24,9 +24,8 @@ from trio_vstream.client._cli import (
     DEFAULT_URL,
     EXIT_USAGE,
     _api_key,
-    _check_output,
+    _check_outputs,
     _check_url,
-    _finish,
     _Progress,
     _Run,
     _run_streaming,
@@ -144,25 +143,15 @@ def run_watch(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
     out = stdout or sys.stdout
     err = sys.stderr
     try:
-        if args.output is None and args.raw is None:
-            raise _UsageError("nothing to write: give -o/--output FILE.mp4 and/or --raw FILE")
+        _check_outputs(args)
         _check_url(args.url)
         try:
             url = watch_link_url(args.link, args.url)
         except ValueError as exc:
             raise _UsageError(str(exc)) from None
-        _check_output(args.output, "--output")
-        _check_output(args.raw, "--raw")
         api_key = _api_key(args)
     except _UsageError as exc:
         print(f"python -m trio_vstream watch: error: {exc}", file=err)
         return EXIT_USAGE
-
-    run = _Run()
-    progress = _Progress(err, enabled=err.isatty())
-    main = functools.partial(_watch_async, url, api_key, args.connect_timeout, progress, run)
-    status = _run_streaming(main, run, progress, err)
-    if status is not None:
-        return status
-    assert run.result is not None
-    return _finish(args, run.result, out, err)
+    main = functools.partial(_watch_async, url, api_key, args.connect_timeout)
+    return _run_streaming(args, main, out, err)
