@@ -17,6 +17,9 @@ from typing import Any
 
 import h11
 import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from trio_vstream import protocol
 
 MAX_HEAD_BYTES = 64 * 1024
 """A request head larger than this is refused (431) rather than buffered."""
@@ -167,3 +170,16 @@ async def respond(
         await stream.send_all(data)
     finally:
         await stream.aclose()
+
+
+async def refuse_websocket(
+    ws: WebSocketConnection, refusal: protocol.Error, timeout: float
+) -> None:
+    """Send an accepted WebSocket its one error message and close it; a client that
+    does not read holds the task ``timeout`` seconds at most."""
+    with trio.move_on_after(timeout):
+        try:
+            await ws.send_message(refusal.to_json())
+            await ws.aclose()
+        except ConnectionClosed:
+            pass

@@ -426,12 +426,7 @@ class VideoServer:
                 f"Server busy: {self.config.max_sessions} sessions running; try again later",
             )
         if refusal is not None:
-            with trio.move_on_after(self.config.session.close_timeout):
-                try:
-                    await ws.send_message(refusal.to_json())
-                    await ws.aclose()
-                except ConnectionClosed:
-                    pass
+            await http.refuse_websocket(ws, refusal, self.config.session.close_timeout)
             return
         session = Session(ws, self._resources)
         self._sessions.add(session)

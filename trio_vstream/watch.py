@@ -50,7 +50,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
-from trio_vstream import access, protocol
+from trio_vstream import access, http, protocol
 from trio_vstream.encoding import fragment_starts_with_keyframe
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
@@ -360,12 +360,7 @@ class WatchRegistry:
                     ErrorCode.SERVER_BUSY,
                     f"this session has its {self.config.max_viewers} viewers; try again later",
                 )
-            with trio.move_on_after(self._close_timeout):
-                try:
-                    await ws.send_message(refusal.to_json())
-                    await ws.aclose()
-                except ConnectionClosed:
-                    pass
+            await http.refuse_websocket(ws, refusal, self._close_timeout)
             return
         try:
             await _ViewerConnection(ws, hub, viewer, self._close_timeout, self._send_timeout).run()
