@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,14 @@ import trio
 from trio_websocket import open_websocket_url
 
 from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, receive_into
-from trio_vstream.engines import Checkpoint, GenerationRequest, checkpoint_calling
+from trio_vstream.engines import (
+    Checkpoint,
+    Chunk,
+    EngineStream,
+    GenerationRequest,
+    PromptChange,
+    checkpoint_calling,
+)
 from trio_vstream.session import SessionSummary
 
 START = {
@@ -202,6 +209,46 @@ def encode(pipe: Any, text: str) -> torch.Tensor:
             prompt=text, do_classifier_free_guidance=False, max_sequence_length=512
         )
     return embeds
+
+
+def fox_to_whale(stream: EngineStream) -> list[Chunk]:
+    """A stream asked for "a red fox": after its first chunk, "a blue whale" (event
+    ``e1``) over two chunks; every chunk, the first included, until the stream ends."""
+    try:
+        chunks = [stream.next_chunk(no_stop)]
+        stream.interact(PromptChange("e1", "a blue whale", transition_chunks=2))
+        while (chunk := stream.next_chunk(no_stop)) is not None:
+            chunks.append(chunk)
+    finally:
+        stream.close()
+    assert all(chunk is not None for chunk in chunks)
+    return chunks  # type: ignore[return-value]
+
+
+def assert_fox_to_whale(
+    chunks: Sequence[Chunk], used: Sequence[Any], expected: Callable[[str], Any], steps: int
+) -> None:
+    """`fox_to_whale`'s chunks and the conditioning ``used`` at each step (``steps`` a
+    chunk): the fox's (``expected(prompt)``) for the first chunk, half of each for the
+    second, the whale's after; ``e1`` starts with the second chunk and completes with the
+    third. Conditioning may be a tensor or a tuple of tensors, each blended alike."""
+    fox, whale = expected("a red fox"), expected("a blue whale")
+    pairs = list(zip(fox, whale, strict=True)) if isinstance(fox, tuple) else [(fox, whale)]
+    assert not any(torch.allclose(f, w) for f, w in pairs)
+
+    def mix(a: float) -> Any:
+        mixed = tuple(a * f + (1 - a) * w for f, w in pairs)
+        return mixed if isinstance(fox, tuple) else mixed[0]
+
+    per_chunk = [fox, mix(0.5)] + [whale] * (len(chunks) - 2)
+    targets = [target for target in per_chunk for _ in range(steps)]
+    assert len(used) == len(targets)
+    for step_used, target in zip(used, targets, strict=True):
+        torch.testing.assert_close(step_used, target, rtol=1e-5, atol=1e-6)
+    first, second, third = chunks[:3]
+    assert (first.started_event_ids, first.active_event_ids) == ((), ())
+    assert (second.started_event_ids, second.active_event_ids) == (("e1",), ("e1",))
+    assert third.completed_event_ids == ("e1",)
 
 
 class Summaries(list[SessionSummary]):

@@ -16,12 +16,15 @@ import torch
 from tests.diffusers_engine.support import (
     StopAtCall,
     Stopped,
+    assert_fox_to_whale,
+    encode,
+    fox_to_whale,
     live_tensor_bytes,
     no_stop,
     request,
     run_all,
 )
-from trio_vstream.engines import InvalidRequestError, PromptChange
+from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 
@@ -196,30 +199,9 @@ def test_interaction_blends_embeddings_from_the_next_chunk_on(
     pipe = engine.model.pipe
     c = Counts(pipe)
     probes.append(c)
-    stream = engine.open_stream(far_request(prompt="a red fox"))
-    try:
-        stream.next_chunk(no_stop)
-        stream.interact(PromptChange("e1", "a blue whale", transition_chunks=2))
-        chunks = [stream.next_chunk(no_stop) for _ in range(3)]
-        assert stream.next_chunk(no_stop) is None
-    finally:
-        stream.close()
-
-    def encode(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            return pipe.encode_prompt(
-                prompt=text, do_classifier_free_guidance=False, max_sequence_length=512
-            )[0]
-
-    fox, whale = encode("a red fox"), encode("a blue whale")
-    assert not torch.allclose(fox, whale)
-    per_chunk = [fox, 0.5 * fox + 0.5 * whale, whale, whale]
-    expected = [e for e in per_chunk for _ in range(2)]  # two steps a chunk
-    assert len(c.embeds) == len(expected)
-    for used, target in zip(c.embeds, expected, strict=True):
-        torch.testing.assert_close(used, target, rtol=1e-5, atol=1e-6)
-    assert chunks[0].started_event_ids == ("e1",) and chunks[0].active_event_ids == ("e1",)
-    assert chunks[1].completed_event_ids == ("e1",)
+    chunks = fox_to_whale(engine.open_stream(far_request(prompt="a red fox")))
+    assert len(chunks) == 4
+    assert_fox_to_whale(chunks, c.embeds, lambda text: encode(pipe, text), steps=2)
 
 
 def test_memory_is_flat_over_chunks_but_sized_by_the_video(

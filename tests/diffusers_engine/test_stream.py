@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.diffusers_engine.support import Probe, Stopped, encode, no_stop, request, run_all
+from tests.diffusers_engine.support import (
+    Probe,
+    Stopped,
+    assert_fox_to_whale,
+    encode,
+    fox_to_whale,
+    no_stop,
+    request,
+    run_all,
+)
 from trio_vstream.engines import PromptChange, checkpoint_calling, load_engine
 
 
@@ -23,27 +32,12 @@ def test_interaction_blends_prompt_embeddings_over_the_next_segments(
     engine = make_engine(models.t2v)
     pipe = engine.model.pipe
     probe = Probe(pipe, keep_embeds=True)
-    stream = engine.open_stream(request(prompt="a red fox", num_frames=15))
-    first = stream.next_chunk(no_stop)
-    stream.interact(PromptChange("e1", "a blue whale", transition_chunks=2))
-    second = stream.next_chunk(no_stop)
-    third = stream.next_chunk(no_stop)
-    assert stream.next_chunk(no_stop) is None
-    stream.close()
+    chunks = fox_to_whale(engine.open_stream(request(prompt="a red fox", num_frames=15)))
     probe.remove()
-
-    fox, whale = encode(pipe, "a red fox"), encode(pipe, "a blue whale")
-    assert not torch.allclose(fox, whale)
-    steps = 2  # per segment; guidance_scale 1: one transformer call per step
-    used = [probe.embeds[i : i + steps] for i in range(0, len(probe.embeds), steps)]
-    assert len(used) == 3
-    expected = [fox, 0.5 * fox + 0.5 * whale, whale]
-    for segment, target in zip(used, expected, strict=True):
-        for embeds in segment:
-            torch.testing.assert_close(embeds, target, rtol=1e-5, atol=1e-6)
-    assert (first.started_event_ids, first.active_event_ids) == ((), ())
-    assert (second.started_event_ids, second.active_event_ids) == (("e1",), ("e1",))
-    assert (third.active_event_ids, third.completed_event_ids) == ((), ("e1",))
+    assert len(chunks) == 3
+    # Two steps a segment; guidance_scale 1: one transformer call per step.
+    assert_fox_to_whale(chunks, probe.embeds, lambda text: encode(pipe, text), steps=2)
+    assert chunks[2].active_event_ids == ()
 
 
 def test_request_parameters_reach_the_pipeline_call(
