@@ -211,6 +211,23 @@ def encode(pipe: Any, text: str) -> torch.Tensor:
     return embeds
 
 
+def take_turns(engine: Any, a: EngineStream, b: EngineStream, chunks: int) -> list[np.ndarray]:
+    """Two sessions' streams take ``chunks`` chunks each, alternately, the pipeline free
+    between chunks; then both are done. Each one's frames, joined."""
+    made: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
+    try:
+        for stream in [a, b] * chunks:
+            chunk = stream.next_chunk(no_stop)
+            assert chunk is not None
+            made[id(stream)].append(chunk.frames)
+            assert not engine.lock.locked  # the pipeline is free between chunks
+        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
+    finally:
+        a.close()
+        b.close()
+    return [np.concatenate(made[id(a)]), np.concatenate(made[id(b)])]
+
+
 def fox_to_whale(stream: EngineStream) -> list[Chunk]:
     """A stream asked for "a red fox": after its first chunk, "a blue whale" (event
     ``e1``) over two chunks; every chunk, the first included, until the stream ends."""

@@ -22,6 +22,7 @@ from tests.diffusers_engine.support import (
     no_stop,
     request,
     run_all,
+    take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
@@ -101,22 +102,14 @@ def test_sessions_take_turns_at_chunk_boundaries_each_with_its_own_history(
     helios: dict[str, Path], make_engine: Any
 ) -> None:
     engine = make_engine(helios["base"], segment_frames=str(CHUNK))
-    a = engine.open_stream(helios_request(num_frames=65, seed=1))
-    b = engine.open_stream(helios_request(num_frames=65, seed=2))
-    try:
-        order = [a, b, a, b]
-        made = {id(a): [], id(b): []}
-        for stream in order:
-            made[id(stream)].append(stream.next_chunk(no_stop).frames)
-            assert not engine.lock.locked  # the pipeline is free between chunks
-        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
-    finally:
-        a.close()
-        b.close()
+    streams = (
+        engine.open_stream(helios_request(num_frames=65, seed=1)),
+        engine.open_stream(helios_request(num_frames=65, seed=2)),
+    )
     pipe = engine.model.pipe
-    for stream, seed in ((a, 1), (b, 2)):
+    for frames, seed in zip(take_turns(engine, *streams, chunks=2), (1, 2), strict=True):
         reference = single_call(pipe, "base", num_frames=65, seed=seed)
-        np.testing.assert_array_equal(np.concatenate(made[id(stream)]), reference)
+        np.testing.assert_array_equal(frames, reference)
 
 
 def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(

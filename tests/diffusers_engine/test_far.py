@@ -23,6 +23,7 @@ from tests.diffusers_engine.support import (
     no_stop,
     request,
     run_all,
+    take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
@@ -152,20 +153,10 @@ def test_sessions_take_turns_at_chunk_boundaries_each_with_its_own_state(
     anyflow_far: Path, make_engine: Any
 ) -> None:
     engine = make_engine(anyflow_far, segment_frames="8")
-    a = engine.open_stream(far_request(seed=1))
-    b = engine.open_stream(far_request(seed=2))
-    made: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
-    try:
-        for stream in [a, b] * 4:
-            made[id(stream)].append(stream.next_chunk(no_stop).frames)
-            assert not engine.lock.locked  # the pipeline is free between chunks
-        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
-    finally:
-        a.close()
-        b.close()
-    for stream, seed in ((a, 1), (b, 2)):
+    streams = engine.open_stream(far_request(seed=1)), engine.open_stream(far_request(seed=2))
+    for frames, seed in zip(take_turns(engine, *streams, chunks=4), (1, 2), strict=True):
         reference = single_call(engine.model.pipe, seed=seed)
-        np.testing.assert_array_equal(np.concatenate(made[id(stream)]), reference)
+        np.testing.assert_array_equal(frames, reference)
 
 
 def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(

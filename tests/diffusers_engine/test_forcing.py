@@ -21,6 +21,7 @@ from tests.diffusers_engine.support import (
     no_stop,
     request,
     run_all,
+    take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
@@ -169,20 +170,13 @@ def test_sessions_take_turns_at_window_boundaries_each_with_its_own_state(
     skyreels: dict[str, Path], make_engine: Any
 ) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
-    a = engine.open_stream(df_request(num_frames=33, seed=1))
-    b = engine.open_stream(df_request(num_frames=33, seed=2))
-    made: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
-    try:
-        for stream in [a, b, a, b, a, b]:
-            made[id(stream)].append(stream.next_chunk(no_stop).frames)
-            assert not engine.lock.locked  # the pipeline is free between windows
-        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
-    finally:
-        a.close()
-        b.close()
-    for stream, seed in ((a, 1), (b, 2)):
+    streams = (
+        engine.open_stream(df_request(num_frames=33, seed=1)),
+        engine.open_stream(df_request(num_frames=33, seed=2)),
+    )
+    for frames, seed in zip(take_turns(engine, *streams, chunks=3), (1, 2), strict=True):
         reference = single_call(engine.model.pipe, num_frames=33, seed=seed)
-        np.testing.assert_array_equal(np.concatenate(made[id(stream)]), reference)
+        np.testing.assert_array_equal(frames, reference)
 
 
 def test_stop_within_a_step_and_the_stopped_window_is_not_decoded(

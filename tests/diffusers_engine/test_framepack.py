@@ -27,6 +27,7 @@ from tests.diffusers_engine.support import (
     no_stop,
     request,
     run_all,
+    take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
@@ -190,20 +191,10 @@ def test_sessions_take_turns_at_section_boundaries_each_with_its_own_state(
     framepack: Path, make_engine: Any
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
-    a = engine.open_stream(fp_request(seed=1))
-    b = engine.open_stream(fp_request(seed=2))
-    made: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
-    try:
-        for stream in [a, b] * 3:
-            made[id(stream)].append(stream.next_chunk(no_stop).frames)
-            assert not engine.lock.locked  # the pipeline is free between sections
-        assert a.next_chunk(no_stop) is None and b.next_chunk(no_stop) is None
-    finally:
-        a.close()
-        b.close()
-    for stream, seed in ((a, 1), (b, 2)):
+    streams = engine.open_stream(fp_request(seed=1)), engine.open_stream(fp_request(seed=2))
+    for frames, seed in zip(take_turns(engine, *streams, chunks=3), (1, 2), strict=True):
         reference = single_call(engine.model.pipe, seed=seed)
-        np.testing.assert_array_equal(np.concatenate(made[id(stream)]), reference[:FRAMES])
+        np.testing.assert_array_equal(frames, reference[:FRAMES])
 
 
 def test_stop_within_a_step_and_the_stopped_section_is_not_decoded(
