@@ -211,6 +211,30 @@ def encode(pipe: Any, text: str) -> torch.Tensor:
     return embeds
 
 
+def memory_per_chunk(
+    stream: EngineStream, chunks: int, held: Callable[[], Any], *, to_the_end: bool = True
+) -> tuple[list[int], list[Any], list[int]]:
+    """Run ``chunks`` chunks of ``stream`` (then, with ``to_the_end``, check it is done)
+    and close it. After each chunk, once the chunk itself is dropped: the bytes of every
+    live tensor, ``held()`` (what the session says it keeps), and the chunk's frames."""
+    sizes: list[int] = []
+    kept: list[Any] = []
+    frames: list[int] = []
+    try:
+        for _ in range(chunks):
+            chunk = stream.next_chunk(no_stop)
+            assert chunk is not None
+            frames.append(chunk.frames.shape[0])
+            del chunk
+            sizes.append(live_tensor_bytes())
+            kept.append(held())
+        if to_the_end:
+            assert stream.next_chunk(no_stop) is None
+    finally:
+        stream.close()
+    return sizes, kept, frames
+
+
 def take_turns(engine: Any, a: EngineStream, b: EngineStream, chunks: int) -> list[np.ndarray]:
     """Two sessions' streams take ``chunks`` chunks each, alternately, the pipeline free
     between chunks; then both are done. Each one's frames, joined."""

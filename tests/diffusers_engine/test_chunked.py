@@ -18,7 +18,7 @@ from tests.diffusers_engine.support import (
     assert_fox_to_whale,
     encode,
     fox_to_whale,
-    live_tensor_bytes,
+    memory_per_chunk,
     no_stop,
     request,
     run_all,
@@ -154,18 +154,10 @@ def test_memory_stays_flat_over_many_chunks(helios: dict[str, Path], make_engine
     engine = make_engine(helios["base"], segment_frames=str(CHUNK))
     chunks = 7
     stream = engine.open_stream(helios_request(num_frames=chunks * CHUNK))
-    sizes: list[int] = []
-    held: list[int] = []
-    try:
-        for _ in range(chunks):
-            chunk = stream.next_chunk(no_stop)
-            assert chunk is not None and chunk.frames.shape[0] == CHUNK
-            del chunk
-            sizes.append(live_tensor_bytes())
-            held.append(stream._history.held_latent_frames)
-        assert stream.next_chunk(no_stop) is None
-    finally:
-        stream.close()
+    sizes, held, frames = memory_per_chunk(
+        stream, chunks, lambda: stream._history.held_latent_frames
+    )
+    assert set(frames) == {CHUNK}
     assert held[:3] == [9, 18, 19] and set(held[2:]) == {19}  # the history window, no more
     # From the third chunk on (the window is full), nothing grows, chunk after chunk: not
     # even one latent frame's worth (a chunk adds nine to a history that is not trimmed).

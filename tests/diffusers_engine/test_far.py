@@ -19,7 +19,7 @@ from tests.diffusers_engine.support import (
     assert_fox_to_whale,
     encode,
     fox_to_whale,
-    live_tensor_bytes,
+    memory_per_chunk,
     no_stop,
     request,
     run_all,
@@ -202,18 +202,7 @@ def test_memory_is_flat_over_chunks_but_sized_by_the_video(
     chunks = 5
     frames = 1 + 8 * (chunks - 1)
     stream = engine.open_stream(far_request(num_frames=frames, num_inference_steps=1))
-    sizes: list[int] = []
-    held: list[int] = []
-    try:
-        for _ in range(chunks):
-            chunk = stream.next_chunk(no_stop)
-            assert chunk is not None
-            del chunk
-            sizes.append(live_tensor_bytes())
-            held.append(stream._far.held_bytes)
-        assert stream.next_chunk(no_stop) is None
-    finally:
-        stream.close()
+    sizes, held, _ = memory_per_chunk(stream, chunks, lambda: stream._far.held_bytes)
     # What a session holds is allocated at its first chunk, as the single call allocates
     # it (the decoder's causal cache fills up with the second latent frame): nothing
     # grows from chunk to chunk after that, not even one latent frame's worth.

@@ -17,7 +17,7 @@ from tests.diffusers_engine.support import (
     assert_fox_to_whale,
     encode,
     fox_to_whale,
-    live_tensor_bytes,
+    memory_per_chunk,
     no_stop,
     request,
     run_all,
@@ -219,18 +219,7 @@ def test_memory_stays_flat_over_many_windows(skyreels: dict[str, Path], make_eng
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     windows = 6
     stream = engine.open_stream(df_request(num_frames=WINDOW + 8 * (windows - 1)))
-    sizes: list[int] = []
-    held: list[int] = []
-    try:
-        for _ in range(windows):
-            chunk = stream.next_chunk(no_stop)
-            assert chunk is not None
-            del chunk
-            sizes.append(live_tensor_bytes())
-            held.append(stream._forcing.held_latent_frames)
-        assert stream.next_chunk(no_stop) is None
-    finally:
-        stream.close()
+    sizes, held, _ = memory_per_chunk(stream, windows, lambda: stream._forcing.held_latent_frames)
     assert set(held) == {3}  # the overlap, whatever the length
     # From the second window on nothing grows: not even one latent frame's worth (a
     # window adds two to a history that is not trimmed).

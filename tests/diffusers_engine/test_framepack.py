@@ -23,7 +23,7 @@ from tests.diffusers_engine.support import (
     Stopped,
     assert_fox_to_whale,
     fox_to_whale,
-    live_tensor_bytes,
+    memory_per_chunk,
     no_stop,
     request,
     run_all,
@@ -238,18 +238,12 @@ def test_memory_is_flat_over_sections(framepack: Path, make_engine: Any) -> None
     engine = make_engine(framepack, segment_frames=SECTION)
     sections = 5
     stream = engine.open_stream(fp_request(num_frames=9 * sections, num_inference_steps=1))
-    sizes: list[int] = []
-    held: list[int] = []
-    try:
-        for _ in range(sections - 1):
-            chunk = stream.next_chunk(no_stop)
-            assert chunk is not None
-            del chunk
-            sizes.append(live_tensor_bytes())
-            held.append(stream._framepack.held_bytes)
-            assert stream._framepack.held_latent_frames == 19  # max(16+2+1, 2*3)
-    finally:
-        stream.close()
+    loop = stream._framepack
+    sizes, kept, _ = memory_per_chunk(
+        stream, sections - 1, lambda: (loop.held_bytes, loop.held_latent_frames), to_the_end=False
+    )
+    held = [held_bytes for held_bytes, _ in kept]
+    assert {frames for _, frames in kept} == {19}  # max(16+2+1, 2*3)
     # The image's latent and embedding, the last 19 latent frames, the held-back overlap:
     # the same from the first section on, whatever the video's length.
     assert len(set(held)) == 1, held
