@@ -62,9 +62,10 @@ async def test_a_rebound_page_reads_nothing_and_opens_no_session(
     assert (await upgrade(port, own)).status == 101
     metrics = await request(port, "/metrics", own)
     assert host_refusals(metrics.body) == 8  # six paths, two upgrades
-    # Logged, rate-limited: one line for the burst, the forged name escaped.
+    # Logged, the forged name escaped; rate-limited (one line per 10 s, so fewer lines
+    # than refusals; the limiter itself is tested with a fake clock in test_keys.py).
     lines = [r.getMessage() for r in caplog.records if "refused a request for Host" in r.message]
-    assert len(lines) == 1 and ATTACKER in lines[0], lines
+    assert lines and ATTACKER in lines[0] and len(lines) < 8, lines
 
 
 @pytest.mark.parametrize(
