@@ -75,7 +75,7 @@ async def http_get(port: int, path: str, **extra: str) -> int:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     lines = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in extra.items())
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: t\r\n{lines}\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{lines}\r\n".encode())
         data = b""
         while chunk := await stream.receive_some():
             data += chunk
@@ -158,7 +158,7 @@ async def test_tls_serves_wss_and_https_on_one_port(
         tcp, client_context(authority), server_hostname="127.0.0.1", https_compatible=True
     )
     async with tls:
-        await tls.send_all(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        await tls.send_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         reply = b""
         while chunk := await tls.receive_some():
             reply += chunk
@@ -167,7 +167,7 @@ async def test_tls_serves_wss_and_https_on_one_port(
     # A plain-text client on the TLS port is hung up on; the server keeps serving.
     plain = await trio.open_tcp_stream("127.0.0.1", running.server.port)
     async with plain:
-        await plain.send_all(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        await plain.send_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert await plain.receive_some() == b""
     again = await running.run_session(START, ssl_context=client_context(authority))
     assert again.terminal[-1]["type"] == "session.done"

@@ -357,15 +357,18 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-async def upgrade_head(port: int, origin: str, *headers: str) -> tuple[int, str]:
+async def upgrade_head(
+    port: int, origin: str, *headers: str, host: str | None = None
+) -> tuple[int, str]:
     """The status and response head nginx answers to a browser's WebSocket upgrade from
-    ``origin`` (plus ``headers``, ``"Name: value"``); the connection is dropped before
-    any session starts."""
+    ``origin`` (plus ``headers``, ``"Name: value"``; ``host`` for the Host header, by
+    default nginx's own address); the connection is dropped before any session starts."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     head = bytearray()
     async with stream:
         request = (
-            f"GET {VIDEO_PATH}?session=origin-check HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"GET {VIDEO_PATH}?session=origin-check HTTP/1.1\r\n"
+            f"Host: {host or f'127.0.0.1:{port}'}\r\n"
             "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
             f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: {origin}\r\n"
             + "".join(f"{header}\r\n" for header in headers)
@@ -378,9 +381,9 @@ async def upgrade_head(port: int, origin: str, *headers: str) -> tuple[int, str]
     return int(text.split(" ", 2)[1]), text
 
 
-async def upgrade_status(port: int, origin: str) -> int:
+async def upgrade_status(port: int, origin: str, host: str | None = None) -> int:
     """The status nginx answers to a browser's WebSocket upgrade from ``origin``."""
-    status, _ = await upgrade_head(port, origin)
+    status, _ = await upgrade_head(port, origin, host=host)
     return status
 
 
@@ -576,6 +579,10 @@ async def test_least_conn_spreads_sessions_over_the_backends(tmp_path: Path) -> 
         # nginx passes on keeps its port, so the page's origin is the server's own.
         assert await upgrade_status(cluster.port, f"http://127.0.0.1:{cluster.port}") == 101
         assert await upgrade_status(cluster.port, "http://elsewhere.example") == 403
+        # A page whose DNS name was re-pointed at nginx's address (DNS rebinding): nginx
+        # passes its Host on, and the server refuses it before the upgrade.
+        rebound = f"rebind.attacker.example:{cluster.port}"
+        assert await upgrade_status(cluster.port, f"http://{rebound}", host=rebound) == 421
 
 
 @needs_nginx
@@ -689,7 +696,10 @@ async def test_api_keys_pass_through_nginx(tmp_path: Path) -> None:
     retry a 401 on another backend as it does a 503."""
     key = "nginx-key-91d0"
     fields = {"prompt": "a key", "size": "32x32", "fps": FPS, "num_frames": 16}
-    async with open_cluster(tmp_path, backends=1, server_args=("--api-key", key)) as cluster:
+    public = ("--allowed-hosts", "video.example.org")
+    async with open_cluster(
+        tmp_path, backends=1, server_args=("--api-key", key, *public)
+    ) as cluster:
         with trio.fail_after(CONDITION):
             with pytest.raises(StreamConnectError) as refused:
                 await stream_video(cluster.url("no-key"), fields)
@@ -701,12 +711,21 @@ async def test_api_keys_pass_through_nginx(tmp_path: Path) -> None:
                 own,
                 f"Sec-WebSocket-Protocol: trio-vstream, {key_subprotocol(key)}",
             )
+            # The page at its public name (in the servers' --allowed-hosts), which nginx
+            # passes on in Host.
+            public_status, public_head = await upgrade_head(
+                cluster.port,
+                "http://video.example.org",
+                f"Sec-WebSocket-Protocol: trio-vstream, {key_subprotocol(key)}",
+                host="video.example.org",
+            )
         assert refused.value.status_code == 401, refused.value
         assert result.outcome is StreamOutcome.COMPLETED and result.frames == 16, result.summary()
         assert status == 401, head
         assert 'www-authenticate: bearer realm="trio_vstream"' in head.lower(), head
         assert browser_status == 101, browser_head
         assert "sec-websocket-protocol: trio-vstream\r\n" in browser_head.lower() + "\r\n"
+        assert public_status == 101, public_head
         log = await cluster.logged(["no-key", "keyed"])
         assert log["no-key"].status == 401 and log["no-key"].upstream_statuses == ("401",), log
         assert log["keyed"].status == 101, log

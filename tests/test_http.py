@@ -24,7 +24,7 @@ async def http_get_with_headers(
 ) -> tuple[int, dict[str, str], bytes]:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some():
             data += chunk

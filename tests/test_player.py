@@ -3,8 +3,10 @@
 The server runs as a subprocess (``python -m trio_vstream --port 0``) and the tests are
 plain sync tests: Playwright's sync API blocks, so it must not run on a Trio event loop.
 Every wait is on state the page shows (the status line, the figures, the video's
-``currentTime``), never a sleep. CI installs chromium from Debian (see ``.ci/run``); the
-browser is never downloaded (no ``playwright install``).
+``currentTime``), never a sleep. Every ``wait_for_function`` is given an arrow function:
+Playwright polls a bare expression with ``eval``, which the page's Content-Security-Policy
+forbids (tests/security/test_security_headers.py). CI installs chromium from Debian (see
+``.ci/run``); the browser is never downloaded (no ``playwright install``).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def open_player(browser: Browser, url: str) -> Iterator[Page]:
     page.on("pageerror", lambda error: script_errors.append(str(error)))
     try:
         page.goto(f"{url}/")
-        page.wait_for_function("document.body.dataset.ready === 'true'")
+        page.wait_for_function("() => document.body.dataset.ready === 'true'")
         yield page
     finally:
         context.close()
@@ -257,7 +259,7 @@ def test_stop_ends_with_session_done_and_save_keeps_what_arrived(
     page: Page, tmp_path: Path
 ) -> None:
     start(page, seconds=30)
-    page.wait_for_function("Number(document.getElementById('fig-chunks').textContent) >= 2")
+    page.wait_for_function("() => Number(document.getElementById('fig-chunks').textContent) >= 2")
     page.click("#stop")
 
     status = page.locator("#status")
@@ -295,7 +297,7 @@ def test_the_buffer_is_trimmed_behind_the_playhead(page: Page) -> None:
     # every timeupdate, 4 times a second, when at 8x the playhead moves 2 s.
     assert kept_from > 0, "nothing was trimmed"
     assert playhead - kept_from <= 12.5, (playhead, kept_from)
-    page.wait_for_function("document.getElementById('video').ended")
+    page.wait_for_function("() => document.getElementById('video').ended")
     expect(page.locator("#status")).to_contain_text("session.done")
     expect(page.locator("#errors")).to_be_empty()
 
@@ -356,7 +358,7 @@ def test_a_server_with_an_api_key_asks_for_it_and_plays_with_it(
 
     # A reload in the same tab does not ask again.
     page.reload()
-    page.wait_for_function("document.body.dataset.ready === 'true'")
+    page.wait_for_function("() => document.body.dataset.ready === 'true'")
     expect(page.locator("#model-info")).to_contain_text("synthetic")
     expect(page.locator("#key-form")).to_be_hidden()
 

@@ -98,7 +98,9 @@ def test_a_viewer_saves_what_it_received_as_an_mp4(
     with open_player(browser, base_url) as owner:
         expect(owner.locator("#watch-save")).to_be_hidden()  # the owner's Save is in the form
         start(owner, seconds=30)
-        owner.wait_for_function("Number(document.getElementById('fig-chunks').textContent) >= 2")
+        owner.wait_for_function(
+            "() => Number(document.getElementById('fig-chunks').textContent) >= 2"
+        )
         link = owner.locator("#share-link").input_value()
 
         context = browser.new_context(accept_downloads=True)
@@ -107,7 +109,9 @@ def test_a_viewer_saves_what_it_received_as_an_mp4(
         viewer.goto(link)
         save = viewer.locator("#watch-save")
         expect(save).to_be_visible()
-        viewer.wait_for_function("Number(document.getElementById('fig-chunks').textContent) >= 1")
+        viewer.wait_for_function(
+            "() => Number(document.getElementById('fig-chunks').textContent) >= 1"
+        )
         expect(save).to_be_enabled()
         owner.click("#stop")
         expect(owner.locator("#status")).to_contain_text("session.done")

@@ -96,7 +96,7 @@ class RawClient:
         return self._pending.popleft()
 
     async def open(self, target: str) -> None:
-        await self.send(Request(host="test", target=target))
+        await self.send(Request(host="localhost", target=target))
         assert isinstance(await self.next_event(), AcceptConnection)
 
     async def cross_close_with_ping(self) -> CloseConnection:

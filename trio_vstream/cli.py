@@ -35,6 +35,7 @@ from trio_vstream.watch import WatchConfig
 
 DEFAULT_ENGINE = "shapes"
 API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
+ADMIN_API_KEY_ENV = "TRIO_VSTREAM_ADMIN_API_KEY"
 _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
 """Seconds the server waits at exit for ``--record``'s last recordings to be written."""
@@ -194,6 +195,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require the keys in this file (one a line; blank lines and # comments ignored)",
     )
     parser.add_argument(
+        "--admin-api-key",
+        dest="admin_api_keys",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"an operator key (repeatable; also ${ADMIN_API_KEY_ENV}): needed for /stats and "
+        "/metrics, and good as an API key. Without one, a server with --api-key serves /stats "
+        "to nobody and /metrics to any key holder",
+    )
+    parser.add_argument(
+        "--admin-api-key-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="operator keys from this file, as --api-key-file",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOSTS",
+        help="Host names served besides localhost, loopback addresses and the --host address "
+        "(any address, for 0.0.0.0 or ::), comma-separated (repeatable; .example.org for it "
+        "and its subdomains; '*' for any). Others get 421: a web page whose DNS name points "
+        "here (DNS rebinding) is refused",
+    )
+    parser.add_argument(
         "--allowed-origins",
         action="append",
         default=[],
@@ -303,28 +331,68 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def access_policy(args: argparse.Namespace) -> access.AccessPolicy:
-    """Keys from the flags, the key file and the environment; origins from the flags.
+    """Keys from the flags, the key files and the environment; origins and hosts from the
+    flags. Warns about short keys, naming where each is from (never the key itself).
     Raises ``ValueError`` naming what is wrong (never the key itself)."""
-    keys = [key.strip() for key in args.api_keys]
-    if os.environ.get(API_KEY_ENV, "").strip():
-        keys.append(os.environ[API_KEY_ENV].strip())
-    if args.api_key_file is not None:
-        try:
-            lines = args.api_key_file.read_text().splitlines()
-        except OSError as exc:
-            raise ValueError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-        if not any(line.strip() and not line.startswith("#") for line in lines):
-            raise ValueError(f"--api-key-file: no key in {args.api_key_file}")
-    if any(not key or any(c.isspace() for c in key) for key in keys):
-        raise ValueError("--api-key: a key must be non-empty and without spaces")
+    keys = _keys(args.api_keys, API_KEY_ENV, args.api_key_file, "--api-key")
+    admin = _keys(
+        args.admin_api_keys, ADMIN_API_KEY_ENV, args.admin_api_key_file, "--admin-api-key"
+    )
+    for source, key in keys + admin:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError(f"{source}: a key must be non-empty and without spaces")
+        if len(key) < access.SHORT_KEY:
+            logger.warning(
+                "%s: a key shorter than %d characters can be guessed; use a long random one "
+                "(python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+                source,
+                access.SHORT_KEY,
+            )
+    if {key for _, key in keys} & {key for _, key in admin}:
+        raise ValueError("--admin-api-key: an admin key must not also be given as an API key")
     origins = [o.strip() for group in args.allowed_origins for o in group.split(",") if o.strip()]
     for origin in origins:
         if origin != "*" and access.normalise_origin(origin) is None:
             raise ValueError(
                 f"--allowed-origins: {origin!r} is not an origin like https://example.org"
             )
-    return access.AccessPolicy(api_keys=tuple(dict.fromkeys(keys)), allowed_origins=tuple(origins))
+    hosts = [h.strip() for group in args.allowed_hosts for h in group.split(",") if h.strip()]
+    return access.AccessPolicy(
+        api_keys=tuple(dict.fromkeys(key for _, key in keys)),
+        admin_keys=tuple(dict.fromkeys(key for _, key in admin)),
+        allowed_origins=tuple(origins),
+        allowed_hosts=access.normalise_allowed_hosts(hosts),
+    )
+
+
+def _keys(flags: Sequence[str], env: str, path: Path | None, flag: str) -> list[tuple[str, str]]:
+    """One kind of key (API or admin) from its flags, its environment variable and its
+    file, each with where it came from for messages: ``--api-key 2``, ``$ENV``,
+    ``--api-key-file PATH line 3``."""
+    keys = [(f"{flag} {n}", key.strip()) for n, key in enumerate(flags, 1)]
+    if os.environ.get(env, "").strip():
+        keys.append((f"${env}", os.environ[env].strip()))
+    if path is not None:
+        keys += read_key_file(path, f"{flag}-file")
+    return keys
+
+
+def read_key_file(path: Path, flag: str = "--api-key-file") -> list[tuple[str, str]]:
+    """The keys in a key file, one a line, each with its line for messages. Blank lines
+    and comments are skipped, indented ones too (``   #old-revoked-key`` is a revoked key
+    commented out, not a key). Raises ``ValueError`` if it cannot be read or holds none."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"{flag}: {exc.strerror}: {path}") from None
+    keys = [
+        (f"{flag} {path} line {n}", line.strip())
+        for n, line in enumerate(lines, 1)
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    if not keys:
+        raise ValueError(f"{flag}: no key in {path}")
+    return keys
 
 
 def image_url_config(args: argparse.Namespace) -> image_fetch.ImageFetchConfig:
@@ -452,6 +520,21 @@ def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) ->
     return recorder
 
 
+def _log_hosts(config: ServerConfig) -> None:
+    """Say which Host names are served; on a non-loopback bind without --allowed-hosts, say
+    that clients reaching the server by a DNS name (through a proxy, say) need it."""
+    hosts = config.access.allowed_hosts
+    if hosts:
+        logger.info("Host names served besides local ones: %s", ", ".join(hosts))
+    elif not access.is_loopback(config.host):
+        logger.warning(
+            "serving %s: requests must name this server by an IP address or localhost; "
+            "a client or proxy that uses a DNS name gets HTTP 421 until the name is given "
+            "with --allowed-hosts NAME",
+            config.host or "every address",
+        )
+
+
 async def _serve_until_signalled(
     engine: Engine, config: ServerConfig, recorder: Recorder | None = None
 ) -> None:
@@ -468,6 +551,12 @@ async def _serve_until_signalled(
             print(f"trio_vstream serving {server.url} (engine: {engine.name})", flush=True)
             if config.access.needs_key:
                 logger.info("API keys required: %d configured", len(config.access.api_keys))
+            if config.access.admin_keys:
+                logger.info(
+                    "admin keys for /stats and /metrics: %d configured",
+                    len(config.access.admin_keys),
+                )
+            _log_hosts(config)
             if config.session.image_urls.enabled:
                 logger.info(
                     "image_reference URLs fetched from: %s",

@@ -29,6 +29,39 @@ LINGER_SECONDS = 1.0
 """How long a closing WebSocket connection reads on after its last write (see below)."""
 
 
+CONTENT_SECURITY_POLICY = "; ".join(
+    (
+        "default-src 'none'",
+        # The page is its own three files: no inline script or style, no eval.
+        "script-src 'self'",
+        "style-src 'self'",
+        # The favicon is "data:," (a saved video's blob: link is a download, not an image).
+        "img-src 'self' data:",
+        # The video plays from a MediaSource, whose URL is a blob: URL.
+        "media-src 'self' blob:",
+        # fetch("/v1/models") and the WebSocket, to the page's own host only ('self'
+        # matches ws: and wss: on it in CSP Level 3 browsers).
+        "connect-src 'self'",
+        "frame-ancestors 'none'",
+        "base-uri 'none'",
+        "form-action 'none'",
+    )
+)
+"""The player page needs nothing beyond its own origin: a script injected into it could
+neither load more code nor send what it reads anywhere else, and no other site frames it."""
+
+SECURITY_HEADERS: Mapping[str, str] = {
+    "content-security-policy": CONTENT_SECURITY_POLICY,
+    "x-content-type-options": "nosniff",
+    # frame-ancestors' older spelling, for browsers without CSP Level 2.
+    "x-frame-options": "DENY",
+    # The page's URL may carry a watch link's token (?watch=...): never pass it on.
+    "referrer-policy": "no-referrer",
+}
+"""On every plain-HTTP response: JSON and text are never sniffed into HTML, nothing of this
+server is framed (clickjacking the Start button), and no URL leaks in a Referer."""
+
+
 class ReplayStream(trio.abc.Stream):
     """A stream that first gives back bytes already read from it, and closes lingering.
 
@@ -162,7 +195,8 @@ async def respond(
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),
     ]
-    fields += [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
+    extra = {**SECURITY_HEADERS, **(headers or {})}
+    fields += [(name.encode(), value.encode()) for name, value in extra.items()]
     data = connection.send(h11.Response(status_code=status, headers=fields))
     data += connection.send(h11.Data(data=payload))
     data += connection.send(h11.EndOfMessage())

@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from trio_vstream.access import Refusal
+
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -132,6 +134,22 @@ class ServerMetrics:
             ["model"],
             registry=registry,
         )
+        self._auth_refused = Counter(
+            "trio_vstream_auth_refused",
+            "Requests refused for their API key, by reason: missing, invalid, too_many (more "
+            "than one key entry), not_admin (an endpoint that needs an admin key).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        for reason in Refusal:
+            self._auth_refused.labels(model, reason.value)
+        self._host_refused = Counter(
+            "trio_vstream_host_refused",
+            "Requests refused for a Host this server does not serve (DNS rebinding, or a "
+            "name missing from --allowed-hosts).",
+            ["model"],
+            registry=registry,
+        )
         # Labelled children exist from the start, so a fresh server exposes zeros
         # rather than nothing.
         for metric in (
@@ -141,6 +159,7 @@ class ServerMetrics:
             self._viewers_active,
             self._viewers_dropped,
             self._viewer_chunks_skipped,
+            self._host_refused,
         ):
             metric.labels(model)
         for metric in (
@@ -197,6 +216,12 @@ class ServerMetrics:
 
     def batch_run(self, rows: int) -> None:
         self._batch_rows.labels(self.model).observe(rows)
+
+    def auth_refused(self, reason: Refusal) -> None:
+        self._auth_refused.labels(self.model, reason.value).inc()
+
+    def host_refused(self) -> None:
+        self._host_refused.labels(self.model).inc()
 
     def follow_recordings(self, recordings: RecordingCounts) -> None:
         """Expose a recorder's counts (``--record``), read at each scrape."""

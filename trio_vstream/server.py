@@ -123,6 +123,14 @@ class VideoServer:
         if isinstance(taps, Recorder):
             self.metrics.follow_recordings(taps)
         self._started_at = int(time.time())
+        # Refusals are counted in /metrics; the log gets a line per kind every few seconds.
+        self._log_key_refused = access.RateLimitedLog(
+            logger, "refused a request for %s from %s: API key %s"
+        )
+        self._log_host_refused = access.RateLimitedLog(
+            logger,
+            "refused a request for Host %s from %s: not a name served here (--allowed-hosts)",
+        )
         progress = EngineProgress()
         batch = max_batch(engine)
         # A batching engine's steps all go through its batcher, one batch at a time:
@@ -298,19 +306,31 @@ class VideoServer:
         if request is None:
             await http.respond(stream, 400, "malformed HTTP request\n")
             return
-        path = urlsplit(request.target.decode("latin-1")).path
         policy = self.config.access
-        public = path in ("/", "/health") or path.startswith("/static/")
+        if not policy.host_allowed(request.headers, bind=self.config.host):
+            # First of all, upgrades and /health included: a page whose DNS name was
+            # re-pointed here (DNS rebinding) learns nothing, not even whether keys are on.
+            self.metrics.host_refused()
+            host = b", ".join(v for n, v in request.headers if n.lower() == b"host")
+            self._log_host_refused(ascii(host.decode("latin-1")[:100]), _peer(stream))
+            await http.respond(
+                stream, 421, "misdirected_request: this server does not serve that Host\n"
+            )
+            return
+        path = urlsplit(request.target.decode("latin-1")).path
         watching = path.startswith(WATCH_PREFIX)
-        if watching and not self.config.watch.requires_key:
-            public = True  # the link's token is the capability
-        if not public and not policy.key_accepted(request.headers):
+        refusal = policy.check_key(request.headers, self._need(path, watching=watching))
+        if refusal is not None:
             # Before anything else, upgrades included: no session starts without a key.
+            self.metrics.auth_refused(refusal)
+            self._log_key_refused(ascii(path[:200]), _peer(stream), refusal.value)
             await http.respond(
                 stream,
-                401,
-                "a valid API key is required (Authorization: Bearer KEY)\n",
-                headers={"www-authenticate": 'Bearer realm="trio_vstream"'},
+                refusal.status,
+                refusal.message,
+                headers={"www-authenticate": 'Bearer realm="trio_vstream"'}
+                if refusal.status == 401
+                else None,
             )
             return
         if http.is_websocket_upgrade(request):
@@ -356,6 +376,18 @@ class VideoServer:
             await http.respond(stream, 426, f"{path} is a WebSocket endpoint\n")
         else:
             await http.respond(stream, 404, f"nothing at {path}\n")
+
+    def _need(self, path: str, *, watching: bool) -> access.Need:
+        """What a request for ``path`` must carry (see `access.Need`)."""
+        if path == "/stats":
+            return access.Need.STATS
+        if path == "/metrics":
+            return access.Need.METRICS
+        if path in ("/", "/health") or path.startswith("/static/"):
+            return access.Need.NOTHING
+        if watching and not self.config.watch.requires_key:
+            return access.Need.NOTHING  # the link's token is the capability
+        return access.Need.KEY
 
     def models(self) -> dict[str, Any]:
         """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.
@@ -476,6 +508,16 @@ def _is_disconnect(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_disconnect(e) for e in exc.exceptions)
     return isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | ConnectionClosed)
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    """The client's address, for the log ("?" if the socket has none any more)."""
+    transport = getattr(stream, "transport_stream", stream)  # under TLS, the TCP stream
+    sock = getattr(transport, "socket", None)
+    try:
+        return "?" if sock is None else str(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return "?"
 
 
 def _rss_bytes() -> int | None:
