@@ -7,7 +7,9 @@ numbers and a step adds one, so every result says whose row it was and how far i
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -272,3 +274,44 @@ async def test_a_session_alone_steps_in_its_own_thread(nursery: trio.Nursery) ->
     await session(batcher, work, results, "a")
     assert results == {"a": 6}
     assert (batcher.batches, batcher.rows) == (6, 6)
+
+
+async def test_a_per_stream_run_batch_is_not_kept_after_its_sessions(
+    nursery: trio.Nursery,
+) -> None:
+    """An engine may hand ``batched()`` a new function per stream (a closure over the
+    stream's state): once the stream's sessions are gone, the batcher keeps none of them,
+    nor what they hold."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    async def two_sessions_with_their_own_closure(stopped: bool) -> weakref.ref[Any]:
+        def run_batch(rows: Sequence[tuple[str, int]]) -> list[Any]:
+            return [(name, v + 1) for name, v in rows]
+
+        scope = trio.CancelScope()
+
+        async def stepper(member: Any, steps: int, scope: trio.CancelScope) -> None:
+            try:
+                with scope:
+                    for value in range(steps):
+                        await batcher.step(member, ("s", value))
+            finally:
+                batcher.leave(member)
+
+        # Two members, so that rows go through the batcher's queue (one alone would not).
+        first, second = batcher.join(run_batch, lambda: None), batcher.join(run_batch, lambda: None)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(stepper, first, 3, scope)
+            if stopped:  # its row waits for the other's, and is taken back by a stop
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+            else:
+                sessions.start_soon(stepper, second, 3, trio.CancelScope())
+        batcher.leave(second)
+        return weakref.ref(run_batch)
+
+    closures = [await two_sessions_with_their_own_closure(n % 2 == 1) for n in range(6)]
+    gc.collect()
+    assert [ref() for ref in closures] == [None] * 6
+    assert batcher.rows == 3 * 3 * 2  # the three stopped pairs ran no row

@@ -241,6 +241,9 @@ class StepBatcher:
         """Told each batch's row count (the server's metrics)."""
         self._members: dict[Any, set[_Member]] = {}
         self._queues: dict[Any, deque[_Row]] = {}
+        """The rows waiting, per ``run_batch``. Only groups with a row waiting have a
+        queue: an engine may pass a new function (a closure) per stream, and a queue kept
+        per function ever seen would keep every one of them, and what it holds."""
         self._changed = trio.Event()
         self._thread = trio.CapacityLimiter(1)
         self._handed_over = 0
@@ -279,7 +282,6 @@ class StepBatcher:
     def join(self, run_batch: RunBatch[Any, Any], on_progress: Callable[[], None]) -> _Member:
         member = _Member(run_batch, on_progress)
         self._members.setdefault(run_batch, set()).add(member)
-        self._queues.setdefault(run_batch, deque())
         return member
 
     def claim_alone(self, member: _Member) -> bool:
@@ -290,8 +292,8 @@ class StepBatcher:
         self._release_alone(member)
         alone = (
             not self._running
+            and not self._queues
             and self._members.get(member.run_batch) == {member}
-            and not any(self._queues.values())
         )
         if alone:
             self._alone = member
@@ -322,7 +324,7 @@ class StepBatcher:
         self._handed_over += 1
         row = _Row(member, data, self._handed_over)
         member.row = row
-        self._queues[member.run_batch].append(row)
+        self._queues.setdefault(member.run_batch, deque()).append(row)
         self._changed.set()
         try:
             with self._progress.queued(member, member.on_progress):
@@ -343,7 +345,10 @@ class StepBatcher:
     # -- the batching task
 
     def _unqueue(self, row: _Row) -> None:
-        self._queues[row.member.run_batch].remove(row)
+        queue = self._queues[row.member.run_batch]
+        queue.remove(row)
+        if not queue:
+            del self._queues[row.member.run_batch]
         row.member.row = None
 
     def _next_batch(self) -> list[_Row] | None:
@@ -354,13 +359,15 @@ class StepBatcher:
         ready: list[Any] = []
         for run_batch, queue in self._queues.items():
             members = self._members.get(run_batch, set())
-            if queue and (len(queue) >= self.max_batch or all(m.row is not None for m in members)):
+            if len(queue) >= self.max_batch or all(m.row is not None for m in members):
                 ready.append(run_batch)
         if not ready:
             return None
         run_batch = min(ready, key=lambda key: self._queues[key][0].order)
         queue = self._queues[run_batch]
         rows = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+        if not queue:
+            del self._queues[run_batch]
         for row in rows:
             row.state = _RowState.IN_FLIGHT
         return rows
