@@ -315,3 +315,33 @@ async def test_a_per_stream_run_batch_is_not_kept_after_its_sessions(
     gc.collect()
     assert [ref() for ref in closures] == [None] * 6
     assert batcher.rows == 3 * 3 * 2  # the three stopped pairs ran no row
+
+
+async def test_one_claim_to_step_alone_at_a_time_across_run_batch_groups(
+    nursery: trio.Nursery,
+) -> None:
+    """Two groups (two ``run_batch`` functions), one session in each: while one steps
+    alone in its own thread, the other may not claim that too (which would overwrite the
+    first claim, and let batches run beside it); its row waits for the batcher, which
+    runs it once the first claim ends."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_a, run_b = Recorder(), Recorder()
+    a, b = batcher.join(run_a, lambda: None), batcher.join(run_b, lambda: None)
+    assert batcher.claim_alone(a)  # a's row runs in a's thread now
+    assert not batcher.claim_alone(b)
+    got: dict[str, Any] = {}
+
+    async def step_b() -> None:
+        got["b"] = await batcher.step(b, ("b", 0))
+
+    nursery.start_soon(step_b)
+    await trio.testing.wait_all_tasks_blocked()
+    assert run_b.batches == [] and not got  # no batch beside a's own step
+    assert not batcher.claim_alone(a)  # a's next step: b's row waits, so a queues too
+    batcher.leave(a)
+    with trio.fail_after(10):
+        while "b" not in got:
+            await trio.testing.wait_all_tasks_blocked()
+    assert got["b"] == ("b", 1)
+    assert run_b.batches == [["b"]]

@@ -286,12 +286,14 @@ class StepBatcher:
 
     def claim_alone(self, member: _Member) -> bool:
         """Whether ``member`` may run its next step itself, now: it is the only session
-        stepping, nothing waits and no batch runs. Batching one row would only add two
-        thread hand-overs per step. A claim lasts until the member's next step or its
-        leaving, and counts as a step taken (progress), like a batch."""
+        stepping, nothing waits, no batch runs and no other member has a claim. Batching
+        one row would only add two thread hand-overs per step. A claim lasts until the
+        member's next step or its leaving, and counts as a step taken (progress), like a
+        batch."""
         self._release_alone(member)
         alone = (
-            not self._running
+            self._alone is None  # another group's only member may be stepping alone
+            and not self._running
             and not self._queues
             and self._members.get(member.run_batch) == {member}
         )
