@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -345,3 +346,60 @@ async def test_one_claim_to_step_alone_at_a_time_across_run_batch_groups(
             await trio.testing.wait_all_tasks_blocked()
     assert got["b"] == ("b", 1)
     assert run_b.batches == [["b"]]
+
+
+async def test_each_row_of_a_failed_batch_gets_its_own_exception(nursery: trio.Nursery) -> None:
+    """One exception object raised in several sessions' threads at once would gather all
+    their tracebacks, mixed: each row raises its own copy (same type and message, so the
+    engine and the client see what they did), chained from the batch's exception."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    raised: list[Exception] = []
+
+    def broken(rows: Sequence[tuple[str, int]]) -> list[Any]:
+        raised.append(RuntimeError("out of memory"))
+        raise raised[-1]
+
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(3)
+    async with trio.open_nursery() as sessions:
+        for name in "abc":
+            work = stepping(broken, name, 1, barrier)  # type: ignore[arg-type]
+            sessions.start_soon(session, batcher, work, results, name)
+    errors = [results[name] for name in "abc"]
+    assert len(raised) == 1  # one batch
+    assert len({id(error) for error in errors}) == 3
+    for error in errors:
+        assert type(error) is RuntimeError and str(error) == "out of memory"
+        assert error.__cause__ is raised[0]
+        frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+        assert frames.count("batch_result") == 1, frames  # its own raise only
+
+
+async def test_a_failed_batch_exception_that_cannot_be_copied_becomes_an_engine_error(
+    nursery: trio.Nursery,
+) -> None:
+    """Rebuilding this one from its arguments fails (a keyword-only one): each row gets
+    an `EngineError` of its own with the same text, chained from it."""
+
+    class Odd(Exception):
+        def __init__(self, code: int, *, where: str) -> None:
+            super().__init__(f"odd {code} at {where}")
+
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    def broken(rows: Sequence[tuple[str, int]]) -> list[Any]:
+        raise Odd(7, where="the VAE")
+
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+    async with trio.open_nursery() as sessions:
+        for name in "ab":
+            work = stepping(broken, name, 1, barrier)  # type: ignore[arg-type]
+            sessions.start_soon(session, batcher, work, results, name)
+    a, b = results["a"], results["b"]
+    assert a is not b
+    for error in (a, b):
+        assert type(error) is EngineError and str(error) == "odd 7 at the VAE"
+        assert isinstance(error.__cause__, Odd)

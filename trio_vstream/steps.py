@@ -16,6 +16,7 @@ while the batcher runs the rows of every session that is stepping as one call.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -384,7 +385,7 @@ class StepBatcher:
                     _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
                 )
             except Exception as exc:  # the whole batch failed: every row fails with it
-                results = [exc] * len(rows)
+                results = [_row_error(exc) for _ in rows]
             finally:
                 self._running = False
             self.batches += 1
@@ -416,6 +417,27 @@ def _call_batch(run_batch: RunBatch[Any, Any], data: list[Any]) -> Sequence[Any]
     if len(results) != len(data):
         raise EngineError(f"run_batch returned {len(results)} results for {len(data)} rows")
     return results
+
+
+def _row_error(exc: Exception) -> Exception:
+    """One row's own copy of the exception that failed its whole batch.
+
+    Each row's session raises its error in its own thread: one object raised in several
+    threads at once gathers all their tracebacks into one, mixed. The copy keeps the
+    type (an engine may catch, say, an out-of-memory error around its step) and the
+    message (what the client is told), and is chained from the original, whose traceback
+    shows where the batch failed. One that cannot be rebuilt from its arguments becomes
+    an `EngineError` with its text.
+    """
+    try:
+        own = copy.copy(exc)
+    except Exception:
+        own = None
+    if own is None or own is exc or type(own) is not type(exc):
+        own = EngineError(str(exc) or type(exc).__name__)
+    own.__traceback__ = None
+    own.__cause__ = exc
+    return own
 
 
 def _cancelled_error() -> EngineError:
