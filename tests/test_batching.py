@@ -7,7 +7,10 @@ numbers and a step adds one, so every result says whose row it was and how far i
 
 from __future__ import annotations
 
+import gc
 import threading
+import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -272,3 +275,131 @@ async def test_a_session_alone_steps_in_its_own_thread(nursery: trio.Nursery) ->
     await session(batcher, work, results, "a")
     assert results == {"a": 6}
     assert (batcher.batches, batcher.rows) == (6, 6)
+
+
+async def test_a_per_stream_run_batch_is_not_kept_after_its_sessions(
+    nursery: trio.Nursery,
+) -> None:
+    """An engine may hand ``batched()`` a new function per stream (a closure over the
+    stream's state): once the stream's sessions are gone, the batcher keeps none of them,
+    nor what they hold."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    async def two_sessions_with_their_own_closure(stopped: bool) -> weakref.ref[Any]:
+        def run_batch(rows: Sequence[tuple[str, int]]) -> list[Any]:
+            return [(name, v + 1) for name, v in rows]
+
+        scope = trio.CancelScope()
+
+        async def stepper(member: Any, steps: int, scope: trio.CancelScope) -> None:
+            try:
+                with scope:
+                    for value in range(steps):
+                        await batcher.step(member, ("s", value))
+            finally:
+                batcher.leave(member)
+
+        # Two members, so that rows go through the batcher's queue (one alone would not).
+        first, second = batcher.join(run_batch, lambda: None), batcher.join(run_batch, lambda: None)
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(stepper, first, 3, scope)
+            if stopped:  # its row waits for the other's, and is taken back by a stop
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+            else:
+                sessions.start_soon(stepper, second, 3, trio.CancelScope())
+        batcher.leave(second)
+        return weakref.ref(run_batch)
+
+    closures = [await two_sessions_with_their_own_closure(n % 2 == 1) for n in range(6)]
+    gc.collect()
+    assert [ref() for ref in closures] == [None] * 6
+    assert batcher.rows == 3 * 3 * 2  # the three stopped pairs ran no row
+
+
+async def test_one_claim_to_step_alone_at_a_time_across_run_batch_groups(
+    nursery: trio.Nursery,
+) -> None:
+    """Two groups (two ``run_batch`` functions), one session in each: while one steps
+    alone in its own thread, the other may not claim that too (which would overwrite the
+    first claim, and let batches run beside it); its row waits for the batcher, which
+    runs it once the first claim ends."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_a, run_b = Recorder(), Recorder()
+    a, b = batcher.join(run_a, lambda: None), batcher.join(run_b, lambda: None)
+    assert batcher.claim_alone(a)  # a's row runs in a's thread now
+    assert not batcher.claim_alone(b)
+    got: dict[str, Any] = {}
+
+    async def step_b() -> None:
+        got["b"] = await batcher.step(b, ("b", 0))
+
+    nursery.start_soon(step_b)
+    await trio.testing.wait_all_tasks_blocked()
+    assert run_b.batches == [] and not got  # no batch beside a's own step
+    assert not batcher.claim_alone(a)  # a's next step: b's row waits, so a queues too
+    batcher.leave(a)
+    with trio.fail_after(10):
+        while "b" not in got:
+            await trio.testing.wait_all_tasks_blocked()
+    assert got["b"] == ("b", 1)
+    assert run_b.batches == [["b"]]
+
+
+async def test_each_row_of_a_failed_batch_gets_its_own_exception(nursery: trio.Nursery) -> None:
+    """One exception object raised in several sessions' threads at once would gather all
+    their tracebacks, mixed: each row raises its own copy (same type and message, so the
+    engine and the client see what they did), chained from the batch's exception."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    raised: list[Exception] = []
+
+    def broken(rows: Sequence[tuple[str, int]]) -> list[Any]:
+        raised.append(RuntimeError("out of memory"))
+        raise raised[-1]
+
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(3)
+    async with trio.open_nursery() as sessions:
+        for name in "abc":
+            work = stepping(broken, name, 1, barrier)  # type: ignore[arg-type]
+            sessions.start_soon(session, batcher, work, results, name)
+    errors = [results[name] for name in "abc"]
+    assert len(raised) == 1  # one batch
+    assert len({id(error) for error in errors}) == 3
+    for error in errors:
+        assert type(error) is RuntimeError and str(error) == "out of memory"
+        assert error.__cause__ is raised[0]
+        frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+        assert frames.count("batch_result") == 1, frames  # its own raise only
+
+
+async def test_a_failed_batch_exception_that_cannot_be_copied_becomes_an_engine_error(
+    nursery: trio.Nursery,
+) -> None:
+    """Rebuilding this one from its arguments fails (a keyword-only one): each row gets
+    an `EngineError` of its own with the same text, chained from it."""
+
+    class Odd(Exception):
+        def __init__(self, code: int, *, where: str) -> None:
+            super().__init__(f"odd {code} at {where}")
+
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+
+    def broken(rows: Sequence[tuple[str, int]]) -> list[Any]:
+        raise Odd(7, where="the VAE")
+
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+    async with trio.open_nursery() as sessions:
+        for name in "ab":
+            work = stepping(broken, name, 1, barrier)  # type: ignore[arg-type]
+            sessions.start_soon(session, batcher, work, results, name)
+    a, b = results["a"], results["b"]
+    assert a is not b
+    for error in (a, b):
+        assert type(error) is EngineError and str(error) == "odd 7 at the VAE"
+        assert isinstance(error.__cause__, Odd)

@@ -211,6 +211,14 @@ def test_the_started_server_is_gone(quick: dict[str, Any]) -> None:
 
 
 def test_ctrl_c_stops_the_server_too(tmp_path: Path) -> None:
+    """Ctrl-C mid-run: the harness exits 130 and the server it started is gone.
+
+    The run cannot end before the signal: its one concurrency window lasts an hour
+    (``--window 3600``), and the signal goes once the harness reports that the scenario
+    has begun, with the server up. (A quick run with its usual window could finish
+    before the signal arrived, and exit 0, on a busy machine.)
+    """
+    output = tmp_path / "x.json"
     harness = subprocess.Popen(
         [
             sys.executable,
@@ -218,8 +226,12 @@ def test_ctrl_c_stops_the_server_too(tmp_path: Path) -> None:
             "--quick",
             "--scenario",
             "concurrency",
+            "--levels",
+            "1",
+            "--window",
+            "3600",
             "--output",
-            str(tmp_path / "x.json"),
+            str(output),
         ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -233,13 +245,15 @@ def test_ctrl_c_stops_the_server_too(tmp_path: Path) -> None:
         for line in harness.stderr:
             if "server pid" in line:
                 pid = int(line.split("server pid", 1)[1].split()[0])
+            if "concurrency N=1" in line:  # the window has begun, or is about to
                 break
         assert pid is not None and _alive(pid)
-        # Interrupt once the harness reports its next step: mid-run, with the server up.
-        assert harness.stderr.readline()
         harness.send_signal(signal.SIGINT)
-        assert harness.wait(timeout=30) == 130
+        _, rest = harness.communicate(timeout=30)  # reading on: it reports as it stops
+        assert harness.returncode == 130, rest
+        assert "interrupted" in rest
         assert not _alive(pid)
+        assert not output.exists()  # stopped mid-run, not at its end
     finally:
         if harness.poll() is None:
             harness.kill()

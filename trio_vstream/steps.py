@@ -16,6 +16,8 @@ while the batcher runs the rows of every session that is stepping as one call.
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -181,6 +183,19 @@ class _Member:
     """Its row while waiting or in a running batch; None while it works between steps."""
 
 
+class _RowState(enum.Enum):
+    """Where a row is: always exactly one of these, and each has its own way out when
+    its session is stopped (see `StepBatcher.step`)."""
+
+    QUEUED = "queued"
+    """In its group's queue, waiting for a batch: a stopped session takes it back."""
+    IN_FLIGHT = "in flight"
+    """Taken into a batch that has not ended: a stopped session waits for that batch,
+    which finishes every row it took, however it ends."""
+    DONE = "done"
+    """Its result (or its own error) is in and ``done`` is set: a stopped session drops it."""
+
+
 @attrs.define(eq=False)
 class _Row:
     member: _Member
@@ -188,7 +203,7 @@ class _Row:
     order: int
     """When it was handed over: the oldest waiting row's group runs first."""
     done: trio.Event = attrs.Factory(trio.Event)
-    in_flight: bool = False
+    state: _RowState = _RowState.QUEUED
     results: Sequence[Any] = ()
     index: int = 0
 
@@ -206,6 +221,11 @@ class StepBatcher:
     and nothing of the session is left in use after it. The batched call runs
     in a worker thread of its own, outside the sessions' thread limit, which
     the waiting sessions' threads hold.
+
+    Every row taken into a batch is finished, however the batch ends (an engine
+    error, or the batcher cancelled before its thread starts), and every row
+    still waiting when the batcher stops is failed: a session never waits for a
+    row that nobody will finish.
     """
 
     def __init__(
@@ -222,10 +242,15 @@ class StepBatcher:
         """Told each batch's row count (the server's metrics)."""
         self._members: dict[Any, set[_Member]] = {}
         self._queues: dict[Any, deque[_Row]] = {}
+        """The rows waiting, per ``run_batch``. Only groups with a row waiting have a
+        queue: an engine may pass a new function (a closure) per stream, and a queue kept
+        per function ever seen would keep every one of them, and what it holds."""
         self._changed = trio.Event()
         self._thread = trio.CapacityLimiter(1)
         self._handed_over = 0
         self._running = False
+        self._stopped = False
+        """The batching task has ended (the server is stopping): no row will run."""
         self._alone: _Member | None = None
         """A member running its own step in its thread (see `claim_alone`): no batch runs
         meanwhile, so ``run_batch`` is never called from two threads at once."""
@@ -236,32 +261,42 @@ class StepBatcher:
 
     async def run(self) -> None:
         """The batching task: runs until cancelled (with the server's sessions)."""
-        while True:
-            rows = self._next_batch()
-            if rows is None:
-                await self._changed.wait()
-                self._changed = trio.Event()
-                continue
-            await self._run_batch(rows)
+        try:
+            while True:
+                rows = self._next_batch()
+                if rows is None:
+                    await self._changed.wait()
+                    self._changed = trio.Event()
+                    continue
+                await self._run_batch(rows)
+        finally:
+            # Rows handed over meanwhile will never run: their sessions get an error
+            # rather than wait, and any row handed over later gets it at once.
+            self._stopped = True
+            waiting = [row for queue in self._queues.values() for row in queue]
+            self._queues.clear()
+            for row in waiting:
+                _finish(row, [_stopped_error()], 0)
 
     # -- called from sessions' threads through trio.from_thread
 
     def join(self, run_batch: RunBatch[Any, Any], on_progress: Callable[[], None]) -> _Member:
         member = _Member(run_batch, on_progress)
         self._members.setdefault(run_batch, set()).add(member)
-        self._queues.setdefault(run_batch, deque())
         return member
 
     def claim_alone(self, member: _Member) -> bool:
         """Whether ``member`` may run its next step itself, now: it is the only session
-        stepping, nothing waits and no batch runs. Batching one row would only add two
-        thread hand-overs per step. A claim lasts until the member's next step or its
-        leaving, and counts as a step taken (progress), like a batch."""
+        stepping, nothing waits, no batch runs and no other member has a claim. Batching
+        one row would only add two thread hand-overs per step. A claim lasts until the
+        member's next step or its leaving, and counts as a step taken (progress), like a
+        batch."""
         self._release_alone(member)
         alone = (
-            not self._running
+            self._alone is None  # another group's only member may be stepping alone
+            and not self._running
+            and not self._queues
             and self._members.get(member.run_batch) == {member}
-            and not any(self._queues.values())
         )
         if alone:
             self._alone = member
@@ -287,64 +322,94 @@ class StepBatcher:
             self._changed.set()  # the batch may have been waiting for this member
 
     async def step(self, member: _Member, data: Any) -> Any:
+        if self._stopped:
+            raise _stopped_error()
         self._handed_over += 1
         row = _Row(member, data, self._handed_over)
         member.row = row
-        self._queues[member.run_batch].append(row)
+        self._queues.setdefault(member.run_batch, deque()).append(row)
         self._changed.set()
         try:
             with self._progress.queued(member, member.on_progress):
                 await row.done.wait()
         except trio.Cancelled:
-            if row.in_flight:
+            # The row may have moved on between the cancel and this line (its batch
+            # taken, or even ended, meanwhile): act on where it is now.
+            if row.state is _RowState.QUEUED:
+                self._unqueue(row)
+            elif row.state is _RowState.IN_FLIGHT:
                 with trio.CancelScope(shield=True):
-                    await row.done.wait()
-            else:
-                self._queues[member.run_batch].remove(row)
-                member.row = None
+                    await row.done.wait()  # bounded: `_run_batch` finishes its rows
+            # _RowState.DONE: its result came in after the stop, and is dropped.
             self.leave(member)
             raise
         return batch_result(row.results, row.index, len(row.results))
 
     # -- the batching task
 
+    def _unqueue(self, row: _Row) -> None:
+        queue = self._queues[row.member.run_batch]
+        queue.remove(row)
+        if not queue:
+            del self._queues[row.member.run_batch]
+        row.member.row = None
+
     def _next_batch(self) -> list[_Row] | None:
-        """The rows of the next batch, or None when no group is ready."""
+        """The rows of the next batch, taken from their queue, or None when no group is
+        ready."""
         if self._alone is not None:
             return None
-        ready: list[deque[_Row]] = []
+        ready: list[Any] = []
         for run_batch, queue in self._queues.items():
             members = self._members.get(run_batch, set())
-            if queue and (len(queue) >= self.max_batch or all(m.row is not None for m in members)):
-                ready.append(queue)
+            if len(queue) >= self.max_batch or all(m.row is not None for m in members):
+                ready.append(run_batch)
         if not ready:
             return None
-        queue = min(ready, key=lambda q: q[0].order)
-        return [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+        run_batch = min(ready, key=lambda key: self._queues[key][0].order)
+        queue = self._queues[run_batch]
+        rows = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
+        if not queue:
+            del self._queues[run_batch]
+        for row in rows:
+            row.state = _RowState.IN_FLIGHT
+        return rows
 
     async def _run_batch(self, rows: list[_Row]) -> None:
         run_batch = rows[0].member.run_batch
-        for row in rows:
-            row.in_flight = True
+        results: Sequence[Any] | None = None
         self._running = True
         try:
-            results: Sequence[Any] = await trio.to_thread.run_sync(
-                _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
-            )
-        except Exception as exc:  # the whole batch failed: every row fails with it
-            results = [exc] * len(rows)
+            try:
+                results = await trio.to_thread.run_sync(
+                    _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
+                )
+            except Exception as exc:  # the whole batch failed: every row fails with it
+                results = [_row_error(exc) for _ in rows]
+            finally:
+                self._running = False
+            self.batches += 1
+            self.rows += len(rows)
+            self._on_batch(len(rows))
+            for row in rows:
+                row.member.on_progress()
         finally:
-            self._running = False
-        self.batches += 1
-        self.rows += len(rows)
-        self._on_batch(len(rows))
-        for index, row in enumerate(rows):
-            row.results, row.index = results, index
-            row.in_flight = False
-            row.member.row = None  # now, not when its task wakes: the next batch waits for it
-            row.member.on_progress()
-            row.done.set()
+            if results is None:
+                # Cancelled (or interrupted) before the batch ran: to_thread.run_sync
+                # raises Cancelled at its first checkpoint, before any thread starts. The
+                # rows' sessions wait on them, shielded if they were stopped meanwhile.
+                results = [_cancelled_error() for _ in rows]
+            for index, row in enumerate(rows):
+                _finish(row, results, index)
         self._progress.step_taken()
+
+
+def _finish(row: _Row, results: Sequence[Any], index: int) -> None:
+    """Hand a row its result: from now on it is done, whoever waits for it."""
+    row.results, row.index = results, index
+    row.state = _RowState.DONE
+    row.member.row = None  # now, not when its task wakes: the next batch waits for it
+    row.done.set()
 
 
 def _call_batch(run_batch: RunBatch[Any, Any], data: list[Any]) -> Sequence[Any]:
@@ -352,3 +417,35 @@ def _call_batch(run_batch: RunBatch[Any, Any], data: list[Any]) -> Sequence[Any]
     if len(results) != len(data):
         raise EngineError(f"run_batch returned {len(results)} results for {len(data)} rows")
     return results
+
+
+def _row_error(exc: Exception) -> Exception:
+    """One row's own copy of the exception that failed its whole batch.
+
+    Each row's session raises its error in its own thread: one object raised in several
+    threads at once gathers all their tracebacks into one, mixed. The copy keeps the
+    type (an engine may catch, say, an out-of-memory error around its step) and the
+    message (what the client is told), and is chained from the original, whose traceback
+    shows where the batch failed. One that cannot be rebuilt from its arguments becomes
+    an `EngineError` with its text.
+    """
+    try:
+        own = copy.copy(exc)
+    except Exception:
+        own = None
+    if own is None or own is exc or type(own) is not type(exc):
+        own = EngineError(str(exc) or type(exc).__name__)
+    own.__traceback__ = None
+    own.__cause__ = exc
+    return own
+
+
+def _cancelled_error() -> EngineError:
+    """A row's error when its batch never ran. Its session sees it only if the session
+    was not stopped itself (a stopped one ends with its own cancellation)."""
+    return EngineError("the batched step was cancelled before it ran: the server is stopping")
+
+
+def _stopped_error() -> EngineError:
+    """A row's error when the batcher is gone: nothing would ever run it."""
+    return EngineError("the step batcher has stopped: the server is stopping")
