@@ -13,6 +13,13 @@ finish their videos, and only those still running when the grace period ends
 are wound down with ``server_shutdown``; after that, what is left is aborted.
 Viewers of watch links get one close timeout more (within that bound) to receive
 what was queued for them and their session's terminal message.
+
+A session slot (``--max-sessions``) is taken only when ``session.start`` arrives: an
+upgrade that never sends one holds its connection until the start timeout, never a
+session slot, so idle upgrades cannot keep a real client out. An upgrade that arrives
+while started sessions fill every session slot is refused at once with
+``server_busy``; one that found a slot free but whose ``session.start`` finds none gets
+the same ``server_busy`` then.
 """
 
 from __future__ import annotations
@@ -140,6 +147,7 @@ class VideoServer:
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
             metrics=self.metrics,
+            admit=self._busy,
         )
 
     @property
@@ -254,8 +262,23 @@ class VideoServer:
 
     @property
     def running_sessions(self) -> int:
-        """Sessions that count against ``max_sessions``: not those only closing their socket."""
-        return sum(1 for session in self._sessions if not session.finishing)
+        """Sessions that count against ``max_sessions``: admitted at their ``session.start``
+        and not only closing their socket. An upgrade still waiting for its
+        ``session.start`` does not count."""
+        return sum(1 for session in self._sessions if session.admitted and not session.finishing)
+
+    def _busy(self) -> tuple[ErrorCode, str] | None:
+        """``server_busy`` when started sessions fill every session slot, else None.
+
+        Asked at an upgrade, and by each session when its ``session.start`` arrives:
+        None then gives it a slot (it marks itself admitted before any checkpoint).
+        """
+        if self.running_sessions < self.config.max_sessions:
+            return None
+        return (
+            ErrorCode.SERVER_BUSY,
+            f"Server busy: {self.config.max_sessions} sessions running; try again later",
+        )
 
     async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
         """One TCP connection: a plain HTTP GET, or a WebSocket upgrade (TLS first, if on)."""
@@ -419,14 +442,14 @@ class VideoServer:
         ws = await request.accept(
             subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
         )
-        refusal: protocol.Error | None = None
-        if self.running_sessions >= self.config.max_sessions:
-            refusal = protocol.Error(
-                ErrorCode.SERVER_BUSY,
-                f"Server busy: {self.config.max_sessions} sessions running; try again later",
+        # Started sessions fill every slot: say so now rather than after session.start.
+        # A free slot is not held for this connection: its session.start takes one if
+        # one is still free then (the session asks _busy again).
+        busy = self._busy()
+        if busy is not None:
+            await http.refuse_websocket(
+                ws, protocol.Error(*busy), self.config.session.close_timeout
             )
-        if refusal is not None:
-            await http.refuse_websocket(ws, refusal, self.config.session.close_timeout)
             return
         session = Session(ws, self._resources)
         self._sessions.add(session)
