@@ -169,6 +169,8 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         ssl_context: ssl.SSLContext | None = None,
         taps: TapFactory | None = None,
         watch: WatchConfig | None = None,
+        max_connections: int | None = None,
+        head_timeout: float | None = None,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -189,6 +191,8 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
             access=access or AccessPolicy(),
             ssl_context=ssl_context,
             watch=watch or WatchConfig(),
+            max_connections=max_connections,
+            head_timeout=ServerConfig().head_timeout if head_timeout is None else head_timeout,
         )
         server = VideoServer(engine, config, on_session_end=on_end, taps=taps)
         await nursery.start(server.run)

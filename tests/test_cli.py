@@ -177,6 +177,8 @@ def test_sigint_with_no_sessions_exits_zero(
         (["--engine", "synthetic", "--engine-arg", "colour=red"], "unknown engine arg(s) colour"),
         (["--engine-arg", "novalue"], "expected KEY=VALUE"),
         (["--max-sessions", "0"], "must be > 0"),
+        (["--max-connections", "0"], "must be > 0"),
+        (["--head-timeout", "0"], "must be > 0"),
         (
             ["--allow-image-urls", "https://images.example.org"],
             "--allow-image-urls: 'https://images.example.org' is not a host name",

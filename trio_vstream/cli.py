@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from trio_vstream import access, image_fetch, memory, protocol
+from trio_vstream import access, connections, image_fetch, memory, protocol
 from trio_vstream.client import (
     add_client_arguments,
     add_replay_arguments,
@@ -152,6 +152,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive(int),
         default=defaults.max_sessions,
         help="concurrent sessions before new ones get server_busy (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="connections served at once (sessions, viewers, upgrades waiting for "
+        "session.start, plain requests); beyond, a few reserved ones answer /health only and "
+        "the rest get 503 (default: the descriptor limit, ulimit -n, less "
+        f"{connections.FD_RESERVE + connections.RESERVED_SLOTS} and "
+        f"{connections.FDS_PER_SESSION} per --max-sessions)",
+    )
+    parser.add_argument(
+        "--head-timeout",
+        type=_positive(float),
+        default=defaults.head_timeout,
+        help="seconds a connection gets to send its HTTP request head, TLS handshake "
+        "included, before it is closed (default %(default)s)",
     )
     parser.add_argument(
         "--start-timeout",
@@ -464,6 +482,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_sessions=args.max_sessions,
+        max_connections=args.max_connections,
+        head_timeout=args.head_timeout,
         encode_concurrency=args.encode_concurrency,
         shutdown_grace=args.shutdown_grace,
         access=policy,

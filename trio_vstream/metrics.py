@@ -223,12 +223,59 @@ class ServerMetrics:
     def host_refused(self) -> None:
         self._host_refused.labels(self.model).inc()
 
+    def follow_connections(self, connections: ConnectionCounts) -> None:
+        """Expose the server's connection slots (``trio_vstream.connections``), read at
+        each scrape."""
+        self.registry.register(_ConnectionFigures(connections, self.model))
+
     def follow_recordings(self, recordings: RecordingCounts) -> None:
         """Expose a recorder's counts (``--record``), read at each scrape."""
         self.registry.register(_RecordingFigures(recordings, self.model))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ConnectionCounts(Protocol):
+    """What `ServerMetrics.follow_connections` reads: a
+    `trio_vstream.connections.ConnectionSlots`."""
+
+    @property
+    def open(self) -> int: ...
+    @property
+    def refused(self) -> int: ...
+    @property
+    def head_timeouts(self) -> int: ...
+
+
+class _ConnectionFigures(Collector):
+    """The connection slots' plain counters, read at scrape time: nothing to keep in step."""
+
+    def __init__(self, connections: ConnectionCounts, model: str) -> None:
+        self._connections = connections
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        connections, labels = self._connections, [self._model]
+        open_now = GaugeMetricFamily(
+            "trio_vstream_connections_open",
+            "Connections holding a connection slot now (the reserve for /health included).",
+            labels=["model"],
+        )
+        open_now.add_metric(labels, connections.open)
+        refused = CounterMetricFamily(
+            "trio_vstream_connections_refused",
+            "Connections turned away at the connection cap (a 503, or closed unanswered).",
+            labels=["model"],
+        )
+        refused.add_metric(labels, connections.refused)
+        head_timeouts = CounterMetricFamily(
+            "trio_vstream_connections_head_timeouts",
+            "Connections closed for not sending their request head within the head timeout.",
+            labels=["model"],
+        )
+        head_timeouts.add_metric(labels, connections.head_timeouts)
+        return iter((open_now, refused, head_timeouts))
 
 
 class RecordingCounts(Protocol):

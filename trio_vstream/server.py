@@ -13,6 +13,15 @@ finish their videos, and only those still running when the grace period ends
 are wound down with ``server_shutdown``; after that, what is left is aborted.
 Viewers of watch links get one close timeout more (within that bound) to receive
 what was queued for them and their session's terminal message.
+
+Admission has two levels. A connection holds a connection slot from accept to close
+(``trio_vstream.connections``: a cap below the descriptor limit, a head timeout, and a
+reserve that keeps ``/health`` answering at the cap). A session slot
+(``--max-sessions``) is taken only when ``session.start`` arrives: an upgrade that never
+sends one holds a connection slot until the start timeout, never a session slot, so idle
+upgrades cannot keep a real client out. An upgrade that arrives while started sessions
+fill every session slot is refused at once with ``server_busy``; one that found a slot
+free but whose ``session.start`` finds none gets the same ``server_busy`` then.
 """
 
 from __future__ import annotations
@@ -31,10 +40,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+import h11
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from trio_vstream import _websocket_compat, access, http, memory, metrics, protocol, taps
+from trio_vstream import (
+    _websocket_compat,
+    access,
+    connections,
+    http,
+    memory,
+    metrics,
+    protocol,
+    taps,
+)
 from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder
@@ -59,6 +78,10 @@ RECENT_SESSIONS = 256
 """Finished sessions kept for /stats."""
 IDLE_BEFORE_TRIM = 10.0
 """Seconds without sessions before freed memory is given back to the system."""
+AT_CAPACITY = "too many connections: try again later\n"
+"""The 503's body at the connection cap (``trio_vstream.connections``)."""
+TURN_AWAY_SECONDS = 1.0
+"""The most a connection turned away at the cap may take to receive its 503."""
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +101,15 @@ class ServerConfig:
     """Serve ``wss://`` and ``https://`` on the port."""
     watch: WatchConfig = attrs.field(factory=WatchConfig)
     """Watch links: read-only viewers of a session (``trio_vstream.watch``)."""
+    max_connections: int | None = None
+    """Connections served at once: sessions, viewers, upgrades waiting for
+    ``session.start``, plain requests. None: derived from the descriptor limit
+    (``connections.default_max_connections``). A few reserved slots beyond it answer
+    ``/health`` only."""
+    head_timeout: float = 5.0
+    """Seconds a connection gets to send its whole HTTP request head (after the TLS
+    handshake): a client that dawdles (slowloris) loses its connection slot. Separate
+    from the session's start timeout, which runs after the upgrade."""
 
 
 class VideoServer:
@@ -110,6 +142,13 @@ class VideoServer:
         self._draining = False
         steps = engine.max_concurrent_steps
         self.metrics = metrics.ServerMetrics(self.served_model)
+        self.max_connections = (
+            config.max_connections
+            if config.max_connections is not None
+            else connections.default_max_connections(config.max_sessions)
+        )
+        self.connections = connections.ConnectionSlots(self.max_connections)
+        self.metrics.follow_connections(self.connections)
         self.watch = WatchRegistry(
             config.watch,
             self.metrics,
@@ -148,6 +187,7 @@ class VideoServer:
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
             metrics=self.metrics,
+            admit=self._busy,
         )
 
     @property
@@ -193,12 +233,39 @@ class VideoServer:
             if self.batcher is not None:  # lives as long as the sessions it serves
                 handlers.start_soon(self.batcher.run)
             logger.info("serving %s with engine %s", self.url, self.engine.name)
+            self._log_connection_cap()
             task_status.started(self)
             await self._shutdown_requested.wait()
             # Still listening while draining: a balancer's health check and new
             # upgrades get a 503, which sends them elsewhere at once.
             await self._drain(handlers)
             listener.cancel_scope.cancel()
+
+    def _log_connection_cap(self) -> None:
+        """Say what the connection cap is, and warn when it cannot work as meant."""
+        descriptors = connections.descriptor_limit()
+        logger.info(
+            "at most %d connections (+%d for /health; descriptor limit %d)",
+            self.max_connections,
+            self.connections.reserved,
+            descriptors,
+        )
+        if self.max_connections < self.config.max_sessions:
+            logger.warning(
+                "%d connections cannot carry %d sessions: raise the descriptor limit "
+                "(ulimit -n) or --max-connections, or lower --max-sessions",
+                self.max_connections,
+                self.config.max_sessions,
+            )
+        safe = connections.default_max_connections(self.config.max_sessions, descriptors)
+        if self.max_connections > safe:
+            logger.warning(
+                "--max-connections %d is above %d, what the descriptor limit (%d) leaves: "
+                "at the limit accept() fails (EMFILE) and nothing is served",
+                self.max_connections,
+                safe,
+                descriptors,
+            )
 
     async def _return_memory_when_idle(self) -> None:
         """Give freed memory back to the system once no session has run for a while.
@@ -262,11 +329,34 @@ class VideoServer:
 
     @property
     def running_sessions(self) -> int:
-        """Sessions that count against ``max_sessions``: not those only closing their socket."""
-        return sum(1 for session in self._sessions if not session.finishing)
+        """Sessions that count against ``max_sessions``: admitted at their ``session.start``
+        and not only closing their socket. An upgrade still waiting for its
+        ``session.start`` holds a connection slot, not a session slot."""
+        return sum(1 for session in self._sessions if session.admitted and not session.finishing)
+
+    def _busy(self) -> tuple[ErrorCode, str] | None:
+        """``server_busy`` when started sessions fill every session slot, else None.
+
+        Asked at an upgrade, and by each session when its ``session.start`` arrives:
+        None then gives it a slot (it marks itself admitted before any checkpoint).
+        """
+        if self.running_sessions < self.config.max_sessions:
+            return None
+        return (
+            ErrorCode.SERVER_BUSY,
+            f"Server busy: {self.config.max_sessions} sessions running; try again later",
+        )
 
     async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
-        """One TCP connection: a plain HTTP GET, or a WebSocket upgrade (TLS first, if on)."""
+        """One TCP connection: a plain HTTP GET, or a WebSocket upgrade (TLS first, if on).
+
+        It holds a connection slot from here to its close; with none left, not even a
+        reserved one, it is turned away before anything is read.
+        """
+        slot = self.connections.take()
+        if slot is None:
+            await self._turn_away(tcp)
+            return
         stream: trio.abc.Stream = tcp
         if self.config.ssl_context is not None:
             # https_compatible: closing never waits on the peer (a half-done handshake
@@ -276,7 +366,7 @@ class VideoServer:
             )
         try:
             async with trio.open_nursery() as connection:
-                await self._route(stream, connection)
+                await self._route(stream, connection, slot)
                 connection.cancel_scope.cancel()  # the WebSocket reader task, if any
         except BaseException as exc:
             # Let cancellation through; keep everything else inside this connection.
@@ -287,14 +377,32 @@ class VideoServer:
                 raise cancelled from None
         finally:
             # A TLS peer may vanish without its close_notify.
-            with (
-                trio.CancelScope(shield=True),
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-            ):
-                await stream.aclose()
+            try:
+                with (
+                    trio.CancelScope(shield=True),
+                    contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                ):
+                    await stream.aclose()
+            finally:
+                slot.release()  # once its descriptor is closed
 
-    async def _route(self, stream: trio.abc.Stream, connection: trio.Nursery) -> None:
-        with trio.move_on_after(self.config.session.start_timeout) as too_slow:
+    async def _turn_away(self, tcp: trio.SocketStream) -> None:
+        """Every connection slot is taken, the reserved ones past their heads: a 503 at
+        once, without reading the request, then close. With TLS only the close: a
+        handshake would hold the connection. Bounded, though a fresh socket's buffer
+        takes a short response without waiting."""
+        with (
+            trio.move_on_after(TURN_AWAY_SECONDS),
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+        ):
+            if self.config.ssl_context is None:
+                await http.respond(tcp, 503, AT_CAPACITY, headers={"retry-after": "1"})
+        await trio.aclose_forcefully(tcp)
+
+    async def _route(
+        self, stream: trio.abc.Stream, connection: trio.Nursery, slot: connections.ConnectionSlot
+    ) -> None:
+        with slot.reading_head(self.config.head_timeout) as too_slow:
             try:
                 head = await http.read_head(stream)
             except http.HeadTooLarge:
@@ -318,6 +426,11 @@ class VideoServer:
             )
             return
         path = urlsplit(request.target.decode("latin-1")).path
+        if slot.reserved and not _is_health_check(request, path):
+            # Taken in beyond the cap, for health checks only: others try again later.
+            self.connections.count_refused()
+            await http.respond(stream, 503, AT_CAPACITY, headers={"retry-after": "1"})
+            return
         watching = path.startswith(WATCH_PREFIX)
         refusal = policy.check_key(request.headers, self._need(path, watching=watching))
         if refusal is not None:
@@ -451,14 +564,14 @@ class VideoServer:
         ws = await request.accept(
             subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
         )
-        refusal: protocol.Error | None = None
-        if self.running_sessions >= self.config.max_sessions:
-            refusal = protocol.Error(
-                ErrorCode.SERVER_BUSY,
-                f"Server busy: {self.config.max_sessions} sessions running; try again later",
+        # Started sessions fill every slot: say so now rather than after session.start.
+        # A free slot is not held for this connection: its session.start takes one if
+        # one is still free then (the session asks _busy again).
+        busy = self._busy()
+        if busy is not None:
+            await http.refuse_websocket(
+                ws, protocol.Error(*busy), self.config.session.close_timeout
             )
-        if refusal is not None:
-            await http.refuse_websocket(ws, refusal, self.config.session.close_timeout)
             return
         session = Session(ws, self._resources)
         self._sessions.add(session)
@@ -490,6 +603,11 @@ def _compose_taps(
         found.extend(part.taps)
         fields.update(part.video_start_fields)
     return taps.SessionTaps(found, fields)
+
+
+def _is_health_check(request: h11.Request, path: str) -> bool:
+    """A plain ``GET /health``: what a reserved connection slot may serve."""
+    return path == "/health" and request.method == b"GET" and not http.is_websocket_upgrade(request)
 
 
 def _split_cancelled(

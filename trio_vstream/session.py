@@ -118,7 +118,8 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     DISCONNECTED = "disconnected"
     REJECTED = "rejected"
-    """Never started streaming: bad or missing session.start."""
+    """Never started streaming: bad or missing session.start, or no session slot free
+    for it (``server_busy``)."""
 
 
 @attrs.define
@@ -180,6 +181,10 @@ class ServerResources:
     """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
     taps: TapFactory | None = None
     """Who follows each session's output (viewers, a recording); see `trio_vstream.taps`."""
+    admit: Callable[[], tuple[ErrorCode, str] | None] | None = None
+    """Asked when a valid ``session.start`` arrives: None gives the session a slot
+    (``--max-sessions``), else the refusal it ends with (``server_busy``). Unset, every
+    session is admitted."""
 
 
 class Session:
@@ -199,6 +204,9 @@ class Session:
         self._session_scope = trio.CancelScope()
         self._streaming = False
         self._generated_all = False
+        self.admitted = False
+        """True from the ``session.start`` that took a session slot: an upgrade still
+        waiting for its ``session.start`` never counts against the server's limit."""
         self.finishing = False
         """True once the session only has its last message and the close left to do:
         it no longer counts against the server's session limit."""
@@ -343,6 +351,13 @@ class Session:
         start = await self._receive_start()
         if start is None:
             return
+        # The session slot is taken here, not at the upgrade; no checkpoint between the
+        # server's count and this flag, so two starts can never take one slot.
+        refusal = self._res.admit() if self._res.admit is not None else None
+        if refusal is not None:
+            self._end(Outcome.REJECTED, refusal)
+            return
+        self.admitted = True
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
