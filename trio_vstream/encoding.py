@@ -29,8 +29,12 @@ Why some x264 parameters are forced: every frame handed to ``encode()`` must com
 same call, so the encoder must have zero delay. ``tune=zerolatency`` gives that, but a client
 overriding ``tune``/``preset`` would silently bring back B-frames, lookahead, frame threads or
 VFR-timestamp buffering, so the low-latency x264 parameters are always prepended to
-``x264-params``. Only an explicit ``x264-params`` override can defeat them; that is detected
-(fewer packets than frames) and reported as :class:`EncodingError` rather than a stalled stream.
+``x264-params``. The options a caller may add are an allow-list with checked values
+(``trio_vstream.protocol._codec_options``, shared with the protocol's validation), and none
+of them can defeat those parameters, nor write a file (``dump-yuv=``), nor choose a
+preset slower than ``medium``. Should an encoder ever delay a frame anyway, that is
+detected (fewer packets than frames) and reported as :class:`EncodingError` rather than a
+stalled stream.
 
 Why every chunk begins with an IDR frame: a viewer who joins a running session (see
 ``trio_vstream.watch``) gets the init segment and then the chunks from the one it joined
@@ -39,7 +43,8 @@ before it. Forcing the first frame of each ``encode()`` to be an IDR makes every
 join point (and a skip point for a viewer that falls behind), at a measured cost of a few
 percent of the bitrate at the usual chunk lengths (README, Benchmarks: "Keyframes").
 ``keyframe_interval`` (chunks from one forced IDR to the next; 0 leaves keyframes to
-x264, every 250 frames and at scene cuts) exists for that measurement.
+x264, every 250 frames and at scene cuts) exists for that measurement. A caller's ``g``
+(or ``keyint``) only adds keyframes between those: it cannot remove the forced ones.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ import av.error
 import numpy as np
 from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
+
+from trio_vstream.protocol import CodecOptionError, check_codec_options
 
 __all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
 
@@ -165,18 +172,6 @@ def _track_timescale(fps: int) -> int:
     return timescale
 
 
-def _coerce_option(name: object, value: object) -> tuple[str, str]:
-    if not isinstance(name, str):
-        raise EncodingError(f"codec option names must be strings, got {name!r}")
-    if isinstance(value, bool):
-        return name, "1" if value else "0"
-    if isinstance(value, str | int | float):
-        return name, str(value)
-    raise EncodingError(
-        f"codec option {name!r} must be a string or number, got {type(value).__name__}"
-    )
-
-
 class FragmentedMP4Encoder:
     """One per session. Not thread-safe; one call at a time (the server guarantees that).
 
@@ -209,17 +204,18 @@ class FragmentedMP4Encoder:
 
         options = dict(DEFAULT_CODEC_OPTIONS)
         if codec_options is not None:
-            if not isinstance(codec_options, Mapping):
-                raise EncodingError(
-                    f"codec_options must be a mapping, got {type(codec_options).__name__}"
-                )
-            options.update(_coerce_option(k, v) for k, v in codec_options.items())
+            # The protocol checked a client's options already; checking again here keeps
+            # any other caller inside the same allow-list (no dump-yuv=, no slow preset).
+            try:
+                options.update(check_codec_options(codec_options, where="codec_options"))
+            except CodecOptionError as exc:
+                raise EncodingError(str(exc)) from None
         if keyframe_interval < 0:
             raise EncodingError(f"keyframe_interval must be >= 0, got {keyframe_interval}")
         if keyframe_interval:
             # A forced keyframe is an IDR, not an open-GOP I frame a decoder cannot
-            # start from (a client's own codec options may still say otherwise).
-            options.setdefault("forced-idr", "1")
+            # start from (the allow-list has no option that could say otherwise).
+            options["forced-idr"] = "1"
         self._keyframe_interval = keyframe_interval
         self._chunks_encoded = 0
         user_x264_params = options.get("x264-params", "")

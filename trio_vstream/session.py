@@ -429,7 +429,7 @@ class Session:
         self._fps = video.fps
         self._pacing = start.pacing
         extra = dict(request.extra_params or {})
-        codec_options = extra.pop("video_codec_options", None)
+        extra.pop(protocol.CODEC_OPTIONS_PARAM, None)  # checked: start.codec_options
         for key in protocol.PACING_PARAMS:  # the server paces, never the engine
             extra.pop(key, None)
         extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
@@ -455,7 +455,7 @@ class Session:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
                 ) from exc
-        options = {str(k): str(v) for k, v in (codec_options or {}).items()}
+        options = start.codec_options
         try:
             self._encoder = await self._in_thread(
                 lambda: FragmentedMP4Encoder(
