@@ -10,6 +10,7 @@ a video with a keyframe at every chunk start (what a joining viewer needs).
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import decode_video
-from trio_vstream import protocol
+from trio_vstream import cli, protocol
+from trio_vstream.client import ReplayError, load_recording
 from trio_vstream.encoding import (
     EncodingError,
     FragmentedMP4Encoder,
@@ -253,3 +255,64 @@ def test_whatever_x264_params_text_comes_in_only_checked_values_go_out(text: str
     # Nothing libx264's splitter could read differently: no quote, escape or path.
     assert re.fullmatch(r"(?:crf|qp|keyint)=[0-9.]+(?::(?:crf|qp|keyint)=[0-9.]+)*", out)
     assert check_codec_options(checked) == checked
+
+
+# ------------------------------------------------------------------------- replay
+
+
+def recording_with(tmp_path: Path, request: dict[str, Any]) -> Path:
+    """A minimal recording (as ``--record`` writes them) holding this request."""
+    record = {
+        "format": "trio_vstream.recording",
+        "version": 1,
+        "request_id": "video_stream-x",
+        "request": {"prompt": "a red circle", "size": "64x48", "num_frames": 8, **request},
+        "seed": 3,
+        "interactions": [],
+        "chunks": [],
+        "outcome": "completed",
+    }
+    path = tmp_path / "handed-to-you.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_replay_drops_recorded_codec_options_and_says_so(tmp_path: Path) -> None:
+    target = tmp_path / "dump.yuv"
+    hostile = {"x264-params": f"dump-yuv={target}"}
+    path = recording_with(
+        tmp_path,
+        {
+            "extra_params": {"video_codec_options": hostile, "flow": 1},
+            "sampling_params": {"video_codec_options": hostile},  # lifted by the server
+        },
+    )
+    plan = load_recording(path)
+    assert plan.start_fields["extra_params"] == {"flow": 1}
+    assert plan.start_fields["sampling_params"] == {}
+    assert "video_codec_options" not in json.dumps(plan.start_fields)
+    (warning,) = plan.warnings
+    assert "extra_params.video_codec_options" in warning and "are not sent" in warning
+    assert "--keep-codec-options" in warning
+    # Kept on request, but only within the server's allow-list.
+    with pytest.raises(ReplayError, match=r"dump-yuv is not allowed.*even with --keep-codec"):
+        load_recording(path, keep_codec_options=True)
+    lossless = recording_with(tmp_path, {"extra_params": {"video_codec_options": {"qp": "0"}}})
+    kept = load_recording(lossless, keep_codec_options=True)
+    assert kept.start_fields["extra_params"] == {"video_codec_options": {"qp": "0"}}
+    assert kept.warnings == ()
+
+
+def test_the_replay_command_warns_and_sends_none_unless_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = recording_with(tmp_path, {"extra_params": {"video_codec_options": {"qp": "0"}}})
+    nowhere = ["--url", "ws://127.0.0.1:9/v1/realtime/video", "--connect-timeout", "1"]
+    cli.main(["replay", str(path), *nowhere])  # cannot connect: exit 3, after the warning
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "python -m trio_vstream replay: warning: the recording's "
+        'extra_params.video_codec_options {"qp": "0"} are not sent'
+    )
+    cli.main(["replay", str(path), "--keep-codec-options", *nowhere])
+    assert "warning" not in capsys.readouterr().err
