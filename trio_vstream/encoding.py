@@ -49,10 +49,10 @@ x264, every 250 frames and at scene cuts) exists for that measurement. A caller'
 
 from __future__ import annotations
 
-import io
 import struct
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from typing import Final
 
 import av
 import av.error
@@ -60,6 +60,7 @@ import numpy as np
 from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
+from trio_vstream.image_header import ImageHeaderError, read_image_header
 from trio_vstream.protocol import CodecOptionError, check_codec_options
 
 __all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
@@ -91,6 +92,8 @@ _LOW_LATENCY_X264_PARAMS = (
 
 # 8K UHD is the largest conditioning image worth accepting.
 DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
+# And no panorama longer than this a side (WebP's own limit is 16383).
+MAX_IMAGE_SIDE = 16384
 
 _TRACK_ID = 1
 _MOVIE_TIMESCALE = 1000
@@ -511,34 +514,53 @@ def _find_box(data: memoryview, kind: bytes) -> memoryview | None:
 
 
 def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Decode an image file (PNG, JPEG, WebP, ...) to (H, W, 3) uint8 RGB via FFmpeg.
+    """Decode a PNG, JPEG or WebP image to (H, W, 3) uint8 RGB via FFmpeg.
 
     Uses PyAV so the project needs no PIL; alpha is dropped, as conditioning images are RGB.
-    ``max_pixels`` exists because the bytes come from clients: a few hundred KB of PNG can
-    claim a 30000x30000 canvas. FFmpeg's probe already decodes once, so the check bounds the
-    RGB copy and everything downstream rather than that first allocation; the server's cap on
-    the upload size is what bounds the probe.
+    The bytes come from clients, and a decoder allocates (and fills) whatever picture a
+    header declares: a few hundred KB of PNG can claim 16000x16000. So the size is read
+    from the header first (`trio_vstream.image_header`, which also refuses every format
+    it cannot vet that way) and refused over ``max_pixels`` before anything decodes. Then
+    exactly the vetted bytes go to that format's decoder as one packet (no demuxer, so
+    nothing probes or guesses the format), and the picture that comes out must have the
+    header's size: a header that lies does not get past.
     """
     if not isinstance(data, bytes | bytearray | memoryview) or len(data) == 0:
         raise EncodingError("image data is empty or not bytes")
     try:
-        with av.open(io.BytesIO(bytes(data)), mode="r") as container:
-            if not container.streams.video:
-                raise EncodingError("image data holds no picture")
-            stream = container.streams.video[0]
-            if stream.codec_context is None:  # a format this FFmpeg has no decoder for
-                raise EncodingError("no decoder here for this image format")
-            _check_image_size(stream.codec_context.width, stream.codec_context.height, max_pixels)
-            for frame in container.decode(stream):
-                _check_image_size(frame.width, frame.height, max_pixels)
-                return frame.to_ndarray(format="rgb24")
-    except EncodingError:
-        raise
-    except (av.error.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise EncodingError(f"could not decode image data: {exc}") from exc
-    raise EncodingError("image data decoded to no picture")
+        header = read_image_header(bytes(data))
+    except ImageHeaderError as exc:
+        raise EncodingError(str(exc)) from None
+    _check_image_size(header.width, header.height, max_pixels)
+    try:
+        ctx = av.CodecContext.create(_IMAGE_DECODERS[header.format], "r")
+        assert isinstance(ctx, av.VideoCodecContext)
+        ctx.thread_count = 1  # one picture: no frame threads holding extra copies
+        frames = ctx.decode(av.Packet(bytes(data[: header.length])))
+        frames += ctx.decode(None)
+    except (av.error.FFmpegError, ValueError, OSError, IndexError, MemoryError) as exc:
+        raise EncodingError(f"could not decode the {header.format} image: {exc}") from exc
+    if not frames:
+        raise EncodingError(f"the {header.format} image decoded to no picture")
+    frame = frames[0]
+    if (frame.width, frame.height) != (header.width, header.height):
+        raise EncodingError(
+            f"the {header.format} image decoded to {frame.width}x{frame.height}, "
+            f"not the {header.width}x{header.height} its header declares"
+        )
+    try:
+        return frame.to_ndarray(format="rgb24")
+    except (av.error.FFmpegError, ValueError, MemoryError) as exc:
+        raise EncodingError(f"could not convert the {header.format} image: {exc}") from exc
+
+
+_IMAGE_DECODERS: Final = {"PNG": "png", "JPEG": "mjpeg", "WebP": "webp"}
+"""FFmpeg's decoder for each of `image_header.ACCEPTED_FORMATS`."""
 
 
 def _check_image_size(width: int, height: int, max_pixels: int) -> None:
-    if width * height > max_pixels:
-        raise EncodingError(f"image is {width}x{height}, more than the {max_pixels} pixels allowed")
+    if width * height > max_pixels or max(width, height) > MAX_IMAGE_SIDE:
+        raise EncodingError(
+            f"image is {width}x{height}, more than the {max_pixels} pixels (or "
+            f"{MAX_IMAGE_SIDE} a side) allowed"
+        )

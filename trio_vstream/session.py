@@ -91,6 +91,11 @@ logger = logging.getLogger(__name__)
 _EARLY_MESSAGES = 16
 """Control messages kept while a session prepares, before ``video.start``."""
 
+IMAGE_DECODES_AT_ONCE = 2
+"""Conditioning images decoded at once, server-wide: each may take a few hundred MB
+(an 8K picture, its RGB copy), so sixteen sessions starting together must not decode
+sixteen at once. The header check (`trio_vstream.image_header`) bounds each one."""
+
 T = TypeVar("T")
 
 
@@ -180,6 +185,10 @@ class ServerResources:
     """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
     taps: TapFactory | None = None
     """Who follows each session's output (viewers, a recording); see `trio_vstream.taps`."""
+    image_limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)
+    )
+    """Bounds the image decodes of all sessions together (one per server)."""
 
 
 class Session:
@@ -450,7 +459,8 @@ class Session:
                         ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}"
                     ) from exc
             try:
-                image = await self._in_thread(decode_image, source.data)
+                async with self._res.image_limiter:
+                    image = await self._in_thread(decode_image, source.data)
             except EncodingError as exc:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
