@@ -20,7 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_vstream.encoding import decode_image
-from trio_vstream.image_header import ImageHeader, ImageHeaderError, read_image_header
+from trio_vstream.image_header import (
+    MAX_PARTS,
+    ImageHeader,
+    ImageHeaderError,
+    read_image_header,
+)
 
 WIDTH, HEIGHT = 24, 16
 PIXELS = np.random.default_rng(3).integers(0, 256, (HEIGHT, WIDTH, 3), dtype=np.uint8)
@@ -216,6 +221,18 @@ IEND = (b"IEND", b"")
             "WebP holds more than one image chunk",
         ),
         (lambda: riff(vp8x(9, 9))[:-2], "WebP is truncated (shorter than its RIFF header says)"),
+        (
+            lambda: png_with(None, *[(b"tEXt", b"")] * MAX_PARTS, IEND),
+            f"PNG has more than {MAX_PARTS} chunks",
+        ),
+        (
+            lambda: JPEG[:2] + b"\xff\xfe\x00\x02" * MAX_PARTS + JPEG[2:],
+            f"JPEG has more than {MAX_PARTS} markers",
+        ),
+        (
+            lambda: riff(vp8x(WIDTH, HEIGHT), *[(b"XMP ", b"")] * MAX_PARTS),
+            f"WebP has more than {MAX_PARTS} chunks",
+        ),
         (lambda: b"GIF87a" + bytes(10), "format not accepted (GIF); accepted: PNG, JPEG, WebP"),
         (
             lambda: b"\x00\x00\x00\x18ftypheic" + bytes(8),

@@ -30,6 +30,10 @@ __all__ = ["ACCEPTED_FORMATS", "ImageHeader", "ImageHeaderError", "read_image_he
 
 ACCEPTED_FORMATS: Final = ("PNG", "JPEG", "WebP")
 
+MAX_PARTS: Final = 100_000
+"""Chunks (PNG, WebP) or markers (JPEG) walked at most: real files have tens or
+thousands, and a file of nothing but empty ones would otherwise cost seconds of CPU."""
+
 _PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 _PNG_MAX_SIDE: Final = 2**31 - 1
 # JPEG frame headers accepted: baseline, extended and progressive Huffman (SOF0-SOF2).
@@ -123,7 +127,7 @@ def _png(data: bytes) -> ImageHeader:
             f"PNG declares an invalid bit depth {depth} for colour type {colour}"
         )
     pos += 8 + 13 + 4
-    while True:
+    for _ in range(MAX_PARTS):
         if pos + 12 > len(data):
             raise ImageHeaderError("PNG is truncated (no IEND chunk)")
         length, kind = struct.unpack_from(">I4s", data, pos)
@@ -137,6 +141,7 @@ def _png(data: bytes) -> ImageHeader:
         if kind == b"IEND":
             return ImageHeader("PNG", width, height, end)
         pos = end
+    raise ImageHeaderError(f"PNG has more than {MAX_PARTS} chunks")
 
 
 # -------------------------------------------------------------------------- JPEG
@@ -155,7 +160,7 @@ def _jpeg(data: bytes) -> ImageHeader:
     """
     size: tuple[int, int] | None = None
     pos = 2
-    while True:
+    for _ in range(MAX_PARTS):
         if pos >= len(data) or data[pos] != 0xFF:
             raise ImageHeaderError(_jpeg_no_marker(data, pos))
         while pos < len(data) and data[pos] == 0xFF:  # fill bytes
@@ -205,6 +210,7 @@ def _jpeg(data: bytes) -> ImageHeader:
             if found is None:
                 raise ImageHeaderError("JPEG is truncated (no end-of-image marker)")
             pos = found.start()
+    raise ImageHeaderError(f"JPEG has more than {MAX_PARTS} markers")
 
 
 def _jpeg_no_marker(data: bytes, pos: int) -> str:
@@ -274,7 +280,9 @@ def _webp(data: bytes) -> ImageHeader:
     canvas: tuple[int, int] | None = None
     image: tuple[int, int] | None = None
     pos = 12
-    while pos < end:
+    for _ in range(MAX_PARTS):
+        if pos >= end:
+            break
         if pos + 8 > end:
             raise ImageHeaderError("WebP is truncated inside a chunk header")
         kind = data[pos : pos + 4]
@@ -306,6 +314,8 @@ def _webp(data: bytes) -> ImageHeader:
         elif canvas is None:
             raise ImageHeaderError(f"WebP begins with an unknown {_name(kind)} chunk")
         pos += 8 + length + (length & 1)
+    else:
+        raise ImageHeaderError(f"WebP has more than {MAX_PARTS} chunks")
     if image is None:
         raise ImageHeaderError("WebP holds no image (no VP8 or VP8L chunk)")
     return ImageHeader("WebP", image[0], image[1], end)
