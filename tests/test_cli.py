@@ -184,7 +184,8 @@ def test_sigint_with_no_sessions_exits_zero(
             "--allow-image-urls: 'https://images.example.org' is not a host name",
         ),
         (["--allow-image-urls", "*.example.org"], "'*.example.org' is not a host name"),
-        (["--allow-image-urls", "example.org:443"], "'example.org:443' is not a host name"),
+        (["--allow-image-urls", "example.org:0"], "'example.org:0' is not a host name"),
+        (["--allow-image-urls", "example.org/x"], "'example.org/x' is not a host name"),
         (["--allow-image-urls"], "expected at least one argument"),
         (["--image-url-max-bytes", "0"], "must be > 0"),
         (["--image-url-max-redirects", "-1"], "must be >= 0"),
@@ -214,7 +215,7 @@ def test_image_urls_are_off_unless_hosts_are_listed() -> None:
             "Images.Example.org",
             "cdn.example.org.,[2001:db8::1]",
             "--allow-image-urls",
-            "192.0.2.7",
+            "192.0.2.7,images.example.org:8443,example.org:443,[2001:db8::2]:8443",
             "--image-url-max-bytes",
             "1000",
             "--image-url-timeout",
@@ -227,8 +228,11 @@ def test_image_urls_are_off_unless_hosts_are_listed() -> None:
     assert config.allowed_hosts == {
         "images.example.org",
         "cdn.example.org",
-        "2001:db8::1",
+        "[2001:db8::1]",
         "192.0.2.7",
+        "images.example.org:8443",  # the port given: that one, not 443
+        "example.org",  # 443 is the default
+        "[2001:db8::2]:8443",
     }
     assert (config.max_bytes, config.timeout, config.max_redirects) == (1000, 2.5, 0)
     # The command line never touches the test-only injection points.
@@ -253,7 +257,7 @@ async def test_the_server_refuses_image_urls_it_may_not_fetch() -> None:
 
     with serving("--engine", "synthetic", "--allow-image-urls", "localhost") as (_, url, _):
         with trio.fail_after(30):
-            loopback = await error_for(url, "https://localhost:9/x.png")
+            loopback = await error_for(url, "https://localhost/x.png")
             unlisted = await error_for(url, "https://example.org/x.png")
     assert loopback["code"] == unlisted["code"] == "invalid_request"
     assert "'localhost' resolves to" in loopback["message"]

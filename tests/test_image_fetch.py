@@ -143,6 +143,11 @@ def trusting(authority: trustme.CA) -> ssl.SSLContext:
 
 @pytest.fixture
 async def image_host(nursery: trio.Nursery, authority: trustme.CA) -> ImageHost:
+    return await serve_image_host(nursery, authority)
+
+
+async def serve_image_host(nursery: trio.Nursery, authority: trustme.CA) -> ImageHost:
+    """An `ImageHost` on a free port of 127.0.0.1, until ``nursery`` ends."""
     host = ImageHost()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     authority.issue_cert(*NAMES, "127.0.0.1").configure_cert(context)
@@ -174,11 +179,12 @@ def allow_loopback(address: IPAddress) -> str | None:
 
 
 def test_config(
-    authority: trustme.CA, hosts: Sequence[str] = ("images.test",), **changes: Any
+    authority: trustme.CA, host: ImageHost, names: Sequence[str] = ("images.test",), **changes: Any
 ) -> ImageFetchConfig:
-    """A fetcher config that may reach the image host (every injection point set)."""
+    """A fetcher config that may reach the image host (every injection point set), on
+    its port (not 443: the host must be listed with it)."""
     return ImageFetchConfig(
-        allowed_hosts=frozenset(hosts),
+        allowed_hosts=frozenset(f"{name}:{host.port}" for name in names),
         ssl_context=trusting(authority),
         address_policy=allow_loopback,
         resolver=loopback_resolver,
@@ -204,7 +210,7 @@ async def test_an_allowed_host_gives_the_image_and_is_asked_by_name(
     image_host.routes["/cat.png?v=2"] = Reply()
     url = ImageURL.parse(image_host.url("/cat.png?v=2#frag"))
     with trio.fail_after(10):
-        image = await fetch_image(url, test_config(authority))
+        image = await fetch_image(url, test_config(authority, image_host))
     assert image == ImageInput(mime_type="image/png", data=PNG)
     # Connected to the vetted address, but SNI and Host carry the name (no re-resolution).
     assert image_host.requests == [(f"images.test:{image_host.port}", "/cat.png?v=2")]
@@ -225,7 +231,7 @@ async def test_a_host_not_listed_is_refused_before_any_connection(
 ) -> None:
     image_host.routes["/cat.png"] = Reply()
     url = ImageURL.parse(image_host.url("/cat.png", name="other.test"))
-    message = await refusal(fetch_image(url, test_config(authority)))
+    message = await refusal(fetch_image(url, test_config(authority, image_host)))
     assert "its host 'other.test' is not one this server fetches from" in message
     assert "--allow-image-urls" in message
     assert image_host.connections == 0
@@ -238,7 +244,7 @@ async def test_a_redirect_to_a_host_not_listed_is_not_followed(
     image_host.routes["/moved"] = Reply(302, [("Location", target)], b"")
     image_host.routes["/cat.png"] = Reply()
     url = ImageURL.parse(image_host.url("/moved"))
-    message = await refusal(fetch_image(url, test_config(authority)))
+    message = await refusal(fetch_image(url, test_config(authority, image_host)))
     assert f"it redirects to {target!r}, whose host 'other.test' is not one" in message
     assert message.startswith(f"image_reference.image_url {url.url!r}: ")
     assert image_host.requests == [(f"images.test:{image_host.port}", "/moved")]
@@ -250,7 +256,7 @@ async def test_redirects_within_the_list_are_followed(
     image_host.routes["/a"] = Reply(301, [("Location", image_host.url("/b", "other.test"))], b"")
     image_host.routes["/b"] = Reply(307, [("Location", "/cat.png")], b"")  # relative
     image_host.routes["/cat.png"] = Reply()
-    config = test_config(authority, hosts=NAMES)
+    config = test_config(authority, image_host, names=NAMES)
     with trio.fail_after(10):
         image = await fetch_image(ImageURL.parse(image_host.url("/a")), config)
     assert image.data == PNG
@@ -267,7 +273,7 @@ async def test_redirects_are_bounded_and_must_stay_https(
 ) -> None:
     image_host.routes["/loop"] = Reply(302, [("Location", "/loop")], b"")
     image_host.routes["/plain"] = Reply(302, [("Location", "http://images.test/cat.png")], b"")
-    config = test_config(authority, max_redirects=2)
+    config = test_config(authority, image_host, max_redirects=2)
     loop = await refusal(fetch_image(ImageURL.parse(image_host.url("/loop")), config))
     assert loop.endswith(": more than 2 redirects")
     assert len(image_host.requests) == 3
@@ -280,7 +286,7 @@ async def test_a_body_over_the_limit_is_refused_and_reading_stops(
 ) -> None:
     image_host.routes["/big.png"] = Reply(body=bytes(5000))
     image_host.routes["/endless.png"] = Reply(endless=True)
-    config = test_config(authority, max_bytes=4096)
+    config = test_config(authority, image_host, max_bytes=4096)
     declared = await refusal(fetch_image(ImageURL.parse(image_host.url("/big.png")), config))
     assert declared.endswith(": the image is larger than 4096 bytes (the server's limit)")
     # No Content-Length and a body that never ends: only stopping at the limit returns.
@@ -294,7 +300,7 @@ async def test_a_host_that_stalls_runs_into_the_timeout(
     image_host: ImageHost, authority: trustme.CA
 ) -> None:
     image_host.routes["/slow.png"] = Reply(stall=True)
-    config = test_config(authority, timeout=0.3)
+    config = test_config(authority, image_host, timeout=0.3)
     started = trio.current_time()
     message = await refusal(fetch_image(ImageURL.parse(image_host.url("/slow.png")), config))
     assert message.endswith(": no complete answer within 0.3 s (the server's image URL timeout)")
@@ -320,7 +326,7 @@ async def test_answers_that_are_not_an_image_are_refused(
 ) -> None:
     image_host.routes["/x"] = reply
     message = await refusal(
-        fetch_image(ImageURL.parse(image_host.url("/x")), test_config(authority))
+        fetch_image(ImageURL.parse(image_host.url("/x")), test_config(authority, image_host))
     )
     assert message.endswith(": " + reason), message
 
@@ -332,7 +338,7 @@ async def test_the_default_policy_refuses_loopback(
     by a name that resolves to 127.0.0.1, and by the 127.0.0.1 literal."""
     image_host.routes["/cat.png"] = Reply()
     by_name = ImageFetchConfig(
-        allowed_hosts=frozenset({"images.test"}),
+        allowed_hosts=frozenset({f"images.test:{image_host.port}"}),
         ssl_context=trusting(authority),
         resolver=loopback_resolver,
     )
@@ -341,11 +347,11 @@ async def test_the_default_policy_refuses_loopback(
         ": 'images.test' resolves to 127.0.0.1, a loopback address, "
         "which this server does not connect to"
     )
-    literal = ImageFetchConfig(allowed_hosts=frozenset({"127.0.0.1"}))
+    literal = ImageFetchConfig(allowed_hosts=frozenset({f"127.0.0.1:{image_host.port}"}))
     url = ImageURL.parse(image_host.url("/cat.png", name="127.0.0.1"))
     assert "127.0.0.1, a loopback address" in await refusal(fetch_image(url, literal))
     # The system resolver, unfaked: localhost is refused just the same.
-    system = ImageFetchConfig(allowed_hosts=frozenset({"localhost"}))
+    system = ImageFetchConfig(allowed_hosts=frozenset({f"localhost:{image_host.port}"}))
     url = ImageURL.parse(image_host.url("/cat.png", name="localhost"))
     assert "a loopback address" in await refusal(fetch_image(url, system))
     assert image_host.connections == 0
@@ -370,7 +376,7 @@ async def test_the_default_trust_store_does_not_trust_the_test_authority(
 ) -> None:
     image_host.routes["/cat.png"] = Reply()
     config = ImageFetchConfig(
-        allowed_hosts=frozenset({"images.test"}),
+        allowed_hosts=frozenset({f"images.test:{image_host.port}"}),
         address_policy=allow_loopback,
         resolver=loopback_resolver,
     )
@@ -383,7 +389,7 @@ async def test_cancelling_the_caller_ends_the_fetch_and_its_connection(
     image_host: ImageHost, authority: trustme.CA
 ) -> None:
     image_host.routes["/slow.png"] = Reply(stall=True)
-    config = test_config(authority, timeout=60)
+    config = test_config(authority, image_host, timeout=60)
     url = ImageURL.parse(image_host.url("/slow.png"))
     outcome: list[str] = []
 
@@ -444,7 +450,7 @@ async def test_a_session_gets_the_fetched_image_to_the_engine(
     start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
 ) -> None:
     image_host.routes["/cat.png"] = Reply()
-    running = await start_server(image_urls=test_config(authority))
+    running = await start_server(image_urls=test_config(authority, image_host))
     transcript = await run_session(running, image_host.url("/cat.png"))
     assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
     config = transcript.of_type("video.start")[0]["config"]
@@ -474,7 +480,7 @@ async def test_a_fetched_file_that_is_no_image_is_an_invalid_request(
     start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
 ) -> None:
     image_host.routes["/fake.png"] = Reply(body=b"not a png at all")
-    running = await start_server(image_urls=test_config(authority))
+    running = await start_server(image_urls=test_config(authority, image_host))
     transcript = await run_session(running, image_host.url("/fake.png"))
     assert [(e["type"], e["code"]) for e in transcript.json] == [("error", "invalid_request")]
     assert "image_reference" in transcript.messages[0]["message"]
@@ -485,7 +491,7 @@ async def test_a_shutdown_during_the_fetch_ends_it_at_once(
     start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
 ) -> None:
     image_host.routes["/slow.png"] = Reply(stall=True)
-    running = await start_server(image_urls=test_config(authority, timeout=60))
+    running = await start_server(image_urls=test_config(authority, image_host, timeout=60))
     transcript = Transcript()
     with trio.fail_after(10):
         async with running.connect() as ws:
@@ -506,7 +512,7 @@ async def test_a_client_that_leaves_during_the_fetch_ends_it_at_once(
 ) -> None:
     """The session reads while it prepares: a close ends the fetch, not its timeout."""
     image_host.routes["/slow.png"] = Reply(stall=True)
-    running = await start_server(image_urls=test_config(authority, timeout=60))
+    running = await start_server(image_urls=test_config(authority, image_host, timeout=60))
     with trio.fail_after(10):
         async with running.connect() as ws:
             start = {**START, "image_reference": {"image_url": image_host.url("/slow.png")}}
@@ -523,7 +529,7 @@ async def test_messages_sent_while_the_session_prepares_are_answered_after_it(
 ) -> None:
     hold = trio.Event()
     image_host.routes["/late.png"] = Reply(hold=hold)
-    running = await start_server(image_urls=test_config(authority, timeout=60))
+    running = await start_server(image_urls=test_config(authority, image_host, timeout=60))
     transcript = Transcript()
     with trio.fail_after(20):
         async with running.connect() as ws:

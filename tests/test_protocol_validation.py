@@ -796,9 +796,12 @@ def test_null_image_reference_means_none() -> None:
 
 
 def test_video_codec_options_accepts_strings_and_numbers() -> None:
-    options = {"preset": "ultrafast", "crf": 23, "qscale": 1.5}
+    options = {"preset": "ultrafast", "crf": 23.5, "qp": "0", "g": 48}
     result = start_ok(start(extra_params={"video_codec_options": options}))
     assert result.request.extra_params == {"video_codec_options": options}
+    # As libx264 takes them, for the encoder (the config echo keeps what was sent).
+    assert result.codec_options == {"preset": "ultrafast", "crf": "23.5", "qp": "0", "g": "48"}
+    assert start_ok(start()).codec_options == {}
 
 
 @pytest.mark.parametrize(
@@ -808,15 +811,17 @@ def test_video_codec_options_accepts_strings_and_numbers() -> None:
         ([1], "extra_params.video_codec_options must be an object, got an array"),
         (
             {"crf": [23]},
-            "extra_params.video_codec_options['crf'] must be a string or a number, got an array",
+            "extra_params.video_codec_options.crf: must be a number in 0..51, got an array",
         ),
         (
             {"tune": True},
-            "extra_params.video_codec_options['tune'] must be a string or a number, got true",
+            "extra_params.video_codec_options.tune: true is not allowed; allowed: film, "
+            "animation, grain, stillimage, fastdecode, zerolatency, psnr, ssim",
         ),
         (
             {"preset": None},
-            "extra_params.video_codec_options['preset'] must be a string or a number, got null",
+            "extra_params.video_codec_options.preset: null is not allowed (slower presets "
+            "cost too much CPU); allowed: ultrafast, superfast, veryfast, faster, fast, medium",
         ),
     ],
 )
@@ -826,7 +831,7 @@ def test_video_codec_options_are_checked(options: Any, expected: str) -> None:
 
 def test_video_codec_options_in_sampling_params_are_checked() -> None:
     message = invalid_request(sampling_params={"video_codec_options": {"crf": {}}})
-    assert message.startswith("extra_params.video_codec_options['crf'] must be")
+    assert message.startswith("extra_params.video_codec_options.crf: must be")
 
 
 # --------------------------------------------------------------------------------------

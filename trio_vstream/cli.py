@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import ipaddress
 import logging
 import os
-import re
 import signal
 import ssl
 import sys
@@ -278,8 +275,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="HOST",
         help="fetch session.start image_reference https:// URLs from these hosts only (exact "
-        "names; repeatable). Off by default: a server that fetches URLs its clients name can be "
-        "made to reach internal services; non-public addresses are always refused",
+        "names; repeatable), on port 443 unless given as HOST:PORT. Off by default: a server "
+        "that fetches URLs its clients name can be made to reach internal services; "
+        "non-public addresses are always refused",
     )
     parser.add_argument(
         "--image-url-max-bytes",
@@ -414,24 +412,17 @@ def read_key_file(path: Path, flag: str = "--api-key-file") -> list[tuple[str, s
 
 
 def image_url_config(args: argparse.Namespace) -> image_fetch.ImageFetchConfig:
-    """What ``--allow-image-urls`` and its limits ask for; raises ``ValueError`` on a host
-    that is not a bare name or address (a scheme, port, path or wildcard would never match
-    a URL's host, and the operator would wonder why nothing is fetched)."""
+    """What ``--allow-image-urls`` and its limits ask for; raises ``ValueError`` on an
+    entry that is not a bare host name or address, with an optional ``:PORT`` (see
+    `image_fetch.allowed_authority`: a scheme, path or wildcard would never match a
+    URL, and the operator would wonder why nothing is fetched)."""
     hosts: list[str] = []
     for entry in args.image_url_hosts:
         for host in filter(None, (part.strip() for part in entry.split(","))):
-            with contextlib.suppress(ValueError):  # an IP address, brackets optional for v6
-                hosts.append(str(ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))))
-                continue
             try:
-                parsed = protocol.ImageURL.parse(f"https://{host}/")
-            except ValueError:
-                parsed = None
-            if parsed is None or not re.fullmatch(r"[A-Za-z0-9._-]+", host):
-                raise ValueError(
-                    f"--allow-image-urls: {host!r} is not a host name like images.example.org"
-                )
-            hosts.append(parsed.host)
+                hosts.append(image_fetch.allowed_authority(host))
+            except ValueError as exc:
+                raise ValueError(f"--allow-image-urls: {exc}") from None
     return image_fetch.ImageFetchConfig(
         allowed_hosts=frozenset(hosts),
         max_bytes=args.image_url_max_bytes,

@@ -29,8 +29,12 @@ Why some x264 parameters are forced: every frame handed to ``encode()`` must com
 same call, so the encoder must have zero delay. ``tune=zerolatency`` gives that, but a client
 overriding ``tune``/``preset`` would silently bring back B-frames, lookahead, frame threads or
 VFR-timestamp buffering, so the low-latency x264 parameters are always prepended to
-``x264-params``. Only an explicit ``x264-params`` override can defeat them; that is detected
-(fewer packets than frames) and reported as :class:`EncodingError` rather than a stalled stream.
+``x264-params``. The options a caller may add are an allow-list with checked values
+(``trio_vstream.protocol._codec_options``, shared with the protocol's validation), and none
+of them can defeat those parameters, nor write a file (``dump-yuv=``), nor choose a
+preset slower than ``medium``. Should an encoder ever delay a frame anyway, that is
+detected (fewer packets than frames) and reported as :class:`EncodingError` rather than a
+stalled stream.
 
 Why every chunk begins with an IDR frame: a viewer who joins a running session (see
 ``trio_vstream.watch``) gets the init segment and then the chunks from the one it joined
@@ -39,21 +43,25 @@ before it. Forcing the first frame of each ``encode()`` to be an IDR makes every
 join point (and a skip point for a viewer that falls behind), at a measured cost of a few
 percent of the bitrate at the usual chunk lengths (README, Benchmarks: "Keyframes").
 ``keyframe_interval`` (chunks from one forced IDR to the next; 0 leaves keyframes to
-x264, every 250 frames and at scene cuts) exists for that measurement.
+x264, every 250 frames and at scene cuts) exists for that measurement. A caller's ``g``
+(or ``keyint``) only adds keyframes between those: it cannot remove the forced ones.
 """
 
 from __future__ import annotations
 
-import io
 import struct
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from typing import Final
 
 import av
 import av.error
 import numpy as np
 from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
+
+from trio_vstream.image_header import ImageHeaderError, read_image_header
+from trio_vstream.protocol import CodecOptionError, check_codec_options
 
 __all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
 
@@ -84,6 +92,8 @@ _LOW_LATENCY_X264_PARAMS = (
 
 # 8K UHD is the largest conditioning image worth accepting.
 DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
+# And no panorama longer than this a side (WebP's own limit is 16383).
+MAX_IMAGE_SIDE = 16384
 
 _TRACK_ID = 1
 _MOVIE_TIMESCALE = 1000
@@ -165,18 +175,6 @@ def _track_timescale(fps: int) -> int:
     return timescale
 
 
-def _coerce_option(name: object, value: object) -> tuple[str, str]:
-    if not isinstance(name, str):
-        raise EncodingError(f"codec option names must be strings, got {name!r}")
-    if isinstance(value, bool):
-        return name, "1" if value else "0"
-    if isinstance(value, str | int | float):
-        return name, str(value)
-    raise EncodingError(
-        f"codec option {name!r} must be a string or number, got {type(value).__name__}"
-    )
-
-
 class FragmentedMP4Encoder:
     """One per session. Not thread-safe; one call at a time (the server guarantees that).
 
@@ -209,17 +207,18 @@ class FragmentedMP4Encoder:
 
         options = dict(DEFAULT_CODEC_OPTIONS)
         if codec_options is not None:
-            if not isinstance(codec_options, Mapping):
-                raise EncodingError(
-                    f"codec_options must be a mapping, got {type(codec_options).__name__}"
-                )
-            options.update(_coerce_option(k, v) for k, v in codec_options.items())
+            # The protocol checked a client's options already; checking again here keeps
+            # any other caller inside the same allow-list (no dump-yuv=, no slow preset).
+            try:
+                options.update(check_codec_options(codec_options, where="codec_options"))
+            except CodecOptionError as exc:
+                raise EncodingError(str(exc)) from None
         if keyframe_interval < 0:
             raise EncodingError(f"keyframe_interval must be >= 0, got {keyframe_interval}")
         if keyframe_interval:
             # A forced keyframe is an IDR, not an open-GOP I frame a decoder cannot
-            # start from (a client's own codec options may still say otherwise).
-            options.setdefault("forced-idr", "1")
+            # start from (the allow-list has no option that could say otherwise).
+            options["forced-idr"] = "1"
         self._keyframe_interval = keyframe_interval
         self._chunks_encoded = 0
         user_x264_params = options.get("x264-params", "")
@@ -515,34 +514,53 @@ def _find_box(data: memoryview, kind: bytes) -> memoryview | None:
 
 
 def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Decode an image file (PNG, JPEG, WebP, ...) to (H, W, 3) uint8 RGB via FFmpeg.
+    """Decode a PNG, JPEG or WebP image to (H, W, 3) uint8 RGB via FFmpeg.
 
     Uses PyAV so the project needs no PIL; alpha is dropped, as conditioning images are RGB.
-    ``max_pixels`` exists because the bytes come from clients: a few hundred KB of PNG can
-    claim a 30000x30000 canvas. FFmpeg's probe already decodes once, so the check bounds the
-    RGB copy and everything downstream rather than that first allocation; the server's cap on
-    the upload size is what bounds the probe.
+    The bytes come from clients, and a decoder allocates (and fills) whatever picture a
+    header declares: a few hundred KB of PNG can claim 16000x16000. So the size is read
+    from the header first (`trio_vstream.image_header`, which also refuses every format
+    it cannot vet that way) and refused over ``max_pixels`` before anything decodes. Then
+    exactly the vetted bytes go to that format's decoder as one packet (no demuxer, so
+    nothing probes or guesses the format), and the picture that comes out must have the
+    header's size: a header that lies does not get past.
     """
     if not isinstance(data, bytes | bytearray | memoryview) or len(data) == 0:
         raise EncodingError("image data is empty or not bytes")
     try:
-        with av.open(io.BytesIO(bytes(data)), mode="r") as container:
-            if not container.streams.video:
-                raise EncodingError("image data holds no picture")
-            stream = container.streams.video[0]
-            if stream.codec_context is None:  # a format this FFmpeg has no decoder for
-                raise EncodingError("no decoder here for this image format")
-            _check_image_size(stream.codec_context.width, stream.codec_context.height, max_pixels)
-            for frame in container.decode(stream):
-                _check_image_size(frame.width, frame.height, max_pixels)
-                return frame.to_ndarray(format="rgb24")
-    except EncodingError:
-        raise
-    except (av.error.FFmpegError, ValueError, OSError, IndexError) as exc:
-        raise EncodingError(f"could not decode image data: {exc}") from exc
-    raise EncodingError("image data decoded to no picture")
+        header = read_image_header(bytes(data))
+    except ImageHeaderError as exc:
+        raise EncodingError(str(exc)) from None
+    _check_image_size(header.width, header.height, max_pixels)
+    try:
+        ctx = av.CodecContext.create(_IMAGE_DECODERS[header.format], "r")
+        assert isinstance(ctx, av.VideoCodecContext)
+        ctx.thread_count = 1  # one picture: no frame threads holding extra copies
+        frames = ctx.decode(av.Packet(bytes(data[: header.length])))
+        frames += ctx.decode(None)
+    except (av.error.FFmpegError, ValueError, OSError, IndexError, MemoryError) as exc:
+        raise EncodingError(f"could not decode the {header.format} image: {exc}") from exc
+    if not frames:
+        raise EncodingError(f"the {header.format} image decoded to no picture")
+    frame = frames[0]
+    if (frame.width, frame.height) != (header.width, header.height):
+        raise EncodingError(
+            f"the {header.format} image decoded to {frame.width}x{frame.height}, "
+            f"not the {header.width}x{header.height} its header declares"
+        )
+    try:
+        return frame.to_ndarray(format="rgb24")
+    except (av.error.FFmpegError, ValueError, MemoryError) as exc:
+        raise EncodingError(f"could not convert the {header.format} image: {exc}") from exc
+
+
+_IMAGE_DECODERS: Final = {"PNG": "png", "JPEG": "mjpeg", "WebP": "webp"}
+"""FFmpeg's decoder for each of `image_header.ACCEPTED_FORMATS`."""
 
 
 def _check_image_size(width: int, height: int, max_pixels: int) -> None:
-    if width * height > max_pixels:
-        raise EncodingError(f"image is {width}x{height}, more than the {max_pixels} pixels allowed")
+    if width * height > max_pixels or max(width, height) > MAX_IMAGE_SIDE:
+        raise EncodingError(
+            f"image is {width}x{height}, more than the {max_pixels} pixels (or "
+            f"{MAX_IMAGE_SIDE} a side) allowed"
+        )

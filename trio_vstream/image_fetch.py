@@ -5,9 +5,12 @@ server can reach: a cloud metadata endpoint, an admin page on localhost, a datab
 the private network (server-side request forgery). So fetching is off unless the
 operator lists hosts (``--allow-image-urls HOST ...``), and even then:
 
-* only ``https://`` URLs on a listed host (exact name match) are fetched, and the same
-  holds for every redirect (at most `ImageFetchConfig.max_redirects`): a redirect to a
-  host off the list, or to plain http, is refused, not followed;
+* only ``https://`` URLs on a listed host (exact name match) and port are fetched, and
+  the same holds for every redirect (at most `ImageFetchConfig.max_redirects`): a
+  redirect to a host or port off the list, or to plain http, is refused, not followed.
+  The port is 443 unless the operator lists the host with another one
+  (``images.example.org:8443``): an allowed host may run other services on other ports
+  (an admin page, a debug server), and a client must not be able to pick one;
 * the fetcher resolves the name itself and refuses it when *any* resolved address is
   not public (loopback, private, link-local, multicast, reserved, ...); it then connects
   to a vetted address while sending the name for SNI, certificate checking and
@@ -33,6 +36,7 @@ the command line sets: ``ssl_context`` (default: the system's trust store),
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import re
@@ -109,6 +113,30 @@ async def system_resolver(host: str, port: int) -> list[IPAddress]:
     return addresses
 
 
+_AUTHORITY: Final = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def allowed_authority(entry: str) -> str:
+    """One ``--allow-image-urls`` entry as the `ImageURL.authority` it allows: a host
+    name or IP address (IPv6 with or without brackets), with ``:PORT`` when the port is
+    not 443 (``images.example.org``, ``images.example.org:8443``, ``[2001:db8::1]:8443``).
+
+    Raises ``ValueError`` on anything else: a scheme, a path or a wildcard would never
+    match a URL, and the operator would wonder why nothing is fetched.
+    """
+    text = entry.strip()
+    with contextlib.suppress(ValueError):  # a bare IPv6 address (its colons are no port)
+        return ImageURL.parse(f"https://[{ipaddress.IPv6Address(text)}]/").authority
+    if not _AUTHORITY.fullmatch(text):
+        raise ValueError(f"{entry!r} is not a host name like images.example.org[:PORT]")
+    try:
+        return ImageURL.parse(f"https://{text}/").authority
+    except ValueError as exc:
+        raise ValueError(
+            f"{entry!r} is not a host name like images.example.org[:PORT]: {exc}"
+        ) from None
+
+
 @attrs.frozen(kw_only=True)
 class ImageFetchConfig:
     """Whether, from where and within which limits ``image_reference`` URLs are fetched.
@@ -117,10 +145,10 @@ class ImageFetchConfig:
     """
 
     allowed_hosts: frozenset[str] = attrs.field(
-        default=frozenset(),
-        converter=lambda hosts: frozenset(h.lower().removesuffix(".") for h in hosts),
+        default=frozenset(), converter=lambda hosts: frozenset(map(allowed_authority, hosts))
     )
-    """Exact host names (or IP literals) that may be fetched from, redirects included."""
+    """Exact host names (or IP literals) that may be fetched from, redirects included,
+    each with ``:PORT`` when its port is not 443 (see `allowed_authority`)."""
     max_bytes: int = DEFAULT_MAX_BYTES
     timeout: float = DEFAULT_TIMEOUT
     max_redirects: int = DEFAULT_MAX_REDIRECTS
@@ -182,14 +210,22 @@ async def fetch_image(url: ImageURL, config: ImageFetchConfig) -> ImageInput:
 async def _fetch_following_redirects(url: ImageURL, config: ImageFetchConfig) -> ImageInput:
     current = url
     for hop in range(config.max_redirects + 1):
-        if current.host not in config.allowed_hosts:
-            where = (
-                "its host" if hop == 0 else f"it redirects to {_show_url(current.url)}, whose host"
-            )
+        # Every hop: https (ImageURL.parse refuses anything else), a listed host, and
+        # the port the list gives it (443 unless named).
+        if current.authority not in config.allowed_hosts:
+            where = "its" if hop == 0 else f"it redirects to {_show_url(current.url)}, whose"
+            listed = {ImageURL.parse(f"https://{a}/").host for a in config.allowed_hosts}
+            if current.host not in listed:
+                raise ImageFetchError(
+                    url.url,
+                    f"{where} host {current.host!r} is not one this server fetches from "
+                    "(--allow-image-urls)",
+                )
             raise ImageFetchError(
                 url.url,
-                f"{where} {current.host!r} is not one this server fetches from "
-                "(--allow-image-urls)",
+                f"{where} port {current.port} on {current.host!r} is not one this server "
+                f"fetches from (443 unless --allow-image-urls names the port, like "
+                f"{current.authority})",
             )
         answer = await _fetch_once(current, config, original=url)
         if isinstance(answer, ImageInput):
@@ -347,6 +383,7 @@ __all__ = [
     "ImageFetchConfig",
     "ImageFetchError",
     "Resolver",
+    "allowed_authority",
     "fetch_image",
     "public_addresses_only",
     "system_resolver",

@@ -91,6 +91,11 @@ logger = logging.getLogger(__name__)
 _EARLY_MESSAGES = 16
 """Control messages kept while a session prepares, before ``video.start``."""
 
+IMAGE_DECODES_AT_ONCE = 2
+"""Conditioning images decoded at once, server-wide: each may take a few hundred MB
+(an 8K picture, its RGB copy), so sixteen sessions starting together must not decode
+sixteen at once. The header check (`trio_vstream.image_header`) bounds each one."""
+
 T = TypeVar("T")
 
 
@@ -185,6 +190,10 @@ class ServerResources:
     """Asked when a valid ``session.start`` arrives: None gives the session a slot
     (``--max-sessions``), else the refusal it ends with (``server_busy``). Unset, every
     session is admitted."""
+    image_limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)
+    )
+    """Bounds the image decodes of all sessions together (one per server)."""
 
 
 class Session:
@@ -444,7 +453,7 @@ class Session:
         self._fps = video.fps
         self._pacing = start.pacing
         extra = dict(request.extra_params or {})
-        codec_options = extra.pop("video_codec_options", None)
+        extra.pop(protocol.CODEC_OPTIONS_PARAM, None)  # checked: start.codec_options
         for key in protocol.PACING_PARAMS:  # the server paces, never the engine
             extra.pop(key, None)
         extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
@@ -465,12 +474,13 @@ class Session:
                         ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}"
                     ) from exc
             try:
-                image = await self._in_thread(decode_image, source.data)
+                async with self._res.image_limiter:
+                    image = await self._in_thread(decode_image, source.data)
             except EncodingError as exc:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
                 ) from exc
-        options = {str(k): str(v) for k, v in (codec_options or {}).items()}
+        options = start.codec_options
         try:
             self._encoder = await self._in_thread(
                 lambda: FragmentedMP4Encoder(

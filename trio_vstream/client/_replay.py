@@ -11,6 +11,13 @@ the same frames, and this command checks it: each interaction must start at its
 recorded chunk again, and the frames must decode equal to the recorded MP4's. A
 recording that did not complete (stopped, failed, client gone) is replayed up to as
 many frames as it holds: the replay stops itself there.
+
+A recording is a file someone may hand you, and its request is sent as it stands, so
+one thing in it is not sent unless asked for: ``extra_params.video_codec_options``. Those
+libx264 options could make a server without this project's allow-list write files
+(``dump-yuv=``) or burn CPU. They are dropped, with a warning on stderr (the frames may
+then differ from the recording's); ``--keep-codec-options`` sends them, and only when
+they pass the same allow-list the server applies (`protocol.check_codec_options`).
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ class ReplayPlan:
     """The recorded session completed: the replay must give exactly as many frames."""
     skipped: tuple[str, ...] = ()
     """Interactions that changed no frame (refused, or never started), in words."""
+    warnings: tuple[str, ...] = ()
+    """What the replay leaves out of the recorded request, and why (codec options)."""
 
 
 @attrs.define
@@ -104,10 +113,16 @@ class ReplayReport:
         return not self.mismatches
 
 
-def load_recording(path: Path, *, image: Path | None = None) -> ReplayPlan:
+def load_recording(
+    path: Path, *, image: Path | None = None, keep_codec_options: bool = False
+) -> ReplayPlan:
     """Read a recording's JSON and make its replay; raises `ReplayError` on anything that
     is not a replayable recording. ``image`` replaces the recorded ``image_reference``
-    (needed when it came from a URL, whose image a recording does not keep)."""
+    (needed when it came from a URL, whose image a recording does not keep).
+
+    The recorded ``extra_params.video_codec_options`` are dropped (the plan's
+    ``warnings`` say so) unless ``keep_codec_options``; kept, they must pass the
+    server's allow-list, or `ReplayError` names the option."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -166,6 +181,7 @@ def load_recording(path: Path, *, image: Path | None = None) -> ReplayPlan:
     extra = fields.get("extra_params")
     extra = dict(extra) if isinstance(extra, dict) else {}
     extra.pop(protocol.INTERACTION_SCRIPT_PARAM, None)  # rebuilt from the interactions
+    warnings = _codec_options_to_send(fields, extra, keep_codec_options, where)
     if script:
         extra[protocol.INTERACTION_SCRIPT_PARAM] = script
     if extra:
@@ -192,6 +208,42 @@ def load_recording(path: Path, *, image: Path | None = None) -> ReplayPlan:
         recorded_video=recorded_video,
         complete=record.get("outcome") == "completed",
         skipped=tuple(skipped),
+        warnings=warnings,
+    )
+
+
+def _codec_options_to_send(
+    fields: dict[str, Any], extra: dict[str, Any], keep: bool, where: str
+) -> tuple[str, ...]:
+    """Drop the recorded codec options from ``extra`` (and from a legacy
+    ``sampling_params``, which the server lifts into ``extra_params``), or, with
+    ``keep``, check them; returns the warnings to show."""
+    blocks = [extra]
+    sampling = fields.get("sampling_params")
+    if isinstance(sampling, dict) and protocol.CODEC_OPTIONS_PARAM in sampling:
+        fields["sampling_params"] = sampling = dict(sampling)
+        blocks.append(sampling)
+    found = [block for block in blocks if protocol.CODEC_OPTIONS_PARAM in block]
+    if not found:
+        return ()
+    if keep:
+        for block in found:
+            try:
+                protocol.check_codec_options(block[protocol.CODEC_OPTIONS_PARAM])
+            except protocol.CodecOptionError as exc:
+                raise ReplayError(
+                    f"{where}: the recorded {exc} (not sent, even with --keep-codec-options)"
+                ) from None
+        return ()
+    dropped = [block.pop(protocol.CODEC_OPTIONS_PARAM) for block in found]
+    shown = json.dumps(dropped[0])  # ASCII, control characters escaped
+    if len(shown) > 200:
+        shown = shown[:197] + "..."
+    return (
+        f"the recording's extra_params.{protocol.CODEC_OPTIONS_PARAM} {shown} are not sent "
+        "(a recording may come from anyone, and codec options can make a server write "
+        "files); the frames may differ from the recording's. Pass --keep-codec-options "
+        "to send them",
     )
 
 
@@ -348,6 +400,12 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="the conditioning image, when the recording does not hold it (a URL's image)",
     )
     parser.add_argument(
+        "--keep-codec-options",
+        action="store_true",
+        help="send the recording's extra_params.video_codec_options (dropped by default, "
+        "with a warning); only options on the server's allow-list are sent",
+    )
+    parser.add_argument(
         "--connect-timeout",
         type=float,
         metavar="SECONDS",
@@ -364,10 +422,14 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         _check_url(args.url)
         _check_output(args.output, "--output")
         api_key = _api_key(args)
-        plan = load_recording(args.recording, image=args.image)
+        plan = load_recording(
+            args.recording, image=args.image, keep_codec_options=args.keep_codec_options
+        )
     except (_UsageError, ReplayError) as exc:
         print(f"python -m trio_vstream replay: error: {exc}", file=err)
         return EXIT_USAGE
+    for warning in plan.warnings:
+        print(f"python -m trio_vstream replay: warning: {warning}", file=err)
     try:
         report = trio.run(
             lambda: replay(plan, args.url, api_key=api_key, connect_timeout=args.connect_timeout)

@@ -19,6 +19,7 @@ The public names all live here; the private modules are the seams behind them:
 - ``_messages``: every later message, both ways, and the converter that writes them.
 - ``_client``: `ClientProtocol`, the client side of a session as a state machine.
 - ``_camera_keys``: WASD/IJKL key states as velocity cameras (vllm-omni's mapping).
+- ``_codec_options``: ``extra_params.video_codec_options``, the libx264 allow-list.
 - ``_camera_script``: ``extra_params.camera_action_script``, one camera per chunk.
   (``extra_params.interaction_script``, this project's extension for replays, is parsed
   with the rest of ``session.start`` in ``_validation``.)
@@ -44,6 +45,12 @@ from trio_vstream.protocol._client import (
     SessionEnded,
     VideoStarted,
     WatchStarted,
+)
+from trio_vstream.protocol._codec_options import (
+    CODEC_OPTION_NAMES,
+    CODEC_OPTIONS_PARAM,
+    CodecOptionError,
+    check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._messages import (
@@ -91,6 +98,8 @@ from trio_vstream.video import Camera, VideoDefaults
 __all__ = [
     "CAMERA_KEYS",
     "CAMERA_SCRIPT_PARAM",
+    "CODEC_OPTIONS_PARAM",
+    "CODEC_OPTION_NAMES",
     "CONTROL_ERROR_CODES",
     "DEFAULT_LIMITS",
     "DEFAULT_TRANSITION_CHUNKS",
@@ -107,6 +116,7 @@ __all__ = [
     "ChunkReceived",
     "ClientProtocol",
     "ClientState",
+    "CodecOptionError",
     "ControlMessage",
     "Error",
     "ErrorCode",
@@ -140,6 +150,7 @@ __all__ = [
     "VideoStarted",
     "WatchStart",
     "WatchStarted",
+    "check_codec_options",
     "interaction_message",
     "key_velocity",
     "parse_control",

@@ -21,6 +21,11 @@ from trio_vstream.protocol._camera_script import (
     ScriptedCamera,
     camera_script_of,
 )
+from trio_vstream.protocol._codec_options import (
+    CODEC_OPTIONS_PARAM,
+    CodecOptionError,
+    check_codec_options,
+)
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._wire import (
     REQUEST_CONVERTER,
@@ -258,6 +263,8 @@ class SessionStart:
     config: dict[str, Any]
     pacing: Pacing | None = None
     """Set when the client asked for ``extra_params.pace_to_media_time``."""
+    codec_options: dict[str, str] = attrs.field(factory=dict)
+    """``extra_params.video_codec_options``, allowed and checked, as libx264 takes them."""
     camera_script: tuple[ScriptedCamera, ...] = ()
     """``extra_params.camera_action_script``, one camera per chunk (see `_camera_script`)."""
     interaction_script: tuple["ScriptedInteraction", ...] = ()
@@ -447,17 +454,16 @@ def _pacing_of(extra_params: dict[str, Any] | None, problems: list[str]) -> Paci
     return Pacing(**values) if enabled else None
 
 
-def _codec_options_problem(extra_params: dict[str, Any] | None) -> str | None:
-    if not extra_params or "video_codec_options" not in extra_params:
-        return None
-    options = extra_params["video_codec_options"]
-    where = "extra_params.video_codec_options"
-    if not isinstance(options, dict):
-        return f"{where} must be an object, got {show(options)}"
-    for key, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, str | int | float):
-            return f"{where}[{quote(key)}] must be a string or a number, got {show(value)}"
-    return None
+def _codec_options_of(extra_params: dict[str, Any] | None, problems: list[str]) -> dict[str, str]:
+    """``extra_params.video_codec_options`` checked against the allow-list (see
+    `_codec_options`), as the strings libx264 takes; empty when none are given."""
+    if not extra_params or CODEC_OPTIONS_PARAM not in extra_params:
+        return {}
+    try:
+        return check_codec_options(extra_params[CODEC_OPTIONS_PARAM])
+    except CodecOptionError as exc:
+        problems.append(str(exc))
+        return {}
 
 
 # Longer digit strings cannot be within any sane limit, and int() of thousands of
@@ -638,9 +644,7 @@ def parse_start(
             if problem is not None:
                 problems.append(problem)
 
-    codec_problem = _codec_options_problem(request.extra_params)
-    if codec_problem is not None:
-        problems.append(codec_problem)
+    codec_options = _codec_options_of(request.extra_params, problems)
     pacing = _pacing_of(request.extra_params, problems)
 
     video = _resolve_video(request, limits, defaults, problems)
@@ -660,6 +664,7 @@ def parse_start(
         image=image,
         config=_config_of(request),
         pacing=pacing,
+        codec_options=codec_options,
         camera_script=camera_script,
         interaction_script=interaction_script,
     )
