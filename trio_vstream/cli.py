@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from trio_vstream import access, image_fetch, memory, protocol
+from trio_vstream import access, image_fetch, logsafe, memory, protocol
 from trio_vstream.client import (
     add_client_arguments,
     add_replay_arguments,
@@ -39,7 +39,7 @@ _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
 """Seconds the server waits at exit for ``--record``'s last recordings to be written."""
 
-logger = logging.getLogger("trio_vstream")
+logger = logsafe.get_logger("trio_vstream")
 
 
 def _engine_arg(text: str) -> tuple[str, str]:
@@ -371,6 +371,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logsafe.escape_on_handlers(logging.getLogger().handlers)  # libraries' records too
     try:
         policy = access_policy(args)
         context = tls_context(args)

@@ -26,7 +26,6 @@ import datetime
 import errno
 import hashlib
 import json
-import logging
 import mimetypes
 import os
 import threading
@@ -40,11 +39,12 @@ import av
 import av.error
 
 from trio_vstream import protocol
+from trio_vstream.logsafe import get_logger
 from trio_vstream.taps import SessionTaps
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Recorder", "open_part_file"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FORMAT: Final = "trio_vstream.recording"
 """The JSON's ``format`` field: what tells a recording from any other JSON file."""

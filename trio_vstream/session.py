@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import threading
 import time
 import uuid
@@ -80,13 +79,14 @@ from trio_vstream.engines.base import (
     interaction_kinds,
 )
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
+from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _EARLY_MESSAGES = 16
 """Control messages kept while a session prepares, before ``video.start``."""
