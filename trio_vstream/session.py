@@ -91,6 +91,16 @@ logger = get_logger(__name__)
 _EARLY_MESSAGES = 16
 """Control messages kept while a session prepares, before ``video.start``."""
 
+_ROUTINE_CLOSE_ERRORS = (
+    ConnectionClosed,
+    trio.BrokenResourceError,
+    trio.BusyResourceError,
+    trio.ClosedResourceError,
+)
+"""What closing a WebSocket may raise when the client closed or went at the same time:
+the end of a session, not a failure of the server (``http.ReplayStream`` removes the
+cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
+
 T = TypeVar("T")
 
 
@@ -806,7 +816,12 @@ class Session:
         self._taps.call("ended", outcome.value, self._terminal(outcome))
         if not self._broken:
             with trio.move_on_after(self._config.close_timeout):
-                await self._ws.aclose()
+                try:
+                    await self._ws.aclose()
+                except _ROUTINE_CLOSE_ERRORS as exc:
+                    # The peer went or closed first: the close is done all the same. A
+                    # client can cause this at will, so it is a line, never a traceback.
+                    logger.debug("session %s: close: %r", self.request_id, exc)
         logger.info(
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
