@@ -72,7 +72,7 @@ class ContractStream(trio.abc.HalfCloseableStream):
         await self.inner.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        return await self.inner.receive_some(max_bytes)
+        return bytes(await self.inner.receive_some(max_bytes))
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -100,7 +100,7 @@ class CloseCrossing(trio.abc.Stream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         """One client frame at a time (the test's are short), the Close held back."""
         if not self._pending:
-            self._pending = await self.inner.receive_some(max_bytes)
+            self._pending = bytes(await self.inner.receive_some(max_bytes))
         data = self._pending
         if data[:1] == bytes([CLOSE_OPCODE]):
             await self.client_close.wait()
@@ -150,7 +150,10 @@ async def test_a_stop_then_close_that_crosses_the_close_frame_is_routine(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve)
         client: WebSocketConnection = await wrap_client_stream(
-            nursery, client_stream, "test", "/v1/realtime/video"
+            nursery,
+            client_stream,  # type: ignore[arg-type]
+            "test",
+            "/v1/realtime/video",
         )
         await client.send_message(json.dumps({**START, "num_frames": 400}))
         while not isinstance(await client.get_message(), bytes):
