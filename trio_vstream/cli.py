@@ -6,6 +6,8 @@ import argparse
 import gc
 import logging
 import os
+import re
+import shutil
 import signal
 import ssl
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import trio
 
-from trio_vstream import access, connections, image_fetch, memory, protocol
+from trio_vstream import access, connections, image_fetch, logsafe, memory, protocol
 from trio_vstream.client import (
     add_client_arguments,
     add_replay_arguments,
@@ -36,8 +38,12 @@ ADMIN_API_KEY_ENV = "TRIO_VSTREAM_ADMIN_API_KEY"
 _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
 """Seconds the server waits at exit for ``--record``'s last recordings to be written."""
+RECORD_FREE_SPACE_SHARE = 0.9
+"""Without ``--record-max-bytes``, recordings may add this share of the free space (at
+start) to what DIR already holds: they stop before the disk is full, which would fail
+the rest of the machine, and a full disk would drop whole recordings anyway."""
 
-logger = logging.getLogger("trio_vstream")
+logger = logsafe.get_logger("trio_vstream")
 
 
 def _engine_arg(text: str) -> tuple[str, str]:
@@ -68,6 +74,17 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+_BYTE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def _byte_size(text: str) -> int:
+    """A size in bytes: a whole number, or with K, M, G or T (binary: 1K = 1024)."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 500M or 20G, got {text!r}")
+    return int(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +338,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "seed, interactions and their chunks, timings, outcome); replay with 'replay'",
     )
     parser.add_argument(
+        "--record-max-bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the most the recordings in DIR may take, those already there included (e.g. "
+        "20G). Beyond it new sessions are not recorded and a recording under way stops, its "
+        "JSON saying so (default: what DIR holds plus 90%% of the free space at start)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -448,6 +474,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logsafe.escape_on_handlers(logging.getLogger().handlers)  # libraries' records too
     try:
         policy = access_policy(args)
         context = tls_context(args)
@@ -526,8 +553,23 @@ def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) ->
         engine=engine.name,
         model=config.session.served_model or engine.name,
         device=None if device is None else str(device),
+        max_bytes=args.record_max_bytes,
     )
-    logger.info("recording every session in %s", recorder.directory)
+    if recorder.max_bytes is None:
+        free = shutil.disk_usage(recorder.directory).free
+        recorder.max_bytes = recorder.used + int(free * RECORD_FREE_SPACE_SHARE)
+    logger.info(
+        "recording every session in %s: recordings may take %d bytes (%s), %d taken now",
+        recorder.directory,
+        recorder.max_bytes,
+        "--record-max-bytes" if args.record_max_bytes is not None else "90% of the free space",
+        recorder.used,
+    )
+    if recorder.used >= recorder.max_bytes:
+        logger.warning(
+            "%s holds as much as the recordings may take: sessions are not recorded",
+            recorder.directory,
+        )
     return recorder
 
 

@@ -71,13 +71,32 @@ class ReplayStream(trio.abc.Stream):
     Closing with unread bytes would make the kernel answer with a reset, and a
     client still writing (an oversized message the server refused with close
     code 1009) would lose the close frame and see 1006 instead.
+
+    Two tasks use the stream at its close, and they must not collide on the
+    socket: trio-websocket's reader closes it as soon as the client's Close
+    frame arrives, while the session's ``aclose()`` may be about to send its own
+    Close frame (it took its turn before the client's frame was read). Trio
+    raises ``BusyResourceError`` at whichever of ``send_all`` and ``send_eof``
+    comes second, and trio-websocket lets that escape from ``aclose()``: a
+    routine stop-then-close logged a traceback. So, as Trio's own streams do
+    with ``aclose``: from the moment a close begins, a send or a receive by
+    another task fails with ``ClosedResourceError`` (which trio-websocket takes
+    for a closed connection), the shutdown of the write side waits for a send
+    under way to finish (never cutting a frame), and a second ``aclose`` waits
+    for the first one's linger instead of racing it.
     """
 
     def __init__(self, stream: trio.abc.Stream, prefix: bytes) -> None:
         self._stream = stream
         self._prefix = prefix
+        self._send_lock = trio.Lock()
+        self._closing = False
+        self._closed = trio.Event()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._closing:
+            await trio.lowlevel.checkpoint()
+            raise trio.ClosedResourceError("the connection is being closed")
         if self._prefix:
             size = len(self._prefix) if max_bytes is None else max_bytes
             data, self._prefix = self._prefix[:size], self._prefix[size:]
@@ -86,23 +105,35 @@ class ReplayStream(trio.abc.Stream):
         return await self._stream.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._stream.send_all(data)
+        if self._closing:
+            await trio.lowlevel.checkpoint()
+            raise trio.ClosedResourceError("the connection is being closed")
+        async with self._send_lock:
+            await self._stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._stream.wait_send_all_might_not_block()
 
     async def aclose(self) -> None:
+        if self._closing:  # another task is closing: its linger is bounded
+            await self._closed.wait()
+            return
+        self._closing = True
         stream = self._stream
         try:
             if isinstance(stream, trio.abc.HalfCloseableStream):
                 with trio.move_on_after(LINGER_SECONDS):
-                    await stream.send_eof()
+                    async with self._send_lock:  # a frame being written is finished first
+                        await stream.send_eof()
                     while await stream.receive_some(65536):
                         pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-            pass  # gone already, or another task is reading: just close
+            pass  # gone already, or another task is still reading: just close
         finally:
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                self._closed.set()
 
 
 class HeadTooLarge(Exception):

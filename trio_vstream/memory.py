@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 
-logger = logging.getLogger(__name__)
+from trio_vstream.logsafe import get_logger
+
+logger = get_logger(__name__)
 
 # mallopt parameters, from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1

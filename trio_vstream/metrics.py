@@ -286,6 +286,8 @@ class RecordingCounts(Protocol):
     @property
     def dropped(self) -> int: ...
     @property
+    def truncated(self) -> int: ...
+    @property
     def active(self) -> int: ...
 
 
@@ -307,14 +309,21 @@ class _RecordingFigures(Collector):
         written.add_metric(labels, recordings.written)
         dropped = CounterMetricFamily(
             "trio_vstream_recordings_dropped",
-            "Recordings dropped (the disk too slow or failing); their sessions went on.",
+            "Recordings dropped (the disk too slow or failing) or not begun (the "
+            "--record-max-bytes limit reached); their sessions went on.",
             labels=["model"],
         )
         dropped.add_metric(labels, recordings.dropped)
+        truncated = CounterMetricFamily(
+            "trio_vstream_recordings_truncated",
+            "Recordings stopped part-way at the --record-max-bytes limit (their JSON says so).",
+            labels=["model"],
+        )
+        truncated.add_metric(labels, recordings.truncated)
         active = GaugeMetricFamily(
             "trio_vstream_recordings_active",
             "Recordings being written now.",
             labels=["model"],
         )
         active.add_metric(labels, recordings.active)
-        return iter((written, dropped, active))
+        return iter((written, dropped, truncated, active))

@@ -8,6 +8,16 @@ with its arrival and the chunks where it started and completed, per-chunk timing
 outcome and the terminal message. Stopped and failed sessions are kept up to what was
 sent. ``python -m trio_vstream replay`` repeats a recording (``client/_replay.py``).
 
+The disk is bounded too: a `Recorder` may be given ``max_bytes``, the most its
+recordings in the directory may take (those already there count). Every byte a
+recording will write is reserved before it is queued (a chunk twice: the part file,
+then the MP4 it is remuxed into), and the reservation becomes the files' real size when
+the recording is written. At the limit, a session that starts is not recorded (counted
+as dropped, logged once until there is room again), and a recording that reaches it
+mid-way stops there and is finished as it stands: a valid MP4 of the chunks written,
+and a JSON that says ``"truncated": true``, why, and how many chunks and interactions
+were not recorded. What a client sent is never left out silently.
+
 A recording must never slow its session. Its `SessionTap` runs on the event loop and
 only queues references (bytes are immutable: nothing is copied) into a bounded queue;
 one writer thread per recording does every disk operation. When the writer falls
@@ -26,7 +36,6 @@ import datetime
 import errno
 import hashlib
 import json
-import logging
 import mimetypes
 import os
 import threading
@@ -40,11 +49,12 @@ import av
 import av.error
 
 from trio_vstream import protocol
+from trio_vstream.logsafe import get_logger
 from trio_vstream.taps import SessionTaps
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Recorder", "open_part_file"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FORMAT: Final = "trio_vstream.recording"
 """The JSON's ``format`` field: what tells a recording from any other JSON file."""
@@ -56,6 +66,14 @@ DEFAULT_MAX_QUEUED_BYTES: Final = 256 * 1024 * 1024
 more than a healthy disk ever lets pile up; past it the disk is not keeping up."""
 DEFAULT_MAX_QUEUED_ITEMS: Final = 4096
 """Messages a recording may have waiting (interactions are small but unbounded in number)."""
+DEFAULT_MAX_IMAGE_BYTES: Final = 16 * 1024 * 1024
+"""The largest inline ``image_reference`` kept as a file beside a recording; a larger
+one is described in the JSON (size, type, SHA-256) but not kept."""
+
+_START_BYTES: Final = 16 * 1024
+"""Reserved for a recording's JSON besides its request, chunks and interactions."""
+_ENTRY_BYTES: Final = 1024
+"""Reserved for each chunk's or interaction's entry in the JSON, besides its text."""
 
 PartOpener = Callable[[Path], BinaryIO]
 """Opens the file the received fMP4 is appended to: the file boundary, where a test puts
@@ -75,7 +93,9 @@ class Recorder:
     """Where and how the server records sessions; ``Recorder(...)`` is the `TapFactory`.
 
     ``engine`` and ``model`` name what generated the videos (the JSON records both);
-    ``device`` too, when known. The directory is created if needed.
+    ``device`` too, when known. The directory is created if needed. ``max_bytes``
+    bounds what the recordings in it may take (see the module's docstring; None: no
+    bound); the recordings already there are counted now.
     """
 
     def __init__(
@@ -87,6 +107,8 @@ class Recorder:
         device: str | None = None,
         max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
         max_queued_items: int = DEFAULT_MAX_QUEUED_ITEMS,
+        max_bytes: int | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         open_part: PartOpener = open_part_file,
     ) -> None:
         self.directory = Path(directory)
@@ -96,13 +118,21 @@ class Recorder:
         self.device = device
         self.max_queued_bytes = max_queued_bytes
         self.max_queued_items = max_queued_items
+        self.max_bytes = max_bytes
+        self.max_image_bytes = max_image_bytes
         self.open_part = open_part
         self.written = 0
         """Recordings written whole so far (an MP4 and its JSON)."""
         self.dropped = 0
-        """Recordings dropped so far (behind, or a disk error)."""
+        """Recordings dropped so far (behind, a disk error), or never begun (the limit)."""
+        self.truncated = 0
+        """Recordings written, but stopped part-way at ``max_bytes``."""
+        self.used = recordings_size(self.directory)
+        """Bytes the recordings take: those in the directory, written or being written,
+        and what those being written have reserved."""
         self._lock = threading.Lock()
         self._writing: set[_RecordingTap] = set()
+        self._full_logged = False
 
     def __call__(self, request_id: str, start: protocol.SessionStart) -> SessionTaps:
         return SessionTaps([_RecordingTap(self, request_id)])
@@ -140,11 +170,43 @@ class Recorder:
         with self._lock:
             self._writing.add(tap)
 
-    def _finished(self, tap: _RecordingTap, dropped: bool) -> None:
+    def _reserve(self, size: int) -> bool:
+        """Take ``size`` bytes of the limit for a recording; False if they do not fit."""
+        with self._lock:
+            if self.max_bytes is not None and self.used + size > self.max_bytes:
+                return False
+            self.used += size
+            return True
+
+    def _refuse(self, request_id: str) -> None:
+        """A session not recorded for the limit: counted, and logged once until a
+        recording fits again (a client could otherwise fill the log, one line a session)."""
+        with self._lock:
+            self.dropped += 1
+            log, self._full_logged = not self._full_logged, True
+            used = self.used
+        if log:
+            logger.warning(
+                "recordings use %d of their %s bytes (--record-max-bytes): new sessions are "
+                "not recorded until there is room (first: session %s)",
+                used,
+                self.max_bytes,
+                request_id,
+            )
+
+    def _finished(
+        self, tap: _RecordingTap, dropped: bool, reserved: int, size: int, truncated: bool
+    ) -> None:
+        """A recording is done: its reservation becomes the ``size`` its files take
+        (nothing, when it was dropped and its files removed)."""
         with self._lock:
             self._writing.discard(tap)
             self.dropped += dropped
             self.written += not dropped
+            self.truncated += truncated and not dropped
+            self.used += size - reserved
+            if self.max_bytes is None or self.used < self.max_bytes:
+                self._full_logged = False
 
 
 @attrs.define
@@ -205,11 +267,21 @@ class _RecordingTap:
         self._queue = _Queue(recorder.max_queued_bytes, recorder.max_queued_items)
         self._started_at = 0.0
         self._thread: threading.Thread | None = None
+        self.reserved = 0
+        """Bytes of the recorder's limit this recording holds (its writer reads it last)."""
+        self._truncated: dict[str, Any] | None = None
+        """Why and when the recording stopped short of the session, and what it left out."""
 
     # ------------------------------------------------------ the tap (event loop)
 
     def started(self, video_start: protocol.VideoStart, start: protocol.SessionStart) -> None:
         self._started_at = time.monotonic()
+        size = _start_size(video_start, start, self._recorder.max_image_bytes)
+        if not self._recorder._reserve(size):
+            self._queue.drop("the recordings' limit is reached")  # the tap does nothing more
+            self._recorder._refuse(self.request_id)
+            return
+        self.reserved = size
         self._put(("started", video_start, start, _now_iso()))
         self._recorder._began(self)
         thread = threading.Thread(
@@ -219,24 +291,61 @@ class _RecordingTap:
             thread.start()
         except BaseException:  # no thread to be had: no recording (the tap set logs it)
             self._queue.drop("no writer thread")
-            self._recorder._finished(self, dropped=True)
+            self._recorder._finished(self, True, self.reserved, 0, False)
             raise
         self._thread = thread
 
     def chunk(self, metadata: protocol.ChunkMetadata, data: bytes, init_segment: bytes) -> None:
-        self._put(("chunk", metadata, data, self._elapsed()), len(data))
+        # Twice: the part file, then the MP4 remuxed from it, are both on disk a moment.
+        if self._fits("chunks", 2 * len(data) + _ENTRY_BYTES):
+            self._put(("chunk", metadata, data, self._elapsed()), len(data))
 
     def interaction(
         self, event_id: str, message: protocol.Interaction, error: protocol.Error | None
     ) -> None:
-        self._put(("interaction", event_id, message, error, self._elapsed(), _now_iso()))
+        text = len(message.to_json()) + (len(error.message) if error is not None else 0)
+        if self._fits("interactions", 2 * text + _ENTRY_BYTES):
+            self._put(("interaction", event_id, message, error, self._elapsed(), _now_iso()))
 
     def ended(self, outcome: str, terminal: protocol.SessionDone | protocol.Error | None) -> None:
-        self._queue.put(("ended", outcome, terminal, self._elapsed()), force=True)
+        self._queue.put(
+            ("ended", outcome, terminal, self._elapsed(), self._truncation()), force=True
+        )
 
     def abandoned(self) -> None:
         """The server is going away without this session's end (see `Recorder.close`)."""
-        self._queue.put(("ended", "unfinished", None, self._elapsed()), force=True)
+        self._queue.put(
+            ("ended", "unfinished", None, self._elapsed(), self._truncation()), force=True
+        )
+
+    def _truncation(self) -> dict[str, Any] | None:
+        """What the JSON says of a truncation (a copy: the writer thread reads it)."""
+        return None if self._truncated is None else dict(self._truncated)
+
+    def _fits(self, what: str, size: int) -> bool:
+        """Reserve what an item will write, or, at the recorder's limit, stop the
+        recording here: nothing more is recorded, and the JSON counts what was not."""
+        if self._queue.dropped is not None:
+            return False
+        if self._truncated is None:
+            if self._recorder._reserve(size):
+                self.reserved += size
+                return True
+            self._truncated = {
+                "reason": f"the recordings' limit of {self._recorder.max_bytes} bytes "
+                "(--record-max-bytes) was reached",
+                "t": self._elapsed(),
+                "chunks_not_recorded": 0,
+                "interactions_not_recorded": 0,
+            }
+            logger.warning(
+                "session %s: recording stopped at the recordings' limit of %s bytes; "
+                "the rest of the session is not recorded",
+                self.request_id,
+                self._recorder.max_bytes,
+            )
+        self._truncated[f"{what}_not_recorded"] += 1
+        return False
 
     def join(self, timeout: float | None) -> bool:
         if self._thread is not None:
@@ -263,10 +372,12 @@ class _RecordingTap:
     def _write(self) -> None:
         writer = _Writer(self._recorder, self.request_id)
         dropped = False
+        truncated = False
         try:
             while True:
                 item = self._queue.get()
                 if writer.handle(item):
+                    truncated = item[-1] is not None  # the "ended" item's truncation
                     break
         except _Dropped:
             dropped = True  # logged by whoever dropped it
@@ -283,7 +394,8 @@ class _RecordingTap:
         finally:
             if dropped:
                 writer.discard()
-            self._recorder._finished(self, dropped)
+            size = 0 if dropped else writer.size()
+            self._recorder._finished(self, dropped, self.reserved, size, truncated)
 
 
 class _Writer:
@@ -343,6 +455,8 @@ class _Writer:
             "terminal": None,
             "duration": None,
             "file": None,
+            "truncated": False,
+            "truncation": None,
         }
         for entry in start.interaction_script:
             message = protocol.Interaction(
@@ -359,17 +473,21 @@ class _Writer:
         if isinstance(image, protocol.ImageURL):
             address, _, query = image.url.partition("?")
             return {"source": "url", "url": address.partition("#")[0], "query_removed": bool(query)}
-        extension = mimetypes.guess_extension(image.mime_type) or ".img"
-        path = self.recorder.directory / f"{self.request_id}.image{extension}"
-        _write_atomically(path, image.data)
-        self.written.append(path)
-        return {
+        described = {
             "source": "inline",
-            "file": path.name,
+            "file": None,
             "mime_type": image.mime_type,
             "bytes": len(image.data),
             "sha256": hashlib.sha256(image.data).hexdigest(),
         }
+        if len(image.data) > self.recorder.max_image_bytes:
+            limit = self.recorder.max_image_bytes
+            return {**described, "not_kept": f"larger than the {limit} bytes kept"}
+        extension = mimetypes.guess_extension(image.mime_type) or ".img"
+        path = self.recorder.directory / f"{self.request_id}.image{extension}"
+        _write_atomically(path, image.data)
+        self.written.append(path)
+        return {**described, "file": path.name}
 
     def _chunk(self, metadata: protocol.ChunkMetadata, data: bytes, elapsed: float) -> None:
         assert self.part is not None
@@ -436,8 +554,11 @@ class _Writer:
         outcome: str,
         terminal: protocol.SessionDone | protocol.Error | None,
         elapsed: float,
+        truncation: dict[str, Any] | None,
     ) -> None:
         record = self.record
+        record["truncated"] = truncation is not None
+        record["truncation"] = truncation
         record["outcome"] = outcome
         record["terminal"] = None if terminal is None else json.loads(terminal.to_json())
         record["duration"] = elapsed
@@ -467,6 +588,14 @@ class _Writer:
         self.written.append(self.json_path)
         logger.info("session %s recorded: %s (%d frames)", self.request_id, self.json_path, sent)
 
+    def size(self) -> int:
+        """Bytes of the files this recording left in place."""
+        total = 0
+        for path in self.written:
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+        return total
+
     def discard(self) -> None:
         """Remove whatever this recording wrote: half a recording is not one."""
         if self.part is not None:
@@ -475,6 +604,38 @@ class _Writer:
         for path in (self.part_path, *self.written):
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def recordings_size(directory: Path) -> int:
+    """Bytes taken by the recordings in ``directory``: its files named for a session
+    (``video_stream-...``, and the hidden part files of one being written)."""
+    total = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.lstrip(".").startswith(_RECORDING_PREFIX) and entry.is_file(
+                follow_symlinks=False
+            ):
+                with contextlib.suppress(OSError):
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+_RECORDING_PREFIX: Final = "video_stream-"
+"""How the server's request ids, and so its recordings' file names, begin."""
+
+
+def _start_size(
+    video_start: protocol.VideoStart, start: protocol.SessionStart, max_image_bytes: int
+) -> int:
+    """What a recording reserves when it begins: its JSON's fixed part (the request twice:
+    in ``request`` and, for scripted interactions, in their entries) and the image."""
+    config = {k: v for k, v in video_start.config.items() if k != "image_reference"}
+    size = _START_BYTES + 2 * len(json.dumps(config, ensure_ascii=False).encode())
+    size += _ENTRY_BYTES * len(start.interaction_script)
+    image = start.image
+    if isinstance(image, protocol.ImageInput) and len(image.data) <= max_image_bytes:
+        size += len(image.data)
+    return size
 
 
 def _remux(source: Path, target: Path) -> int:

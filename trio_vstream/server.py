@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import os
 import ssl
 import threading
@@ -55,6 +54,7 @@ from trio_vstream import (
     taps,
 )
 from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
+from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder
 from trio_vstream.session import (
@@ -69,7 +69,7 @@ from trio_vstream.steps import EngineProgress, StepBatcher
 from trio_vstream.taps import TapFactory
 from trio_vstream.watch import WATCH_PREFIX, WatchConfig, WatchRegistry
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _websocket_compat.patch_ping_during_close()  # trio-websocket #184; see that module
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import threading
 import time
 import uuid
@@ -80,16 +79,32 @@ from trio_vstream.engines.base import (
     interaction_kinds,
 )
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
+from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _EARLY_MESSAGES = 16
-"""Control messages kept while a session prepares, before ``video.start``."""
+"""Control messages kept while a session prepares, before ``video.start``. In bytes,
+what is kept is bounded too: see `Session._hold_early_messages`."""
+
+_Early = str | bytes | protocol.ProtocolError
+"""A message received while the session prepared: as received, or, over the control
+message limit, only the refusal the receive loop will send for it."""
+
+_ROUTINE_CLOSE_ERRORS = (
+    ConnectionClosed,
+    trio.BrokenResourceError,
+    trio.BusyResourceError,
+    trio.ClosedResourceError,
+)
+"""What closing a WebSocket may raise when the client closed or went at the same time:
+the end of a session, not a failure of the server (``http.ReplayStream`` removes the
+cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
 
 IMAGE_DECODES_AT_ONCE = 2
 """Conditioning images decoded at once, server-wide: each may take a few hundred MB
@@ -370,7 +385,7 @@ class Session:
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
-        early: list[str | bytes] = []
+        early: list[_Early] = []
         async with trio.open_nursery() as preparing:
             preparing.start_soon(self._hold_early_messages, early)
             request = await self._prepare(start)
@@ -525,18 +540,34 @@ class Session:
 
     # --------------------------------------------------------- receive loop
 
-    async def _hold_early_messages(self, early: list[str | bytes]) -> None:
+    async def _hold_early_messages(self, early: list[_Early]) -> None:
         """Read while the session prepares: a close is a disconnect now, not after the
-        preparation; messages wait for the receive loop, in order (at most a few: a
-        client that sends more waits, like any client the server does not read)."""
-        while len(early) < _EARLY_MESSAGES:
+        preparation; messages wait for the receive loop, in order.
+
+        At most a few, and few bytes: `_EARLY_MESSAGES` messages, and reading stops once
+        those kept reach the control message limit in bytes (``--max-control-bytes``),
+        so at most twice that is held (the last one read may bring up to the limit
+        again). A message over the limit, which the receive loop would only refuse, is
+        kept as its refusal (``message_too_large``), without its bytes: sixteen 8 MiB
+        messages once held 128 MiB per session. A client that sends more waits, like
+        any client the server does not read, and is read again after ``video.start``.
+        """
+        limit = self._config.limits.max_control_bytes
+        held = 0
+        while len(early) < _EARLY_MESSAGES and held < limit:
             try:
-                early.append(await self._ws.get_message())
+                raw = await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
+            size = _size_up_to(raw, limit)
+            if size > limit:
+                early.append(_refusal(raw, self._config.limits))
+            else:
+                early.append(raw)
+                held += size
 
-    async def _receive_loop(self, early: list[str | bytes]) -> None:
+    async def _receive_loop(self, early: list[_Early]) -> None:
         while True:
             try:
                 raw = early.pop(0) if early else await self._ws.get_message()
@@ -544,6 +575,8 @@ class Session:
                 self._disconnected()
                 return
             try:
+                if isinstance(raw, protocol.ProtocolError):
+                    raise raw  # refused while the session prepared
                 message = protocol.parse_control(raw, limits=self._config.limits)
             except protocol.ProtocolError as exc:
                 await self._send_error(exc.code, exc.message, event_id=exc.event_id)
@@ -831,7 +864,12 @@ class Session:
         self._taps.call("ended", outcome.value, self._terminal(outcome))
         if not self._broken:
             with trio.move_on_after(self._config.close_timeout):
-                await self._ws.aclose()
+                try:
+                    await self._ws.aclose()
+                except _ROUTINE_CLOSE_ERRORS as exc:
+                    # The peer went or closed first: the close is done all the same. A
+                    # client can cause this at will, so it is a line, never a traceback.
+                    logger.debug("session %s: close: %r", self.request_id, exc)
         logger.info(
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
@@ -973,6 +1011,24 @@ def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
+
+
+def _size_up_to(raw: str | bytes, limit: int) -> int:
+    """The message's size in bytes (UTF-8 for text), or any number over ``limit`` once
+    it is clearly over: an 8 MiB text is not encoded only to be refused."""
+    if isinstance(raw, bytes) or len(raw) > limit:
+        return len(raw)
+    return len(raw.encode("utf-8", "surrogatepass"))
+
+
+def _refusal(raw: str | bytes, limits: protocol.Limits) -> protocol.ProtocolError:
+    """What the receive loop answers to a message over the control limit, from the
+    protocol itself (so the code and the words are the ones any such message gets)."""
+    try:
+        protocol.parse_control(raw, limits=limits)
+    except protocol.ProtocolError as exc:
+        return exc.with_traceback(None)  # its frames would keep the message alive
+    raise AssertionError("a message over the control limit was accepted")
 
 
 def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:

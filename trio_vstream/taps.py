@@ -14,15 +14,15 @@ valid and before ``video.start``, which may carry fields the taps add (a watch l
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from trio_vstream import protocol
+from trio_vstream.logsafe import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SessionTap(Protocol):

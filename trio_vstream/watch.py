@@ -41,7 +41,6 @@ each by reference, plus what the kernel buffers for their sockets.
 from __future__ import annotations
 
 import contextlib
-import logging
 import secrets
 import weakref
 from typing import Any, Final
@@ -52,11 +51,12 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from trio_vstream import access, http, protocol
 from trio_vstream.encoding import fragment_starts_with_keyframe
+from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.taps import SessionTaps
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 WATCH_PREFIX: Final = "/v1/realtime/video/watch/"
 """Watch links are this prefix and a token."""

@@ -9,8 +9,9 @@ project's extension: the server hands each one to the engine right before its re
 chunk, as the live one was. On the same engine (same engine args) and device that gives
 the same frames, and this command checks it: each interaction must start at its
 recorded chunk again, and the frames must decode equal to the recorded MP4's. A
-recording that did not complete (stopped, failed, client gone) is replayed up to as
-many frames as it holds: the replay stops itself there.
+recording that did not complete (stopped, failed, client gone), or that stopped short
+of its session (``"truncated"``: the server's ``--record-max-bytes``), is replayed up
+to as many frames as it holds: the replay stops itself there.
 
 A recording is a file someone may hand you, and its request is sent as it stands, so
 one thing in it is not sent unless asked for: ``extra_params.video_codec_options``. Those
@@ -206,7 +207,7 @@ def load_recording(
         expected_chunks=expected,
         recorded_frames=frames,
         recorded_video=recorded_video,
-        complete=record.get("outcome") == "completed",
+        complete=record.get("outcome") == "completed" and not record.get("truncated"),
         skipped=tuple(skipped),
         warnings=warnings,
     )

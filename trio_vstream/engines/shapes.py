@@ -22,7 +22,6 @@ thread.
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import secrets
@@ -48,6 +47,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import PromptSchedule
+from trio_vstream.logsafe import get_logger
 from trio_vstream.models.shapes.model import (
     ShapesDenoiser,
     WeightsError,
@@ -65,7 +65,7 @@ from trio_vstream.models.shapes.vocab import (
 )
 from trio_vstream.video import Camera, VideoDefaults
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MAX_STEPS = 200
 _IGNORED_FIELDS = ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "quality")

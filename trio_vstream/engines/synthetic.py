@@ -15,7 +15,6 @@ with healthy ones on one server.
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -34,9 +33,10 @@ from trio_vstream.engines.base import (
     reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
+from trio_vstream.logsafe import get_logger
 from trio_vstream.video import VideoDefaults
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _HANG_POLL_SECONDS = 0.005
 _PHASE_LEVELS = 256

@@ -58,7 +58,6 @@ diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chu
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 from collections.abc import Mapping
@@ -105,6 +104,7 @@ from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
+from trio_vstream.logsafe import get_logger
 
 __all__ = [
     "DiffusersEngine",
@@ -120,7 +120,7 @@ __all__ = [
     "parse_settings",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _ENGINE_SET_ARGS: Mapping[str, str] = {
     # __call__ arguments the engine sets itself, and what to use instead.

@@ -14,7 +14,6 @@ import contextlib
 import importlib
 import inspect
 import json
-import logging
 import math
 import os
 import sys
@@ -30,9 +29,10 @@ from trio_vstream.engines.diffusers._forcing import streams_windows
 from trio_vstream.engines.diffusers._framepack import streams_sections
 from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
+from trio_vstream.logsafe import get_logger
 from trio_vstream.video import VideoDefaults
 
-logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
 
 def import_diffusers() -> Any:

@@ -9,13 +9,13 @@ stream wait for one either.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Iterator
 
 from trio_vstream.engines.base import Checkpoint
+from trio_vstream.logsafe import get_logger
 
-logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
 _LOCK_POLL_SECONDS = 0.05
 """The longest a session waiting for the pipeline goes without checking for a

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
-import logging
 import math
 import sys
 import threading
@@ -25,8 +24,9 @@ import attrs
 from trio_vstream.engines.base import EngineError
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.engines.diffusers._lock import SegmentLock
+from trio_vstream.logsafe import get_logger
 
-logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
 LORA_KEYS = ("path", "scale", "name", "weight_name")
 """The keys a request's ``lora`` object may have."""

@@ -17,7 +17,6 @@ FramePack pipeline (vanilla sampling), one section of its loop, which `Framepack
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +38,12 @@ from trio_vstream.engines.diffusers._history import ChunkHistory
 from trio_vstream.engines.diffusers._loading import PipelineInfo, valid_frames
 from trio_vstream.engines.diffusers._lora import LoadedLora
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
+from trio_vstream.logsafe import get_logger
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
 
-logger = logging.getLogger(__package__)  # the engine's one logger, whichever module logs
+logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
 Mix = tuple[tuple[str, float], ...]
 """A schedule's prompt mix: (prompt, weight) pairs."""
