@@ -41,7 +41,8 @@ segments are serialised under a lock, and ``max_concurrent_steps`` is 1.
 A session waiting for the lock waits inside ``checkpoint.waiting()`` and
 polls ``checkpoint.check_cancelled()``: it can be stopped while it waits, and
 the server does not take a long queue for a stall while the segment holding
-the lock makes progress. Segments of different sessions alternate.
+the lock makes progress. Segments of different sessions alternate: the lock
+serves its waiters first come, first served.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes.
