@@ -29,4 +29,10 @@ def shown(value: object) -> str:
     lists and objects cut after a few entries)."""
     if isinstance(value, str) and _PLAIN.fullmatch(value):
         return value
+    return quoted(value)
+
+
+def quoted(value: object) -> str:
+    """``value`` as a bounded ``repr``, strings always quoted (where the message shows
+    that a value is a string)."""
     return _REPR.repr(value)
