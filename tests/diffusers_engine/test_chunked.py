@@ -175,6 +175,25 @@ def test_chunk_loop_arguments_are_the_engines(helios: dict[str, Path], make_engi
         make_engine(helios["base"], segment_frames="17")
 
 
+def test_a_requests_sigmas_are_the_calls(helios: dict[str, Path], make_engine: Any) -> None:
+    """``extra_params.sigmas`` (a JSON list) reaches the call as the array its scheduler
+    computes with (a list would be repeated, not scaled, and the call would fail); the
+    call's own default schedule, given explicitly, makes the call's own frames."""
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    pipe = engine.model.pipe
+    default = np.linspace(0.999, 0.0, 2)[:-1].tolist()  # the call's, for one step
+    for sigmas, reference_sigmas in ((default, None), ([0.6], np.array([0.6]))):
+        # No num_inference_steps: the schedule's length is the steps. Two chunks: the
+        # schedule is the same for each.
+        stream = engine.open_stream(
+            helios_request(num_frames=65, num_inference_steps=None, extra_params={"sigmas": sigmas})
+        )
+        streamed = np.concatenate([c.frames for c in run_all(stream)])
+        extra = {} if reference_sigmas is None else {"sigmas": reference_sigmas}
+        reference = single_call(pipe, "base", num_frames=65, **extra)
+        np.testing.assert_array_equal(streamed, reference)
+
+
 def test_pyramid_steps_are_per_stage(
     helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:

@@ -237,3 +237,17 @@ def test_chunk_arguments_are_checked_before_the_stream_starts(
     assert [ch.frames.shape[0] for ch in custom] == [1, 12, 12]
     reference = single_call(engine.model.pipe, chunk_partition=[1, 3, 3])
     np.testing.assert_array_equal(np.concatenate([ch.frames for ch in custom]), reference)
+
+
+def test_a_schedule_of_the_requests_own_is_the_calls(anyflow_far: Path, make_engine: Any) -> None:
+    """``sigmas`` or ``timesteps`` set the number of steps, as in the call: without
+    num_inference_steps the engine takes the schedule's length (a step count of its own
+    beside a schedule of another length makes the scheduler fail mid-video)."""
+    engine = make_engine(anyflow_far, segment_frames="8")
+    pipe = engine.model.pipe
+    for name, schedule in (("sigmas", [1.0, 0.6, 0.3]), ("timesteps", [1000.0, 500.0])):
+        extra = {"chunk_partition": PARTITION, name: schedule}
+        stream = engine.open_stream(far_request(num_inference_steps=None, extra_params=extra))
+        streamed = np.concatenate([ch.frames for ch in run_all(stream)])
+        reference = single_call(pipe, num_inference_steps=len(schedule), **{name: schedule})
+        np.testing.assert_array_equal(streamed, reference)

@@ -32,11 +32,9 @@ STOP_WITHIN = 0.3
 slack for a loaded machine."""
 
 
-def hold_in_thread(
-    lock: SegmentLock,
-) -> tuple[threading.Thread, threading.Event, Callable[[], None]]:
+def hold_in_thread(lock: SegmentLock) -> Callable[[], None]:
     """A thread holding ``lock`` (as a segment would) until the returned ``let_go`` is
-    called; the event is set once it holds it."""
+    called; it holds the lock when this returns."""
     holding = threading.Event()
     release = threading.Event()
 
@@ -101,6 +99,127 @@ def test_a_waiting_segment_stops_at_once_and_never_takes_the_lock() -> None:
     assert lock.locked  # still the first segment's
     let_go()
     assert not lock.locked
+
+
+class ParkWhenQueued(StopWhenTold):
+    """A waiting session the test can hold still: once queued, its first
+    ``check_cancelled`` sets ``parked`` and blocks until ``unpark`` is set (then raises
+    `Stopped` if ``stop`` is set by then). So the test decides which waiter wakes first:
+    everyone else runs while this one is parked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parked = threading.Event()
+        self.unpark = threading.Event()
+
+    def check_cancelled(self) -> None:
+        if self.queued.is_set() and not self.parked.is_set():
+            self.parked.set()
+            self.unpark.wait(GATE_TIMEOUT)
+        super().check_cancelled()
+
+
+def segment_in_thread(
+    lock: SegmentLock,
+    name: str,
+    checkpoint: StopWhenTold,
+    served: list[str],
+    *,
+    then: threading.Event | None = None,
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """A session's segment in a thread: ``name`` goes into ``served`` once it holds the
+    lock (and ``then`` is set); the returned dict says ``stopped`` if its checkpoint
+    stopped it instead."""
+    outcome: dict[str, Any] = {}
+
+    def segment() -> None:
+        try:
+            with lock.held(checkpoint):
+                served.append(name)
+                if then is not None:
+                    then.set()
+        except Stopped:
+            outcome["stopped"] = True
+
+    thread = threading.Thread(target=segment, name=name)
+    thread.start()
+    return thread, outcome
+
+
+def test_waiters_are_served_in_order_of_arrival_whoever_wakes_first() -> None:
+    """A waits first but is held still (parked) when the holder lets go, while B and C,
+    queued after it, are free to wake; D arrives after the lock was let go. A poll-and-
+    grab lock serves whoever wakes first (B or C) or whoever arrives while it is free
+    (D), so with three or more sessions one of them can lose every time. FIFO: the lock
+    goes to A as the holder lets go, and B, C, D follow in the order they came."""
+    lock = SegmentLock()
+    let_go = hold_in_thread(lock)
+    served: list[str] = []
+    a = ParkWhenQueued()
+    threads = [segment_in_thread(lock, "A", a, served)[0]]
+    assert a.parked.wait(5)  # A is queued and held still
+    for name in ("B", "C"):
+        checkpoint = StopWhenTold()
+        threads.append(segment_in_thread(lock, name, checkpoint, served)[0])
+        assert checkpoint.queued.wait(5)
+    let_go()
+    d = StopWhenTold()
+    # D queues (FIFO: the lock is already A's) or takes it at once (a lock that lets a
+    # newcomer in ahead of the queue): either sets d.queued.
+    threads.append(segment_in_thread(lock, "D", d, served, then=d.queued)[0])
+    assert d.queued.wait(5)
+    a.unpark.set()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive()
+    assert served == ["A", "B", "C", "D"]
+    assert not lock.locked
+
+
+def test_a_stopped_waiter_leaves_the_queue_and_the_others_are_served_in_order() -> None:
+    lock = SegmentLock()
+    let_go = hold_in_thread(lock)
+    served: list[str] = []
+    checkpoints = {name: StopWhenTold() for name in "ABC"}
+    threads = {}
+    for name, checkpoint in checkpoints.items():
+        threads[name] = segment_in_thread(lock, name, checkpoint, served)
+        assert checkpoint.queued.wait(5)
+    checkpoints["B"].stop.set()  # stopped while queued: it leaves at once
+    threads["B"][0].join(5)
+    assert threads["B"][1] == {"stopped": True}
+    assert served == [] and lock.locked  # still the holder's
+    let_go()
+    for thread, _ in threads.values():
+        thread.join(5)
+        assert not thread.is_alive()
+    assert served == ["A", "C"]
+    assert not lock.locked
+
+
+def test_a_waiter_stopped_as_the_lock_is_handed_to_it_passes_it_on() -> None:
+    """The hand-over is never lost: A is handed the lock while it is parked, then finds
+    itself stopped; it leaves, and the lock goes on to B, queued behind it."""
+    lock = SegmentLock()
+    let_go = hold_in_thread(lock)
+    served: list[str] = []
+    a = ParkWhenQueued()
+    thread_a, outcome_a = segment_in_thread(lock, "A", a, served)
+    assert a.parked.wait(5)
+    b = StopWhenTold()
+    thread_b, outcome_b = segment_in_thread(lock, "B", b, served)
+    assert b.queued.wait(5)
+    let_go()  # the lock goes to A, parked
+    a.stop.set()
+    a.unpark.set()
+    for thread in (thread_a, thread_b):
+        thread.join(5)
+        assert not thread.is_alive()
+    assert outcome_a == {"stopped": True} and outcome_b == {}
+    assert served == ["B"]
+    assert not lock.locked
+    with lock.held(no_stop):  # and it is free for the next one
+        assert lock.locked
 
 
 def test_deferred_work_runs_at_once_when_free_and_after_the_segment_when_held() -> None:

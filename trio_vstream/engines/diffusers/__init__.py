@@ -41,7 +41,8 @@ segments are serialised under a lock, and ``max_concurrent_steps`` is 1.
 A session waiting for the lock waits inside ``checkpoint.waiting()`` and
 polls ``checkpoint.check_cancelled()``: it can be stopped while it waits, and
 the server does not take a long queue for a stall while the segment holding
-the lock makes progress. Segments of different sessions alternate.
+the lock makes progress. Segments of different sessions alternate: the lock
+serves its waiters first come, first served.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes.
@@ -49,7 +50,8 @@ session using it closes.
 Layout. This module holds the engine (request planning) and its factory; the
 private modules hold one concern each: ``_settings`` (engine args),
 ``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
-``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
+``_extra`` (the ``extra_params`` each family takes, checked), ``_messages`` (client
+text in messages), ``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
 ``_history`` (a chunk-autoregressive session's history), ``_forcing`` (a
 diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chunk loop),
 ``_framepack`` (a FramePack session's section loop).
@@ -67,6 +69,7 @@ import torch
 
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.diffusers._extra import check_extra_params, family_of, schedule_steps
 from trio_vstream.engines.diffusers._far import ENGINE_SET_ARGS as FAR_LOOP_ARGS
 from trio_vstream.engines.diffusers._far import chunk_latent_frames as far_chunk_latent_frames
 from trio_vstream.engines.diffusers._far import far_plan
@@ -123,7 +126,8 @@ __all__ = [
 logger = get_logger(__name__)
 
 _ENGINE_SET_ARGS: Mapping[str, str] = {
-    # __call__ arguments the engine sets itself, and what to use instead.
+    # __call__ arguments the engine sets itself, and what to use instead: refused like
+    # any key outside the family's allow-list (`_extra`), with this hint.
     "prompt": "the request's prompt",
     "negative_prompt": "the request's negative_prompt",
     "prompt_embeds": "the request's prompt",
@@ -136,6 +140,7 @@ _ENGINE_SET_ARGS: Mapping[str, str] = {
     "num_inference_steps": "num_inference_steps",
     "guidance_scale": "guidance_scale",
     "guidance_scale_2": "guidance_scale_2",
+    "pyramid_num_inference_steps_list": "num_inference_steps, per stage",
     "true_cfg_scale": "true_cfg_scale",
     "boundary_ratio": "boundary_ratio",
     "generator": "seed",
@@ -194,6 +199,14 @@ class DiffusersEngine:
         held back until the next one blends them: see `FramepackLoop`. With
         ``"inverted_anti_drifting"`` (the call's default), the segment path, continued from
         each segment's last frame: see `FramepackPlan.inverted`."""
+        self.family = family_of(
+            model,
+            chunked=self.chunked,
+            windowed=self.windowed,
+            far=self.far,
+            framepack=self.framepack,
+        )
+        """The ``extra_params`` a request may set, and how they are checked (`_extra`)."""
         looped = self.chunked or self.windowed or self.far or self.framepack
         if looped and i2v is not None:
             raise config_error(
@@ -373,32 +386,30 @@ class DiffusersEngine:
                 )
                 problems.append(f"flow_shift is not supported by the scheduler ({names})")
 
-        extra = dict(request.extra_params)
-        engine_set = set(_ENGINE_SET_ARGS) | (set(CHUNK_LOOP_ARGS) if self.chunked else set())
-        if self.far:
-            engine_set |= set(FAR_LOOP_ARGS)
-        if self.framepack:
-            engine_set |= set(FRAMEPACK_LOOP_ARGS)
-        reserved = sorted(k for k in extra if k in engine_set)
-        if reserved:
-            hints = [
-                f"{k} (use {_ENGINE_SET_ARGS[k]})" if _ENGINE_SET_ARGS.get(k) else k
-                for k in reserved
-            ]
-            problems.append(f"extra_params set by the engine: {', '.join(hints)}")
-        unknown = sorted(
-            k for k in extra if k not in engine_set and not all(info.accepts(k) for info in used)
+        engine_set = dict(_ENGINE_SET_ARGS)
+        for loop, args in (
+            (self.chunked, CHUNK_LOOP_ARGS),
+            (self.far, FAR_LOOP_ARGS),
+            (self.framepack, FRAMEPACK_LOOP_ARGS),
+        ):
+            if loop:
+                for arg in args:
+                    engine_set.setdefault(arg, "")
+        extra = check_extra_params(
+            request.extra_params,
+            family=self.family,
+            used=used,
+            engine_set=engine_set,
+            steps=steps,
+            problems=problems,
         )
-        if unknown:
-            problems.append(f"unknown extra_params for {model.class_name}: {', '.join(unknown)}")
         for key, value in extra.items():
-            if key not in engine_set and key not in unknown:
-                for info in used:
-                    call_kwargs[info.role][key] = value
+            for info in used:
+                call_kwargs[info.role][key] = value
+        if steps is None:
+            put("num_inference_steps", schedule_steps(extra), "extra_params.sigmas")
 
-        max_sequence_length = extra.get("max_sequence_length")
-        if not isinstance(max_sequence_length, int):
-            max_sequence_length = model.default("max_sequence_length")
+        max_sequence_length = extra.get("max_sequence_length", model.default("max_sequence_length"))
         guidance = request.guidance_scale
         if guidance is None:
             default = model.default("guidance_scale")

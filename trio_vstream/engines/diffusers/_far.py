@@ -41,6 +41,7 @@ import attrs
 import torch
 
 from trio_vstream.engines.diffusers._forcing import _onload, decode_continuing
+from trio_vstream.engines.diffusers._messages import shown
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -50,8 +51,8 @@ FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
 
 ENGINE_SET_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache")
 """Chunk-loop arguments a request may not set: the engine keeps the history and the KV
-cache itself (``chunk_partition``, ``use_mean_velocity``, ``sigmas`` and ``timesteps``
-may be set, as for the call)."""
+cache itself (``chunk_partition``, ``use_mean_velocity``, ``sigmas`` or ``timesteps``
+may be set, as for the call: `_extra.ANYFLOW_FAR`)."""
 
 
 def streams_far(params: Collection[str], pipe: Any) -> bool:
@@ -116,7 +117,8 @@ def far_plan(
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in given)
         ):
             problems.append(
-                f"extra_params.chunk_partition must be a list of positive integers, got {given!r}"
+                "extra_params.chunk_partition must be a list of positive integers, got "
+                f"{shown(given)}"
             )
             return None
         partition = tuple(int(n) for n in given)
@@ -139,28 +141,16 @@ def far_plan(
     mean_velocity = extra.get("use_mean_velocity", True)
     if not isinstance(mean_velocity, bool):
         problems.append(
-            f"extra_params.use_mean_velocity must be true or false, got {mean_velocity!r}"
+            f"extra_params.use_mean_velocity must be true or false, got {shown(mean_velocity)}"
         )
         mean_velocity = True
-    schedules: dict[str, tuple[float, ...] | None] = {}
-    for name in ("sigmas", "timesteps"):
-        value = extra.get(name)
-        if value is None:
-            schedules[name] = None
-        elif (
-            isinstance(value, (list, tuple))
-            and value
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        ):
-            schedules[name] = tuple(float(v) for v in value)
-        else:
-            problems.append(f"extra_params.{name} must be a list of numbers, got {value!r}")
-            schedules[name] = None
+    # sigmas and timesteps come checked (`check_extra_params`): bounded, one per step.
+    schedules = {name: extra.get(name) for name in ("sigmas", "timesteps")}
     return FarPlan(
         partition=partition,
         use_mean_velocity=mean_velocity,
-        sigmas=schedules["sigmas"],
-        timesteps=schedules["timesteps"],
+        sigmas=tuple(schedules["sigmas"]) if schedules["sigmas"] is not None else None,
+        timesteps=tuple(schedules["timesteps"]) if schedules["timesteps"] is not None else None,
     )
 
 

@@ -37,6 +37,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from trio_vstream.engines.diffusers._extra import MAX_STEPS
+from trio_vstream.engines.diffusers._messages import shown
+
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
 
@@ -138,26 +141,37 @@ def window_plan(
     in ``extra_params``, as for the call. Appends what is wrong to ``problems`` (then
     returns None), so a bad request is refused before it runs, not mid-video."""
 
-    def whole(name: str, default: Any, minimum: int) -> Any:
+    def whole(name: str, default: Any, minimum: int, maximum: int | None = None) -> Any:
         value = extra.get(name, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            problems.append(f"extra_params.{name} must be an integer >= {minimum}, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < minimum
+            or (maximum is not None and value > maximum)
+        ):
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            problems.append(f"extra_params.{name} must be an integer {bound}, got {shown(value)}")
             return default
         return value
 
+    # base_num_frames, overlap_history and causal_block_size need no upper bound of their
+    # own: a window is never longer than the video (num_frames, which the server bounds),
+    # the overlap is less than the window and a block divides it (both checked below).
     base = whole("base_num_frames", base_num_frames, 2 * temporal + 1)
     if (base - 1) % temporal:
         problems.append(f"extra_params.base_num_frames must be {temporal}*n+1, got {base}")
         return None
     half = ((base - 1) // temporal // 2) * temporal + 1
     overlap = whole("overlap_history", min(DEFAULT_OVERLAP_HISTORY, half), 1)
-    ar_step = whole("ar_step", 0, 0)
+    # A lag beyond the schedule's length adds no work (a block waits at most until the
+    # one before it is done), but a number beyond any schedule is a mistake.
+    ar_step = whole("ar_step", 0, 0, MAX_STEPS)
     block = whole("causal_block_size", None, 1)
     noise = extra.get("addnoise_condition", 0)
     if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1000:
-        problems.append(f"extra_params.addnoise_condition must be in 0..1000, got {noise!r}")
+        problems.append(f"extra_params.addnoise_condition must be in 0..1000, got {shown(noise)}")
         noise = 0
     if overlap >= base:
         problems.append(

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from trio_vstream.engines.diffusers._forcing import _onload
+from trio_vstream.engines.diffusers._messages import quoted, shown
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -178,22 +179,22 @@ def framepack_plan(
         problems.append(
             f"extra_params.sampling_type must be {accepted} for {info.class_name} "
             f"(inverted_anti_drifting, the call's default, is served segment by segment; "
-            f"vanilla, FramePack-F1, section by section), got {sampling!r}"
+            f"vanilla, FramePack-F1, section by section), got {quoted(sampling)}"
         )
     size = extra.get("latent_window_size", window)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        problems.append(f"extra_params.latent_window_size must be an integer >= 1, got {size!r}")
+    # A section is latent_window_size latent frames, made in one go whatever num_frames:
+    # up to the engine's own window, or to the video's length if that is longer.
+    largest = max(window, (num_frames + 3) // 4)
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= largest:
+        problems.append(
+            f"extra_params.latent_window_size must be an integer from 1 to {largest} (the "
+            f"engine's window, or the video's latent frames), got {shown(size)}"
+        )
         return None
+    # sigmas comes checked (`check_extra_params`): bounded, one per step.
     sigmas = extra.get("sigmas")
     if sigmas is not None:
-        if not (
-            isinstance(sigmas, (list, tuple))
-            and sigmas
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in sigmas)
-        ):
-            problems.append(f"extra_params.sigmas must be a list of numbers, got {sigmas!r}")
-            return None
-        sigmas = tuple(float(v) for v in sigmas)
+        sigmas = tuple(sigmas)
     if not known:
         return None
     window_frames = (size - 1) * 4 + 1

@@ -1,10 +1,11 @@
-"""LoRA adapters on the shared pipeline: per-request specs, loaded once per path.
+"""LoRA adapters on the shared pipeline: per-request specs, loaded once per file.
 
 A request's ``lora`` (``path``, ``scale``, ``name``, ``weight_name``) becomes a `LoraSpec`
-(`parse_lora_spec`); `LoraAdapters` loads each path once, however many sessions use it,
-activates it for its own sessions' segments only (under the `SegmentLock`), and unloads
-it when the last of them closes, so the pipeline a LoRA-less session sees is the
-pristine one.
+(`parse_lora_spec`): one ``.safetensors`` file, its path resolved (links included) and
+confined to the operator's ``lora_root``. `LoraAdapters` loads each file once, however
+many sessions use it, activates it for its own sessions' segments only (under the
+`SegmentLock`), and unloads it when the last of them closes, so the pipeline a LoRA-less
+session sees is the pristine one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import importlib
 import itertools
 import math
+import re
 import sys
 import threading
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ import attrs
 from trio_vstream.engines.base import EngineError
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.engines.diffusers._lock import SegmentLock
+from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.logsafe import get_logger
 
 logger = get_logger(__package__)  # the engine's one logger, whichever module logs
@@ -31,21 +34,47 @@ logger = get_logger(__package__)  # the engine's one logger, whichever module lo
 LORA_KEYS = ("path", "scale", "name", "weight_name")
 """The keys a request's ``lora`` object may have."""
 
+LORA_SUFFIX = ".safetensors"
+"""The only LoRA files loaded: safetensors hold tensors and nothing else, whereas
+diffusers falls back to unpickling a ``.bin`` file, which can run code."""
+
+DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+"""The file taken from a ``lora.path`` directory without ``weight_name``: the name
+diffusers' ``save_lora_weights`` writes (its ``LORA_WEIGHT_NAME_SAFE``)."""
+
+_WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,243}" + re.escape(LORA_SUFFIX))
+"""``weight_name``: a bare file name of at most 255 characters, from an allow-list (no
+separator, no leading dot so neither ``.`` nor ``..``, no NUL), ending in `LORA_SUFFIX`."""
+
+MAX_PATH_CHARS = 1024
+"""The longest ``lora.path`` taken."""
+
+NOT_FOUND = (
+    "lora: no LoRA file (.safetensors) at lora.path (with lora.weight_name) inside the "
+    "server's lora_root"
+)
+"""The one refusal for a LoRA file that cannot be used, whatever the reason (missing,
+outside ``lora_root``, behind a link that leads out, a directory, not a .safetensors
+file), so that a client cannot learn whether a file outside ``lora_root`` exists. The
+log says which."""
+
 
 @attrs.frozen
 class LoraSpec:
-    """A usable LoRA request: an existing local path, the scale to apply it at."""
+    """A usable LoRA request: a file inside ``lora_root``, the scale to apply it at."""
 
-    path: Path
-    weight_name: str | None
+    file: Path
+    """The LoRA file, resolved (no link, no ``..``): what diffusers is handed."""
     scale: float
     name: str | None
+    shown: str
+    """The client's own ``path`` (and ``weight_name``), bounded and escaped, for messages."""
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        """What identifies the weights: sessions with the same key share one adapter
-        (each at its own scale)."""
-        return (str(self.path), self.weight_name)
+    def key(self) -> str:
+        """What identifies the weights: sessions with the same file share one adapter
+        (each at its own scale), however each named it."""
+        return str(self.file)
 
 
 @attrs.define(eq=False)
@@ -71,7 +100,7 @@ class LoraAdapters:
     def __init__(self, lock: SegmentLock) -> None:
         self._lock = lock
         self._mutex = threading.Lock()
-        self._loaded: dict[tuple[str, str | None], LoadedLora] = {}
+        self._loaded: dict[str, LoadedLora] = {}
         self._names = itertools.count(1)
 
     def claim(self, spec: LoraSpec) -> LoadedLora:
@@ -106,18 +135,27 @@ class LoraAdapters:
             return
         if info not in entry.loaded_into:
             spec = entry.spec
-            kwargs: dict[str, Any] = {"adapter_name": entry.adapter, "local_files_only": True}
-            if spec.weight_name:
-                kwargs["weight_name"] = spec.weight_name
             try:
-                pipe.load_lora_weights(str(spec.path), **kwargs)
+                # The file as checked at open_stream, unless a link has appeared on its
+                # path since: diffusers gets one resolved file (not a directory and a
+                # name to join), and safetensors only (no unpickling fallback).
+                if spec.file.resolve(strict=True) != spec.file:
+                    raise EngineError(f"{spec.file} now resolves elsewhere")
+                pipe.load_lora_weights(
+                    str(spec.file),
+                    adapter_name=entry.adapter,
+                    local_files_only=True,
+                    use_safetensors=True,
+                )
             except Exception as exc:
                 if entry.adapter in adapter_names(pipe):
                     with contextlib.suppress(Exception):
                         pipe.delete_adapters([entry.adapter])
-                raise EngineError(f"cannot load LoRA {spec.path}: {exc}") from exc
+                logger.warning("diffusers engine: cannot load LoRA %s: %s", spec.file, exc)
+                # The client learns which of its LoRAs failed, not the server's paths.
+                raise EngineError(f"cannot load LoRA {spec.shown}") from None
             entry.loaded_into.append(info)
-            logger.info("diffusers engine: loaded LoRA %s as %s", spec.path, entry.adapter)
+            logger.info("diffusers engine: loaded LoRA %s as %s", spec.file, entry.adapter)
         pipe.enable_lora()
         pipe.set_adapters([entry.adapter], [scale])
 
@@ -129,7 +167,7 @@ class LoraAdapters:
             if not adapter_names(pipe):
                 pipe.unload_lora_weights()
         entry.loaded_into.clear()
-        logger.info("diffusers engine: unloaded LoRA %s (%s)", entry.spec.path, entry.adapter)
+        logger.info("diffusers engine: unloaded LoRA %s (%s)", entry.spec.file, entry.adapter)
 
 
 def adapter_names(pipe: Any) -> set[str]:
@@ -160,8 +198,11 @@ def parse_lora_spec(
     so that one ``invalid_request`` names them all.
 
     Clients name files on the server, so LoRAs are opt-in: without ``lora_root`` none is
-    loaded; with it, the path is taken relative to it and must stay inside it (``..``
-    and symbolic links are resolved before the check).
+    loaded. With it, ``path`` is taken relative to it (an absolute one must lead inside
+    it too) and ``weight_name`` must be a bare ``.safetensors`` file name in that
+    directory (`DEFAULT_WEIGHT_NAME` when left out); ``path`` may also name the file
+    itself. The file is resolved, links and ``..`` included, and must lie inside the
+    resolved ``lora_root``: see `locate_lora` and `NOT_FOUND`.
     """
     problems: list[str] = []
     if lora_root is None:
@@ -170,34 +211,81 @@ def parse_lora_spec(
             "from one directory with --engine-arg lora_root=DIR)"
         )
         return None, problems
-    unknown = sorted(set(lora) - set(LORA_KEYS))
+    unknown = sorted(shown(k) for k in set(lora) - set(LORA_KEYS))
     if unknown:
         problems.append(
             f"lora: unknown key(s) {', '.join(unknown)} (known: {', '.join(LORA_KEYS)})"
         )
     raw_path = lora.get("path")
-    if not isinstance(raw_path, str) or not raw_path:
-        problems.append("lora.path must be a local path (a string)")
+    if (
+        not isinstance(raw_path, str)
+        or not raw_path
+        or len(raw_path) > MAX_PATH_CHARS
+        or not raw_path.isprintable()
+    ):
+        problems.append(
+            f"lora.path must be a path (printable text, at most {MAX_PATH_CHARS} characters)"
+        )
         return None, problems
     scale = lora.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         problems.append("lora.scale must be a number")
         scale = 1.0
     weight_name = lora.get("weight_name")
-    if weight_name is not None and not isinstance(weight_name, str):
-        problems.append("lora.weight_name must be a string")
-        weight_name = None
+    if weight_name is not None and (
+        not isinstance(weight_name, str) or not _WEIGHT_NAME.fullmatch(weight_name)
+    ):
+        problems.append(
+            f"lora.weight_name must be a bare file name ending in {LORA_SUFFIX} (letters, "
+            "digits, '_', '-', '+' and '.', not first; no directory), got "
+            f"{shown(weight_name)}"
+        )
+        return None, problems
     name = lora.get("name")
-    path = (lora_root / raw_path).resolve()
-    if not path.is_relative_to(lora_root.resolve()):
-        problems.append("lora.path must be inside the server's lora_root")
+    what = shown(raw_path) + (f" ({shown(weight_name)})" if weight_name else "")
+    file = locate_lora(lora_root, raw_path, weight_name)
+    if file is None:
+        problems.append(NOT_FOUND)
         return None, problems
-    if not path.exists():
-        problems.append(f"lora.path {raw_path}: no such file or directory")
-        return None, problems
-    return LoraSpec(path.resolve(), weight_name, float(scale), str(name) if name else None), (
-        problems
-    )
+    return LoraSpec(file, float(scale), str(name) if name else None, what), problems
+
+
+def locate_lora(lora_root: Path, raw_path: str, weight_name: str | None) -> Path | None:
+    """The LoRA file that ``path`` (and ``weight_name``) name inside ``lora_root``,
+    resolved, or None (the reason logged, not told: `NOT_FOUND`).
+
+    Every name is resolved with ``strict=True`` (a missing file, a dangling link or a
+    loop is an error, not a guess) and the result must lie inside the resolved root: a
+    link inside the root that leads out is refused like a ``..`` that leads out.
+    """
+    try:
+        return _locate(lora_root, raw_path, weight_name)
+    except (_Unusable, OSError, RuntimeError, ValueError) as exc:  # OSError: missing, a loop
+        where = f"lora.path {shown(raw_path)}, weight_name {shown(weight_name)}"
+        logger.info("diffusers engine: refused LoRA (%s): %s: %s", where, type(exc).__name__, exc)
+        return None
+
+
+class _Unusable(Exception):
+    """Why a LoRA file is refused: for the log only (the client gets `NOT_FOUND`)."""
+
+
+def _locate(lora_root: Path, raw_path: str, weight_name: str | None) -> Path:
+    root = lora_root.resolve(strict=True)
+    target = (root / raw_path).resolve(strict=True)
+    if not target.is_relative_to(root):
+        raise _Unusable("outside lora_root")
+    if target.is_dir():
+        target = (target / (weight_name or DEFAULT_WEIGHT_NAME)).resolve(strict=True)
+        if not target.is_relative_to(root):
+            raise _Unusable("outside lora_root")
+    elif weight_name is not None:
+        raise _Unusable("lora.path is a file, yet weight_name is given")
+    if not target.is_file():
+        raise _Unusable("not a regular file")
+    if target.suffix != LORA_SUFFIX:
+        raise _Unusable(f"not a {LORA_SUFFIX} file")
+    return target
 
 
 def lora_problems(
