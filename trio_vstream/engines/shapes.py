@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Final
 
 import attrs
 import torch
@@ -113,6 +114,11 @@ def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
     return ShapesSettings(**values)  # type: ignore[arg-type]
 
 
+MAX_REPORTED_WORDS: Final = 4096
+"""How many unknown prompt words an engine remembers having logged (see
+`ShapesEngine.report_unknown`)."""
+
+
 class ShapesEngine:
     """The loaded model, shared by every stream of the server."""
 
@@ -146,10 +152,17 @@ class ShapesEngine:
             return self.model.embed(slot_vectors(indices))[0]
 
     def report_unknown(self, words: tuple[str, ...], request_id: str) -> None:
-        """Log each word the parser did not know once per engine, not once per prompt."""
+        """Log each word the parser did not know once per engine, not once per prompt.
+
+        The words come from clients, so what is remembered is bounded
+        (`MAX_REPORTED_WORDS`): a client sending a new made-up word in every prompt
+        would otherwise grow this set for as long as the server runs. Past the bound,
+        a word is logged again each time it comes, one line per prompt as before.
+        """
         with self._lock:
-            new = [w for w in words if w not in self._reported_words]
-            self._reported_words.update(new)
+            new = [w for w in dict.fromkeys(words) if w not in self._reported_words]
+            room = MAX_REPORTED_WORDS - len(self._reported_words)
+            self._reported_words.update(new[: max(room, 0)])
         if new:
             logger.info(
                 "shapes engine: ignoring unknown prompt word(s) %s (request %s)",
