@@ -35,6 +35,8 @@ async def test_server_streams_segments_that_decode_to_the_requested_video(
     frames = decode_video(transcript.video_bytes)
     assert len(frames) == 12
     assert frames[0].shape == (32, 48, 3)
+    with trio.fail_after(5):  # the server sums up once its side of the close is done
+        await summaries.wait_for(1)
     assert summaries[0].outcome.value == "completed"
 
 
@@ -122,6 +124,8 @@ async def test_concurrent_sessions_take_whole_segments_in_turn_and_keep_their_lo
         nursery.start_soon(run_session, server.url, {**common, "prompt": "lora", "lora": lora})
     probe.remove()
 
+    with trio.fail_after(5):  # the server sums up once its side of the close is done
+        await summaries.wait_for(2)
     assert [s.outcome.value for s in summaries] == ["completed", "completed"]
     # Same frames as alone: the LoRA applied to its own session's segments only.
     for name, alone in (("plain", alone_plain), ("lora", alone_lora)):
