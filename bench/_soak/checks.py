@@ -130,15 +130,29 @@ KNOWN_TYPES: Final = frozenset(
 )
 
 
-def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
-    """Judge one session's transcript against what its kind must see.
+@attrs.frozen
+class Received:
+    """What a server sent in one session, read from its transcript: the JSON messages in
+    order (with their times), the counts, and every rule of form they broke."""
 
-    Every session: well-formed messages (JSON objects of known types, every ``error``
-    with a ``code``, each chunk's metadata followed by exactly its binary message), at
-    most one terminal message and nothing after ``session.done``, answers to control
-    messages in order. Sessions the client did not abandon: exactly one terminal message
-    as the last message, the expected one, then the expected close code.
-    """
+    messages: list[tuple[float, dict[str, Any]]]
+    problems: list[str]
+    media_frames: int
+    media_chunks: int
+    chunk_count: int
+    """Chunks (media and trailer) whose metadata arrived."""
+    trailer_at: int | None
+    """Index in ``messages`` of the trailer's metadata."""
+    last_progress: float | None
+    """When ``video.start`` or the last media chunk's data arrived."""
+
+
+def read_messages(tr: Transcript) -> Received:
+    """The server's messages and the rules of form, whatever the session's kind: JSON
+    objects of known types, every ``error`` with a ``code``, each chunk's metadata
+    followed by exactly its binary message, chunk indices in order, nothing but the
+    trailer's data after the trailer. Shared by the sessions' checks and the shutdown
+    rounds'."""
     problems: list[str] = []
     messages: list[tuple[float, dict[str, Any]]] = []
     media_frames = 0
@@ -199,6 +213,26 @@ def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
         messages.append((event.t, message))
     if pending is not None and tr.abandoned is None and not tr.cut_by_deadline:
         problems.append("the last chunk metadata has no binary message")
+    return Received(
+        messages, problems, media_frames, media_chunks, chunk_count, trailer_at, last_progress
+    )
+
+
+def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
+    """Judge one session's transcript against what its kind must see.
+
+    Every session: well-formed messages (JSON objects of known types, every ``error``
+    with a ``code``, each chunk's metadata followed by exactly its binary message), at
+    most one terminal message and nothing after ``session.done``, answers to control
+    messages in order. Sessions the client did not abandon: exactly one terminal message
+    as the last message, the expected one, then the expected close code.
+    """
+    received = read_messages(tr)
+    problems = received.problems
+    messages = received.messages
+    media_frames, media_chunks = received.media_frames, received.media_chunks
+    chunk_count, trailer_at = received.chunk_count, received.trailer_at
+    last_progress = received.last_progress
 
     types = [m.get("type") for _, m in messages]
     if messages and _is_busy(messages[0][1]):
