@@ -10,20 +10,26 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Final
 
 from bench._harness import REQUEST_ID, LogRecord
 from bench._soak.checks import (
     Transcript,
 )
 
+AT_EXIT_TROUBLE: Final = ("Fatal Python error", "Exception ignored in")
+"""What Python prints, outside logging, when something fails as the process ends (a
+thread or a finaliser): as serious as a traceback."""
+
 
 def log_problems(records: Sequence[LogRecord], expected_ids: set[str]) -> list[LogRecord]:
-    """ERROR records and tracebacks, except those of sessions whose failure was injected
-    (``expected_ids``: their request ids)."""
+    """ERROR records, tracebacks and Python's complaints at exit, except those of
+    sessions whose failure was injected (``expected_ids``: their request ids)."""
     bad: list[LogRecord] = []
     for record in records:
         serious = record.level in ("ERROR", "CRITICAL") or any(
-            line.startswith("Traceback (most recent call last)") for line in record.lines
+            line.startswith("Traceback (most recent call last)") or line.startswith(AT_EXIT_TROUBLE)
+            for line in record.lines
         )
         if not serious:
             continue
