@@ -1,11 +1,12 @@
 """The soak test (``bench/soak.py``): its short form against a real server, and the
 server it starts.
 
-The short form (200 randomized sessions of every kind, ~40 s) runs in CI like the
-benchmark's ``--quick``: as a subprocess, judged from its JSON report. It must find no
-violation. The checks that decide that are unit-tested module by module, with bad input
-that proves each can fail (``test_soak_checks.py``, ``test_soak_serverlog.py``,
-``test_soak_resources.py``, ``test_soak_plans.py``), since a soak that never fails
+The short form (200 randomized sessions of every kind, then 3 shutdown rounds that stop
+a server with two signals, ~50 s) runs in CI like the benchmark's ``--quick``: as a
+subprocess, judged from its JSON report. It must find no violation. The checks that
+decide that are unit-tested module by module, with bad input that proves each can fail
+(``test_soak_checks.py``, ``test_soak_serverlog.py``, ``test_soak_resources.py``,
+``test_soak_plans.py``, ``test_soak_shutdown.py``), since a soak that never fails
 proves nothing.
 """
 
@@ -19,14 +20,22 @@ from pathlib import Path
 
 import pytest
 
-from bench._soak.settings import KINDS, Settings, server_command
+from bench._soak.settings import (
+    KINDS,
+    ROUND_SHUTDOWN_GRACE,
+    Settings,
+    Timing,
+    round_server_command,
+    server_command,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SOAK = REPO / "bench" / "soak.py"
-SHORT_FORM = ("--sessions", "200", "--concurrency", "8", "--seed", "1", "--deadline", "110")
+SHORT_FORM = ("--sessions", "200", "--concurrency", "8", "--seed", "1", "--deadline", "140")
+SHORT_FORM += ("--shutdown-rounds", "3")
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
     started = time.monotonic()
@@ -35,7 +44,7 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=220,
     )
     elapsed = time.monotonic() - started
     assert output.exists(), done.stderr[-3000:]
@@ -57,7 +66,15 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     assert resources["final"]["threads"] <= resources["baseline"]["threads"]
     assert resources["final"]["fds"] <= resources["baseline"]["fds"]
     assert report["server"]["exit_status"] == 0
-    assert elapsed < 110, done.stderr[-2000:]  # well under CI's patience on 2 cores
+    # The shutdown rounds: both engines, each server out at once after its second signal.
+    rounds = report["shutdown_rounds"]
+    assert [r["engine"] for r in rounds] == ["shapes", "synthetic", "shapes"]
+    for info in rounds:
+        assert info["problems"] == [] and info["exit_status"] == 0 and not info["killed"]
+        assert info["exit_s"] <= report["thresholds"]["second_signal_exit_s"]
+        assert sum(info["clients"].values()) == info["sessions"]
+    assert sum("shutdown round" in line for line in done.stdout.splitlines()) == 3
+    assert elapsed < 140, done.stderr[-2000:]  # well under CI's patience on 2 cores
     assert "soak PASS" in done.stdout.splitlines()[-1]
 
 
@@ -66,3 +83,10 @@ def test_the_server_command_only_listens_on_loopback() -> None:
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--max-sessions") + 1] == "5"
     assert Settings(sessions=200).total_deadline_s < Settings().total_deadline_s
+    rounds = round_server_command("shapes", Timing())
+    assert rounds[rounds.index("--host") + 1] == "127.0.0.1"
+    assert rounds[rounds.index("--engine") + 1] == "shapes"
+    assert float(rounds[rounds.index("--shutdown-grace") + 1]) == ROUND_SHUTDOWN_GRACE
+    # A second signal must beat the drain by far, or a drain could pass for it.
+    assert Timing().stop_bound < ROUND_SHUTDOWN_GRACE / 2
+    assert Settings(shutdown_rounds=0).total_deadline_s < Settings().total_deadline_s

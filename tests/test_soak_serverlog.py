@@ -1,6 +1,7 @@
 """The soak's log checks (``bench/_soak/serverlog.py``) over the shared log parser
-(``bench/_harness.py``): ERROR records and tracebacks are flagged unless the failure was
-injected, and the summary counts warnings with ids and numbers blanked.
+(``bench/_harness.py``): ERROR records, tracebacks and Python's complaints at exit are
+flagged unless the failure was injected, and the summary counts warnings with ids and
+numbers blanked.
 """
 
 from __future__ import annotations
@@ -38,3 +39,18 @@ def test_log_errors_other_than_injected_failures_are_flagged() -> None:
     assert len(log_problems(records, expected_ids=set())) == 3
     summary = log_summary(records)
     assert summary["WARNING session <id>: stall timeout for N s"] == 1
+
+
+def test_errors_and_complaints_at_exit_are_flagged() -> None:
+    text = "2026-01-01 10:00:00,000 INFO trio_vstream: SIGTERM: shutting down gracefully\n"
+    text += "2026-01-01 10:00:01,000 ERROR trio_vstream.steps: batch failed\n"
+    text += "2026-01-01 10:00:01,100 INFO trio_vstream.server: x\n"
+    text += "Exception ignored in: <function Thread.__del__>\n"
+    text += "2026-01-01 10:00:01,200 INFO trio_vstream.server: y\n"
+    text += "Fatal Python error: _enter_buffered_busy\n"
+    bad = log_problems(parse_log(text), expected_ids=set())
+    assert [record.lines[-1] for record in bad] == [
+        "2026-01-01 10:00:01,000 ERROR trio_vstream.steps: batch failed",
+        "Exception ignored in: <function Thread.__del__>",
+        "Fatal Python error: _enter_buffered_busy",
+    ]

@@ -1,6 +1,7 @@
 """``python bench/soak.py``: start the server, warm up, take the baseline, run the
-sessions, settle, check, stop the server with SIGTERM; print the summary, write the
-JSON report, exit 1 on any violation.
+sessions, settle, check, stop the server with SIGTERM; then the shutdown rounds (a
+server each, two signals); print the summary, write the JSON report, exit 1 on any
+violation.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from bench._soak.resources import (
 from bench._soak.runner import Soak
 from bench._soak.serverlog import log_summary
 from bench._soak.settings import (
+    DEFAULT_SHUTDOWN_ROUNDS,
     DEFAULT_STALL_TIMEOUT,
     DEFAULT_START_TIMEOUT,
     ENGINE_ARGS,
@@ -46,6 +48,10 @@ from bench._soak.settings import (
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
+    ROUND_ENGINES,
+    ROUND_KINDS,
+    ROUND_NUM_FRAMES,
+    ROUND_SHUTDOWN_GRACE,
     RSS_GROWTH_LIMIT_MIB,
     SETTLE_EXTRA_S,
     THREAD_GROWTH_LIMIT,
@@ -53,17 +59,21 @@ from bench._soak.settings import (
     Timing,
     server_command,
 )
+from bench._soak.shutdown import run_rounds
 from trio_vstream.server import IDLE_BEFORE_TRIM
 
 
 async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
-    """Start the server, run warm-up and measured sessions, check, stop; the report."""
+    """Start the server, run warm-up and measured sessions, check, stop; then the
+    shutdown rounds (their servers' logs beside ``log_path``); the report."""
     started_wall = dt.datetime.now(dt.UTC)
     t_start = now()
     deadline = trio.current_time() + s.total_deadline_s  # Trio's clock, for move_on_at
     timing = s.timing
-    # Kept back from the session phases for settling, the final checks and SIGTERM.
+    # Kept back from the session phases for settling, the final checks, SIGTERM and the
+    # shutdown rounds.
     reserve = IDLE_BEFORE_TRIM + SETTLE_EXTRA_S + timing.shutdown_grace + 10.0
+    reserve += s.rounds_reserve_s
     plans = make_plans(s.seed, s.sessions, s.warmup_sessions)
     warm, measured = plans[: s.warmup_sessions], plans[s.warmup_sessions :]
     violations: list[Violation] = []
@@ -81,6 +91,12 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
             "max_start_bytes": MAX_START_BYTES,
             "max_control_bytes": MAX_CONTROL_BYTES,
             "weights": KINDS,
+            "shutdown_rounds": {
+                "kinds": ROUND_KINDS,
+                "engines": {name: dict(engine.args) for name, engine in ROUND_ENGINES.items()},
+                "num_frames": ROUND_NUM_FRAMES,
+                "shutdown_grace": ROUND_SHUTDOWN_GRACE,
+            },
         },
         "thresholds": {
             "fd_growth": FD_GROWTH_LIMIT,
@@ -92,6 +108,7 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
                 "stopped_reader": timing.release_bound("stop_reading"),
             },
             "timeout_slack_s": timing.slack,
+            "second_signal_exit_s": timing.stop_bound,
         },
         "machine": {
             "cpu_count": os.cpu_count(),
@@ -168,6 +185,9 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
     records = parse_log(read_log(log_path))
     session_violations, stats = judge_sessions(soak, records, timing)
     violations = session_violations + violations
+    rounds, round_violations = await run_rounds(s, log_path.parent, deadline)
+    report["shutdown_rounds"] = rounds
+    violations += round_violations
     report.update(stats)
     report["server_socket_not_found"] = sum(
         1 for r in soak.results if r.tr.connected_at is not None and r.tr.server_inode is None
@@ -195,7 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--deadline",
         type=float,
         default=None,
-        help="bound on the whole run in seconds (default 30 + 0.6 per session, >= 90)",
+        help="bound on the whole run in seconds (default 30 + 0.6 per session, >= 90, "
+        "+ 15 per shutdown round)",
+    )
+    add(
+        "--shutdown-rounds",
+        type=int,
+        default=DEFAULT_SHUTDOWN_ROUNDS,
+        help=f"after the sessions, servers stopped with two signals (default "
+        f"{DEFAULT_SHUTDOWN_ROUNDS}; each starts a server)",
     )
     add("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, help="(default 1.5)")
     add("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT, help="(default 1.0)")
@@ -206,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.sessions < 1 or args.concurrency < 1:
         raise SystemExit("--sessions and --concurrency must be >= 1")
+    if args.shutdown_rounds < 0:
+        raise SystemExit("--shutdown-rounds must be >= 0")
     timing = Timing(stall_timeout=args.stall_timeout, start_timeout=args.start_timeout)
     return Settings(
         sessions=args.sessions,
@@ -213,6 +243,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         seed=args.seed,
         warmup=args.warmup,
         deadline_s=args.deadline,
+        shutdown_rounds=args.shutdown_rounds,
         timing=timing,
     )
 
@@ -237,6 +268,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
             kept = args.json.with_suffix(".server.log")
             shutil.copyfile(log_path, kept)
-            progress(f"wrote {args.json} and {kept}")
+            written = [args.json, kept]
+            if report.get("shutdown_rounds"):
+                written.append(
+                    keep_round_logs(Path(tmp), args.json.with_suffix(".rounds.server.log"))
+                )
+            progress(f"wrote {', '.join(str(path) for path in written)}")
     print(render_summary(report), flush=True)
     return 0 if report["passed"] else 1
+
+
+def keep_round_logs(log_dir: Path, kept: Path) -> Path:
+    """The shutdown rounds' server logs, one after another under a header each."""
+    with kept.open("w") as out:
+        for path in sorted(log_dir.glob("round-*.server.log"), key=_round_number):
+            out.write(f"===== {path.name}\n{read_log(path)}")
+    return kept
+
+
+def _round_number(path: Path) -> int:
+    return int(path.name.split("-")[1].split(".")[0])

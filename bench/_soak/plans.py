@@ -16,12 +16,21 @@ from typing import Any, Final
 import attrs
 
 from bench._soak.settings import (
+    BACK_TO_BACK_SHARE,
     DISCONNECT_PHASES,
+    FIRST_SIGNAL_AFTER_S,
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
     OVERSIZED_FRAME_FACTOR,
     PROMPTS,
+    ROUND_ENGINES,
+    ROUND_FRAME_SIZE,
+    ROUND_KINDS,
+    ROUND_NUM_FRAMES,
+    ROUND_SESSIONS,
+    SIGNALS,
+    ZERO_DELAY_SHARE,
 )
 
 
@@ -242,3 +251,107 @@ def make_plans(seed: int, sessions: int, warmup: int) -> list[Plan]:
     plans = [make_plan(rng, i, kind, warmup=True) for i, kind in enumerate(warm)]
     plans += [make_plan(rng, warmup + i, kind) for i, kind in enumerate(kinds)]
     return plans
+
+
+# --------------------------------------------------------------------------------------
+# Shutdown rounds
+# --------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SignalStep:
+    """One signal a round sends to its server, and when."""
+
+    name: str
+    """``SIGTERM`` or ``SIGINT``."""
+    after: str
+    """What the delay counts from: ``streaming`` (every session has had a media chunk; the
+    first signal), ``taken`` (the server has logged the signal before this one, so this
+    one cannot merge with it) or ``sent`` (the signal before was sent, maybe not read)."""
+    delay_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
+class ShutdownPlan:
+    """One shutdown round, decided up front: its engine, sessions and signals."""
+
+    index: int
+    kind: str
+    engine: str
+    starts: tuple[dict[str, Any], ...]
+    """Each session's ``session.start`` fields."""
+    signals: tuple[SignalStep, ...]
+
+    @property
+    def label(self) -> str:
+        count = len(self.starts)
+        return f"{self.kind}({self.engine}, {count} session{'' if count == 1 else 's'})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "engine": self.engine,
+            "sessions": len(self.starts),
+            "starts": list(self.starts),
+            "signals": [step.to_json() for step in self.signals],
+        }
+
+
+def make_shutdown_plan(rng: random.Random, index: int, kind: str, engine: str) -> ShutdownPlan:
+    """Draw one round of ``kind`` on ``engine``.
+
+    ``double_signal``: 1-8 sessions stream a long video; the first signal comes
+    0-0.3 s after each has had a media chunk; the second, the other signal at once
+    (``sent``, 0 s) in a fifth of the rounds, otherwise either signal once the server
+    has logged the first (``taken``): at once in a quarter of those, else after a delay
+    drawn over two of the engine's steps, so that some land while a step (a batch, for
+    shapes) is in flight.
+    """
+    starts = tuple(
+        {
+            "prompt": rng.choice(PROMPTS),
+            "width": ROUND_FRAME_SIZE,
+            "height": ROUND_FRAME_SIZE,
+            "fps": 24,
+            "num_frames": ROUND_NUM_FRAMES,
+            "seed": rng.randint(0, 2**31),
+        }
+        for _ in range(rng.randint(*ROUND_SESSIONS))
+    )
+    if kind != "double_signal":
+        raise ValueError(f"unknown shutdown round kind {kind!r}")
+    first_name = rng.choice(SIGNALS)
+    first = SignalStep(
+        name=first_name, after="streaming", delay_s=round(rng.uniform(*FIRST_SIGNAL_AFTER_S), 4)
+    )
+    if rng.random() < BACK_TO_BACK_SHARE:
+        other = next(name for name in SIGNALS if name != first_name)
+        second = SignalStep(name=other, after="sent", delay_s=0.0)
+    else:
+        delay = 0.0
+        if rng.random() >= ZERO_DELAY_SHARE:
+            delay = round(rng.uniform(0.0, 2 * ROUND_ENGINES[engine].step_s), 4)
+        second = SignalStep(name=rng.choice(SIGNALS), after="taken", delay_s=delay)
+    return ShutdownPlan(
+        index=index, kind=kind, engine=engine, starts=starts, signals=(first, second)
+    )
+
+
+def make_shutdown_plans(seed: int, rounds: int) -> list[ShutdownPlan]:
+    """The shutdown rounds of a seed, the engines alternating (shapes first).
+
+    Drawn from a generator of their own, so that the number of rounds never changes the
+    sessions' plans: a seed names the same session mix with or without them.
+    """
+    rng = random.Random(f"soak-shutdown-rounds-{seed}")
+    names = list(ROUND_KINDS)
+    weights = [ROUND_KINDS[name] for name in names]
+    engines = list(ROUND_ENGINES)
+    return [
+        make_shutdown_plan(rng, i, rng.choices(names, weights)[0], engines[i % len(engines)])
+        for i in range(rounds)
+    ]

@@ -317,10 +317,11 @@ def render_summary(report: dict[str, Any]) -> str:
     lines.append(
         f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"
     )
+    lines += [f"  {round_line(info)}" for info in report.get("shutdown_rounds") or []]
     for violation in report.get("violations", [])[:50]:
         where = f"session {violation['session']} {violation['kind']}"
         if violation["session"] is None:
-            where = "server"
+            where = violation["kind"]  # "server", or a shutdown round
         lines.append(f"  VIOLATION [{where}] {violation['what']}")
     if len(report.get("violations", [])) > 50:
         lines.append(f"  ... {len(report['violations']) - 50} more in the JSON report")
@@ -333,3 +334,23 @@ def render_summary(report: dict[str, Any]) -> str:
         f"{report.get('violation_count')} violation(s)"
     )
     return "\n".join(lines)
+
+
+def round_line(info: dict[str, Any]) -> str:
+    """A shutdown round in one line: its engine and sessions, the signals and when they
+    went, how the server exited and how the clients' sessions ended."""
+    when = {"streaming": "streaming", "taken": "the last was logged", "sent": "the last was sent"}
+    signals = [
+        f"{step['name']} {step['delay_s']:g} s after {when[step['after']]}"
+        for step in info["signals"]
+    ]
+    clients = ", ".join(f"{ending} x{count}" for ending, count in info["clients"].items())
+    status = "killed" if info["killed"] else f"exit {info['exit_status']}"
+    if info["exit_status"] is None:
+        status = "no exit seen"
+    count = info["sessions"]
+    return (
+        f"shutdown round {info['index']} {info['kind']} ({info['engine']}, {count} "
+        f"session{'' if count == 1 else 's'}): {'; '.join(signals)}: {status} after "
+        f"{info['exit_s']} s; clients: {clients or 'none'}"
+    )

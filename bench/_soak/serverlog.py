@@ -1,5 +1,6 @@
 """The soak's checks on the server's log: no ERROR record or traceback other than the
-injected engine failures', and a summary of the warnings.
+injected engine failures', a summary of the warnings, and in a shutdown round, the
+server's own word that it took each signal.
 
 The log is parsed into records by ``bench._harness.parse_log`` (shared with the fuzz);
 what counts as trouble is the soak's own call, so it lives here.
@@ -10,20 +11,27 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Final
 
 from bench._harness import REQUEST_ID, LogRecord
 from bench._soak.checks import (
     Transcript,
 )
+from bench._soak.plans import ShutdownPlan
+
+AT_EXIT_TROUBLE: Final = ("Fatal Python error", "Exception ignored in")
+"""What Python prints, outside logging, when something fails as the process ends (a
+thread or a finaliser): as serious as a traceback."""
 
 
 def log_problems(records: Sequence[LogRecord], expected_ids: set[str]) -> list[LogRecord]:
-    """ERROR records and tracebacks, except those of sessions whose failure was injected
-    (``expected_ids``: their request ids)."""
+    """ERROR records, tracebacks and Python's complaints at exit, except those of
+    sessions whose failure was injected (``expected_ids``: their request ids)."""
     bad: list[LogRecord] = []
     for record in records:
         serious = record.level in ("ERROR", "CRITICAL") or any(
-            line.startswith("Traceback (most recent call last)") for line in record.lines
+            line.startswith("Traceback (most recent call last)") or line.startswith(AT_EXIT_TROUBLE)
+            for line in record.lines
         )
         if not serious:
             continue
@@ -59,3 +67,39 @@ def log_excerpt(
         chosen = [r for r in records if r.wall is not None and start <= r.wall <= end]
     lines = [line for record in chosen for line in record.lines[:40]]
     return lines[:limit] if len(lines) <= limit else [*lines[: limit - 1], "..."]
+
+
+SIGNAL_TAKEN: Final = re.compile(r"\b(SIG[A-Z]+)(: shutting down gracefully| again: stopping now)$")
+"""cli.py's records of a signal: the first drains, any later one stops at once."""
+
+
+def taken_line(name: str, first: bool) -> str:
+    """What the server logs when it takes signal ``name`` (the first, or a later one)."""
+    return f"{name}: shutting down gracefully" if first else f"{name} again: stopping now"
+
+
+def signal_problems(plan: ShutdownPlan, records: Sequence[LogRecord]) -> list[str]:
+    """The server's log must show each signal the round sent, taken: the first as a
+    drain, the others as "stopping now"; in the order sent, except for signals sent
+    back to back (``after="sent"``), which the kernel delivers lowest number first."""
+    taken: list[str] = []
+    drains = 0
+    for record in records:
+        match = SIGNAL_TAKEN.search(record.lines[0])
+        if match:
+            drains += match[2].startswith(":")
+            taken.append(match[1] + ("" if match[2].startswith(":") else " again"))
+    sent = [step.name for step in plan.signals]
+    names = [name.removesuffix(" again") for name in taken]
+    problems: list[str] = []
+    shown = ", ".join(taken) or "none"
+    if drains != 1 or (taken and taken[0].endswith(" again")):
+        problems.append(f"the server's log shows {drains} drain(s) begun (signals taken: {shown})")
+    if any(step.after == "sent" for step in plan.signals):
+        if sorted(names) != sorted(sent):
+            problems.append(f"sent {', '.join(sent)}; the server's log shows taken: {shown}")
+    elif names != sent:
+        problems.append(
+            f"sent {', '.join(sent)} in this order; the server's log shows taken: {shown}"
+        )
+    return problems

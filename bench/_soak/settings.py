@@ -7,11 +7,13 @@ and the report can state them next to the results.
 
 from __future__ import annotations
 
+import sys
 from typing import Final
 
 import attrs
 
 from bench._harness import synthetic_server_command
+from trio_vstream.session import SessionConfig
 
 KINDS: Final[dict[str, int]] = {
     "normal": 16,
@@ -88,6 +90,74 @@ DEFAULT_STALL_TIMEOUT: Final = 1.5
 DEFAULT_START_TIMEOUT: Final = 1.0
 """Short, so that the kinds that wait for them (hangs, stopped readers, silent clients)
 cost seconds, yet far above anything a healthy session on a loaded 2-core machine waits."""
+SERVER_CLOSE_TIMEOUT: Final = SessionConfig().close_timeout
+"""The server's close timeout (5 s; no flag sets it): the longest it waits on a client
+for a terminal message or a close handshake."""
+
+# --------------------------------------------------------------------------------------
+# Shutdown rounds: a server of their own each, stopped with two signals
+# --------------------------------------------------------------------------------------
+
+DEFAULT_SHUTDOWN_ROUNDS: Final = 8
+"""After the sessions, this many rounds (``--shutdown-rounds``); each starts a server."""
+ROUND_KINDS: Final[dict[str, int]] = {"double_signal": 1}
+"""Kinds of shutdown round and their weights (``plans.make_shutdown_plan`` says what
+each does): ``double_signal`` sends SIGTERM or SIGINT while sessions stream, and a
+second one after it, which must stop the server at once."""
+SIGNALS: Final = ("SIGTERM", "SIGINT")
+"""The signals ``python -m trio_vstream`` takes as "shut down" (cli.py)."""
+
+
+@attrs.frozen(kw_only=True)
+class RoundEngine:
+    """An engine the shutdown rounds run: its ``--engine-arg`` options, and how long one
+    of its steps takes with the rounds' sessions."""
+
+    args: tuple[tuple[str, str], ...]
+    step_s: float
+    """One engine step with 8 sessions on a 2-core CPU (for shapes, one batch of their
+    rows: about 0.1 s, measured). A second signal's delay is drawn over two of them, so
+    that rounds land before, inside and after a step."""
+
+
+ROUND_ENGINES: Final[dict[str, RoundEngine]] = {
+    # Batches of up to 8 sessions' rows (its default max_batch): what reaches the
+    # StepBatcher, whose rows a second signal once left unfinished (issue 20, item 11).
+    "shapes": RoundEngine(args=(), step_s=0.1),
+    # No batcher: each session's steps in its own thread.
+    "synthetic": RoundEngine(args=ENGINE_ARGS, step_s=0.01),
+}
+"""The engines the rounds alternate, shapes first."""
+ROUND_SESSIONS: Final = (1, 8)
+"""Sessions streaming in a round: drawn from this range (the server admits 8)."""
+ROUND_FRAME_SIZE: Final = 64
+ROUND_NUM_FRAMES: Final = 2400
+"""The server's largest frame count: a video of 15 s or more (minutes with shapes), so
+that every session is still streaming when the signals arrive, and a server that
+ignored the second signal would still be draining long after the bound."""
+ROUND_SHUTDOWN_GRACE: Final = 30.0
+"""The rounds' ``--shutdown-grace`` (the server's default): far beyond the bound of the
+stop a second signal makes, so that a drain cannot pass for one."""
+FIRST_SIGNAL_AFTER_S: Final = (0.0, 0.3)
+"""The first signal: once every session has had a media chunk, after a delay drawn here."""
+BACK_TO_BACK_SHARE: Final = 0.2
+"""Rounds whose second signal follows the first at once, before the server can have read
+it; always the other signal: Trio reports a signal that arrives again before it was read
+once, so two identical signals back to back may be one, and from outside the two cases
+look the same."""
+ZERO_DELAY_SHARE: Final = 0.25
+"""Of the other rounds (second signal once the server has logged the first): those that
+send it at once, with no drawn delay."""
+ROUND_START_TIMEOUT_S: Final = 60.0
+"""For a round's server to print its URL (shapes imports torch: 2-3 s here)."""
+STREAMING_WAIT_S: Final = 10.0
+"""For every session of a round to have its first media chunk."""
+SIGNAL_TAKEN_WAIT_S: Final = 5.0
+"""For the server to log a signal (``SIGTERM: shutting down gracefully``)."""
+CLOSE_AFTER_EXIT_S: Final = 2.0
+"""After the server's exit, how long a client may still see its connection open."""
+ROUND_BUDGET_S: Final = 15.0
+"""What a round adds to the soak's default deadline (it takes 2-5 s)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +171,8 @@ class Timing:
     """Allowed lateness of a server timeout or reaction, on a loaded 2-core machine."""
     early: float = 0.2
     """Allowed earliness of a timeout (clock granularity, scheduling)."""
+    close_timeout: float = SERVER_CLOSE_TIMEOUT
+    """The server's; a field only so that tests can shorten the bounds made of it."""
 
     @property
     def reply_wait(self) -> float:
@@ -118,6 +190,24 @@ class Timing:
         """The client's watchdog for one whole session."""
         return 20.0 + self.stall_timeout + self.start_timeout
 
+    @property
+    def stop_bound(self) -> float:
+        """Seconds from a second signal to the server's exit ("stops at once").
+
+        The second signal cancels everything. What still runs is shielded: a send under
+        way (bounded by its own deadline, the stall timeout), engine streams and encoders
+        closing in their threads (after the step under way: for shapes a batch, ~0.1 s),
+        then the process's own exit (freeing the engine). None of it waits on a client
+        longer than the close timeout, so: that, plus 2 x slack (8 s). Measured: 0.03 s
+        (synthetic) to 0.4 s (shapes)."""
+        return self.close_timeout + 2 * self.slack
+
+    @property
+    def drain_bound(self) -> float:
+        """Seconds from a first signal to the exit of a round's server: its grace, a close
+        timeout to wind sessions down and one to abort them (server.py's drain), slack."""
+        return ROUND_SHUTDOWN_GRACE + 2 * self.close_timeout + self.slack
+
 
 @attrs.frozen(kw_only=True)
 class Settings:
@@ -128,6 +218,7 @@ class Settings:
     seed: int = 1
     warmup: int | None = None
     deadline_s: float | None = None
+    shutdown_rounds: int = DEFAULT_SHUTDOWN_ROUNDS
     timing: Timing = Timing()
 
     @property
@@ -139,7 +230,13 @@ class Settings:
         """The soak's own bound on its run time, start to exit."""
         if self.deadline_s is not None:
             return self.deadline_s
-        return max(90.0, 30.0 + 0.6 * (self.sessions + self.warmup_sessions))
+        sessions = max(90.0, 30.0 + 0.6 * (self.sessions + self.warmup_sessions))
+        return sessions + self.rounds_reserve_s
+
+    @property
+    def rounds_reserve_s(self) -> float:
+        """Kept back from the session phases for the shutdown rounds."""
+        return ROUND_BUDGET_S * self.shutdown_rounds
 
 
 def server_command(s: Settings) -> list[str]:
@@ -156,3 +253,18 @@ def server_command(s: Settings) -> list[str]:
         max_control_bytes=MAX_CONTROL_BYTES,
         extra=extra,
     )
+
+
+def round_server_command(engine: str, timing: Timing) -> list[str]:
+    """A shutdown round's server: ``engine`` on 127.0.0.1 with 8 session slots, the soak's
+    timeouts, and the default grace (``ROUND_SHUTDOWN_GRACE``), INFO logging (the round
+    reads the signals' records)."""
+    command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
+    command += ["--port", "0", "--engine", engine]
+    for key, value in ROUND_ENGINES[engine].args:
+        command += ["--engine-arg", f"{key}={value}"]
+    command += ["--max-sessions", str(ROUND_SESSIONS[1])]
+    command += ["--stall-timeout", str(timing.stall_timeout)]
+    command += ["--start-timeout", str(timing.start_timeout)]
+    command += ["--shutdown-grace", str(ROUND_SHUTDOWN_GRACE), "--log-level", "INFO"]
+    return command
