@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.conftest import decode_video
+from trio_vstream import cli
 
 URL_LINE = re.compile(r"ws://127\.0\.0\.1:(\d+)/v1/realtime/video")
 
@@ -300,3 +303,18 @@ async def test_the_default_engine_is_the_shapes_model() -> None:
                     break
     verdict = analyse_clip(decode_video(video))
     assert (verdict.colour, verdict.background) == ("yellow", "navy")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_exiting_is_noted_and_changes_nothing(
+    signum: signal.Signals, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the server stopped, finishing the recordings and freeing the engine must not
+    be cut short by a signal (status -15, or KeyboardInterrupt half-way through)."""
+    before = signal.getsignal(signum)
+    with caplog.at_level(logging.WARNING, logger="trio_vstream"), cli.signals_noted_while_exiting():
+        os.kill(os.getpid(), signum)  # Python runs the handler at the next bytecode
+        reached = True
+    assert reached
+    assert f"{signum.name}: already stopping" in caplog.text
+    assert signal.getsignal(signum) is before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -11,7 +12,7 @@ import shutil
 import signal
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import trio
@@ -37,6 +38,8 @@ API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
 ADMIN_API_KEY_ENV = "TRIO_VSTREAM_ADMIN_API_KEY"
 _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The first drains the server, a second stops it at once (`_serve_until_signalled`)."""
 """Seconds the server waits at exit for ``--record``'s last recordings to be written."""
 RECORD_FREE_SPACE_SHARE = 0.9
 """Without ``--record-max-bytes``, recordings may add this share of the free space (at
@@ -531,15 +534,39 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     finally:
-        # The last sessions' recordings, remuxed and written; a disk stuck for longer
-        # than this would otherwise keep the process from ever exiting.
-        if recorder is not None and not recorder.close(timeout=RECORDING_CLOSE_TIMEOUT):
-            logger.warning(
-                "recordings still being written after %g s: left unfinished",
-                RECORDING_CLOSE_TIMEOUT,
-            )
-        engine.close()
+        with signals_noted_while_exiting():
+            # The last sessions' recordings, remuxed and written; a disk stuck for longer
+            # than this would otherwise keep the process from ever exiting.
+            if recorder is not None and not recorder.close(timeout=RECORDING_CLOSE_TIMEOUT):
+                logger.warning(
+                    "recordings still being written after %g s: left unfinished",
+                    RECORDING_CLOSE_TIMEOUT,
+                )
+            engine.close()
     return 0
+
+
+@contextlib.contextmanager
+def signals_noted_while_exiting() -> Iterator[None]:
+    """While the server, already stopped, finishes its recordings and frees the engine,
+    a SIGINT or SIGTERM is logged and changes nothing.
+
+    Trio puts back the default handlers when its run ends, so without this a signal in
+    that window (an operator's second Ctrl-C, a supervisor's SIGTERM after the drain)
+    would end the process with -15, or raise KeyboardInterrupt in the middle of freeing
+    the engine, instead of the documented status 0. Both steps are bounded already
+    (`RECORDING_CLOSE_TIMEOUT`, the engine's own close).
+    """
+
+    def note(signum: int, frame: object) -> None:
+        logger.warning("%s: already stopping", signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, note) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) -> Recorder | None:
@@ -593,7 +620,7 @@ async def _serve_until_signalled(
 ) -> None:
     """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once."""
     server = VideoServer(engine, config, taps=recorder)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
             async def serve(task_status: trio.TaskStatus[None]) -> None:
