@@ -1,4 +1,4 @@
-"""Tests of session.start validation and the error types (protocol/_validation.py, _errors.py).
+"""Tests of session.start validation and the error types (protocol/_start.py, _errors.py).
 
 No sockets, no Trio: text in, `SessionStart` or `ProtocolError` out.
 """
@@ -82,7 +82,7 @@ def test_protocol_error_carries_fields_and_converts_to_error_message() -> None:
     err = ProtocolError(ErrorCode.INVALID_MESSAGE, "nope", event_id="e1")
     assert (err.code, err.message, err.event_id) == (ErrorCode.INVALID_MESSAGE, "nope", "e1")
     assert str(err) == "nope"
-    assert err.to_error(request_id="r1") == Error(
+    assert Error.from_protocol_error(err, request_id="r1") == Error(
         ErrorCode.INVALID_MESSAGE, "nope", request_id="r1", event_id="e1"
     )
     assert ProtocolError(ErrorCode.INVALID_JSON, "x").event_id is None

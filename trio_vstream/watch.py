@@ -429,7 +429,7 @@ class _ViewerConnection:
         try:
             message = protocol.parse_control(raw)
         except protocol.ProtocolError as exc:
-            return exc.to_error(request_id)
+            return protocol.Error.from_protocol_error(exc, request_id)
         if isinstance(message, protocol.Ping):
             return protocol.Pong()
         if isinstance(message, protocol.Stop):

@@ -33,7 +33,7 @@ from trio_vstream.engines.diffusers._extra import (
 )
 from trio_vstream.engines.diffusers._forcing import FORCING_ARGS
 from trio_vstream.engines.diffusers._loading import PipelineInfo
-from trio_vstream.protocol._validation import VideoRequest
+from trio_vstream.protocol import VideoRequest
 from trio_vstream.protocol._wire import CHECKS
 
 FAMILIES = (SEGMENTS, HELIOS, HELIOS_PYRAMID, SKYREELS_DF, ANYFLOW_FAR, FRAMEPACK)

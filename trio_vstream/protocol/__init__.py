@@ -13,16 +13,22 @@ clear error is cheaper than a video that is not what was asked for.
 
 The public names all live here; the private modules are the seams behind them:
 
-- ``_errors``: `ErrorCode` and `ProtocolError`.
+- ``_errors``: `ErrorCode` and `ProtocolError`; imports nothing from the package.
+- ``_limits``: `Limits`, the bounds on what clients send; imports nothing either.
 - ``_wire``: strict JSON loading and dumping, and the strict cattrs hooks.
-- ``_validation``: ``session.start``: the request model, `Limits`, `parse_start`.
 - ``_messages``: every later message, both ways, and the converter that writes them.
+- ``_start``: ``session.start``: the request model and `parse_start`.
 - ``_client``: `ClientProtocol`, the client side of a session as a state machine.
 - ``_camera_keys``: WASD/IJKL key states as velocity cameras (vllm-omni's mapping).
 - ``_codec_options``: ``extra_params.video_codec_options``, the libx264 allow-list.
 - ``_camera_script``: ``extra_params.camera_action_script``, one camera per chunk.
   (``extra_params.interaction_script``, this project's extension for replays, is parsed
-  with the rest of ``session.start`` in ``_validation``.)
+  with the rest of ``session.start`` in ``_start``.)
+
+Dependencies point one way, down: ``_client`` and ``_start`` build on ``_messages``,
+``_camera_script`` and ``_codec_options``, which build on ``_wire`` and ``_camera_keys``,
+which build on ``_errors`` and ``_limits``. All imports are at the top of each module;
+the import-linter contracts in ``pyproject.toml`` keep it so.
 """
 
 from trio_vstream.protocol._camera_keys import CAMERA_KEYS, key_velocity
@@ -53,7 +59,9 @@ from trio_vstream.protocol._codec_options import (
     check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
 from trio_vstream.protocol._messages import (
+    DEFAULT_TRANSITION_CHUNKS,
     PING_MESSAGE,
     STOP_MESSAGE,
     ChunkMetadata,
@@ -73,9 +81,7 @@ from trio_vstream.protocol._messages import (
     parse_server_message,
     start_message,
 )
-from trio_vstream.protocol._validation import (
-    DEFAULT_LIMITS,
-    DEFAULT_TRANSITION_CHUNKS,
+from trio_vstream.protocol._start import (
     DEFAULT_VIDEO_DEFAULTS,
     INTERACTION_SCRIPT_PARAM,
     MAX_FPS,
@@ -83,7 +89,6 @@ from trio_vstream.protocol._validation import (
     ImageInput,
     ImageReference,
     ImageURL,
-    Limits,
     Pacing,
     ScriptedInteraction,
     SessionStart,

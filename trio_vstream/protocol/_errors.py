@@ -1,14 +1,12 @@
 """Error codes of the wire protocol, and the one exception its parsers raise.
 
 A module of its own because everything else in the package, and the server, speak of
-these: it has no dependency of its own inside the protocol.
+these. Like h11's and wsproto's errors it imports nothing from the package, so every
+other module may import it: the wire ``error`` message that answers a `ProtocolError`
+is built where messages live (`_messages.Error.from_protocol_error`).
 """
 
 import enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trio_vstream.protocol._messages import Error
 
 __all__ = ["ErrorCode", "ProtocolError"]
 
@@ -51,9 +49,3 @@ class ProtocolError(Exception):
 
     def __repr__(self) -> str:
         return f"ProtocolError({self.code!r}, {self.message!r}, event_id={self.event_id!r})"
-
-    def to_error(self, request_id: str | None = None) -> "Error":
-        """The ``error`` message to send back, so callers need not copy fields by hand."""
-        from trio_vstream.protocol._messages import Error  # here: _messages imports this module
-
-        return Error(self.code, self.message, request_id=request_id, event_id=self.event_id)

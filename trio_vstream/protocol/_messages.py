@@ -21,7 +21,7 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
-from trio_vstream.protocol._validation import DEFAULT_LIMITS, Limits
+from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
 from trio_vstream.protocol._wire import (
     LENIENT_CONVERTER,
     Invalid,
@@ -34,6 +34,7 @@ from trio_vstream.protocol._wire import (
 from trio_vstream.video import CAMERA_MODES, Camera
 
 __all__ = [
+    "DEFAULT_TRANSITION_CHUNKS",
     "PING_MESSAGE",
     "STOP_MESSAGE",
     "ChunkMetadata",
@@ -101,6 +102,10 @@ class Interaction(_Message):
     transition_chunks: int | None = None
     camera: Camera | None = None
 
+
+#: The engine's default for `Interaction.transition_chunks` (not applied here: ``None``
+#: on the wire means "let the engine decide").
+DEFAULT_TRANSITION_CHUNKS: Final = 3
 
 ControlMessage: TypeAlias = Stop | Ping | Interaction
 
@@ -440,6 +445,12 @@ class Error(_Message):
     message: str
     request_id: str | None = None
     event_id: str | None = None
+
+    @classmethod
+    def from_protocol_error(cls, exc: ProtocolError, request_id: str | None = None) -> "Error":
+        """The ``error`` message that answers ``exc``, so callers need not copy fields by
+        hand. Here, not on `ProtocolError`: errors sit below messages and import none."""
+        return cls(exc.code, exc.message, request_id=request_id, event_id=exc.event_id)
 
 
 ServerMessage: TypeAlias = (

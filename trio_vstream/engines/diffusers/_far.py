@@ -270,6 +270,7 @@ class FarLoop:
         config = transformer.config
         dtype = transformer.dtype
         device = pipe._execution_device
+        # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
         from diffusers.utils.torch_utils import randn_tensor
 
         latent_frames = sum(plan.partition)

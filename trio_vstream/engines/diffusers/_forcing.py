@@ -273,6 +273,7 @@ class ForcingLoop:
                 height // pipe.vae_scale_factor_spatial,
                 width // pipe.vae_scale_factor_spatial,
             )
+            # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
             from diffusers.utils.torch_utils import randn_tensor
 
             latents = randn_tensor(shape, generator=self.generator, device=device)
@@ -385,6 +386,7 @@ def decode_continuing(pipe: Any, latents: torch.Tensor, cache: list[Any]) -> tor
         )
     out = torch.cat(parts, dim=2)
     if vae.config.get("patch_size") is not None:
+        # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
         out = unpatchify(out, patch_size=vae.config.patch_size)
@@ -448,6 +450,7 @@ def _image_latents(
 
 def _causal_convs(decoder: Any) -> int:
     """How many cache slots a Wan decoder needs: one per causal convolution."""
+    # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
     return sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())

@@ -410,6 +410,7 @@ class FramepackLoop:
     ) -> torch.Tensor:
         """The call's per-section schedule: linear sigmas (or the request's), shifted by
         ``mu`` from the section's token count, capped at log(7)."""
+        # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video_framepack import (
             calculate_shift,
             retrieve_timesteps,

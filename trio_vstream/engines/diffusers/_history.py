@@ -163,6 +163,7 @@ def _noised(
     """``sigma * noise + (1 - sigma) * latents``, sigma drawn in ``sigma_range``: the
     call's own image noising (``image_noise_sigma_*`` and ``video_noise_sigma_*`` keep
     their defaults; a request may not set them for a chunk-streamed pipeline)."""
+    # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
     from diffusers.utils.torch_utils import randn_tensor
 
     low, high = sigma_range

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import attrs
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -260,8 +262,6 @@ class WeightsError(Exception):
 
 def save_weights(model: ShapesDenoiser, path: Path, *, dtype: torch.dtype = torch.float16) -> None:
     """Write a self-describing safetensors file (config in the metadata)."""
-    from safetensors.torch import save_file
-
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     save_file(
         state,
@@ -277,8 +277,6 @@ def load_weights(path: Path, device: torch.device | str = "cpu") -> ShapesDenois
     a missing file, a file that is not safetensors, a file from another model,
     missing or unexpected tensors, or shapes that do not match.
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"weights file not found: {path}")

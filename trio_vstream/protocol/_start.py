@@ -1,8 +1,10 @@
-"""``session.start``: the request model, its limits, and its resolution into settings.
+"""``session.start``: the request model and its resolution into settings.
 
 `parse_start` is the whole of the server's first-message handling: strict types and
 ranges (through `_wire`'s converter), the reference's ``sampling_params`` lifting,
-the inline image, pacing options, and the video geometry checked against `Limits`.
+the inline image, pacing options, the scripts in ``extra_params``, and the video
+geometry checked against `Limits` (`_limits`). It sits above `_messages`: an
+interaction script's entries are parsed by the very parser live interactions go through.
 """
 
 import base64
@@ -27,6 +29,8 @@ from trio_vstream.protocol._codec_options import (
     check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
+from trio_vstream.protocol._messages import Interaction, parse_control
 from trio_vstream.protocol._wire import (
     REQUEST_CONVERTER,
     dump_json,
@@ -43,27 +47,7 @@ from trio_vstream.video import Camera, VideoDefaults
 # --------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Limits:
-    """Upper bounds that protect the server from requests it could not serve.
-
-    The byte limits match the reference; the video limits bound GPU memory and time.
-    """
-
-    max_start_bytes: int = 4 * 1024 * 1024
-    max_control_bytes: int = 128 * 1024
-    max_width: int = 1920
-    max_height: int = 1920
-    max_num_frames: int = 2400
-    max_total_pixels: int = 1920 * 1080 * 600
-
-
-DEFAULT_LIMITS: Final = Limits()
 DEFAULT_VIDEO_DEFAULTS: Final = VideoDefaults()
-
-#: The engine's default for `Interaction.transition_chunks` (not applied here: ``None``
-#: on the wire means "let the engine decide").
-DEFAULT_TRANSITION_CHUNKS: Final = 3
 
 
 # --------------------------------------------------------------------------------------
@@ -309,9 +293,6 @@ def interaction_script_of(
     reserved ``script-<n>``; no camera when ``camera_action_script`` owns the camera; a
     chunk index the video can reach. Every bad entry is named by its path.
     """
-    # Here rather than at the top: _messages imports this module for `Limits`.
-    from trio_vstream.protocol._messages import Interaction, parse_control
-
     if not extra_params or INTERACTION_SCRIPT_PARAM not in extra_params:
         return ()
     script = extra_params[INTERACTION_SCRIPT_PARAM]
