@@ -513,7 +513,7 @@ class Session:
                 raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
             except Exception as exc:
                 logger.exception("session %s: engine could not open a stream", self.request_id)
-                raise _Failure(ErrorCode.GENERATION_FAILED, _describe(exc)) from exc
+                raise _Failure(*self._engine_failure(exc, "opening the stream")) from exc
         if too_slow.cancelled_caught:
             logger.warning(
                 "session %s: the engine did not open a stream within %.1f s, aborting",
@@ -525,6 +525,21 @@ class Session:
             raise _Failure(*error)
         self._res.stats.streams_open += 1
         return generation_request
+
+    def _engine_failure(self, exc: Exception, doing: str) -> tuple[ErrorCode, str]:
+        """What a client (and its viewers) are told of an engine's exception.
+
+        An `EngineError`'s message is written for clients (see its docstring), so it is
+        shown. Anything else (a ``RuntimeError`` of a library, an ``OSError`` naming a
+        model file) may carry paths and internals: the client gets a coded error
+        naming the request, and the text and traceback go to the server log (the caller
+        logs them).
+        """
+        if isinstance(exc, EngineError):
+            return ErrorCode.GENERATION_FAILED, _describe(exc)
+        return ErrorCode.GENERATION_FAILED, (
+            f"engine failed while {doing} (see the server log, request {self.request_id})"
+        )
 
     # --------------------------------------------------------- receive loop
 
@@ -676,7 +691,7 @@ class Session:
                 raise
             except Exception as exc:
                 logger.exception("session %s: engine failed while generating", self.request_id)
-                self.stop(Outcome.FAILED, (ErrorCode.GENERATION_FAILED, _describe(exc)))
+                self.stop(Outcome.FAILED, self._engine_failure(exc, "generating"))
                 return
             if chunk is None:
                 # The video is complete: what is left is delivery, which a stop or a
@@ -746,12 +761,11 @@ class Session:
                     continue
                 except Exception as exc:
                     logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
-                    code = (
-                        ErrorCode.ENCODING_FAILED
-                        if isinstance(exc, EncodingError)
-                        else ErrorCode.GENERATION_FAILED
-                    )
-                    self.stop(Outcome.FAILED, (code, _describe(exc)))
+                    if isinstance(exc, EncodingError):
+                        error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+                    else:
+                        error = self._engine_failure(exc, "converting its frames")
+                    self.stop(Outcome.FAILED, error)
                     continue
                 finally:
                     if encoding.detached:
