@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from trio_vstream.engines.base import (
     EngineConfigError,
     EngineError,
     GenerationRequest,
+    InvalidRequestError,
     PromptChange,
     checkpoint_calling,
 )
@@ -99,6 +102,33 @@ def test_fail_at_chunk_raises_an_engine_error() -> None:
     assert stream.next_chunk(Checkpoint()) is not None
     with pytest.raises(EngineError, match="failure at chunk 1"):
         stream.next_chunk(Checkpoint())
+
+
+def test_block_at_chunk_blocks_without_a_checkpoint_until_the_engine_closes() -> None:
+    engine = SyntheticEngine(parse_settings({"chunk_frames": "5"}))
+    stream = engine.open_stream(request(extra_params={"block_at_chunk": 1}))
+    steps: list[int] = []
+    checkpoint = checkpoint_calling(lambda: steps.append(1))
+    assert stream.next_chunk(checkpoint) is not None
+    before = len(steps)
+    made: list[object] = []
+    thread = threading.Thread(target=lambda: made.append(stream.next_chunk(checkpoint)))
+    thread.start()
+    assert engine.blocks.wait_blocked(1, timeout=10)
+    assert len(steps) == before  # no checkpoint: nothing could reach it
+    engine.close()  # releases it (and any later block) for good
+    thread.join(timeout=10)
+    assert not thread.is_alive() and made[0] is not None
+    assert engine.blocks.waiting == 0
+    assert stream.next_chunk(checkpoint) is None  # the video goes on to its end
+
+
+@pytest.mark.parametrize("fault", ["fail_at_chunk", "hang_at_chunk", "block_at_chunk"])
+@pytest.mark.parametrize("value", [-1, True, 1.5, "1", [1]])
+def test_a_sessions_faults_are_checked_integers(fault: str, value: object) -> None:
+    engine = SyntheticEngine()
+    with pytest.raises(InvalidRequestError, match=f"extra_params.{fault} must be an integer >= 0"):
+        engine.open_stream(request(extra_params={fault: value}))
 
 
 def test_same_seed_same_frames() -> None:

@@ -150,10 +150,25 @@ class ServerMetrics:
             ["model"],
             registry=registry,
         )
+        self._engine_calls_abandoned = Counter(
+            "trio_vstream_engine_calls_abandoned",
+            "Engine calls still running in their threads when their sessions ended (stuck "
+            "outside a checkpoint): the session ended without them.",
+            ["model"],
+            registry=registry,
+        )
+        self._engine_calls_outstanding = Gauge(
+            "trio_vstream_engine_calls_outstanding",
+            "Abandoned engine calls still running now; /health answers 503 while any is.",
+            ["model"],
+            registry=registry,
+        )
         # Labelled children exist from the start, so a fresh server exposes zeros
         # rather than nothing.
         for metric in (
             self._sessions_active,
+            self._engine_calls_abandoned,
+            self._engine_calls_outstanding,
             self._frames_sent,
             self._bytes_sent,
             self._viewers_active,
@@ -213,6 +228,14 @@ class ServerMetrics:
 
     def viewer_chunk_skipped(self) -> None:
         self._viewer_chunks_skipped.labels(self.model).inc()
+
+    def engine_call_abandoned(self) -> None:
+        self._engine_calls_abandoned.labels(self.model).inc()
+        self._engine_calls_outstanding.labels(self.model).inc()
+
+    def engine_call_returned(self) -> None:
+        """An abandoned engine call has returned at last."""
+        self._engine_calls_outstanding.labels(self.model).dec()
 
     def batch_run(self, rows: int) -> None:
         self._batch_rows.labels(self.model).observe(rows)

@@ -12,7 +12,9 @@ anything is accepted, so the balancer retries elsewhere), running sessions
 finish their videos, and only those still running when the grace period ends
 are wound down with ``server_shutdown``; after that, what is left is aborted.
 Viewers of watch links get one close timeout more (within that bound) to receive
-what was queued for them and their session's terminal message.
+what was queued for them and their session's terminal message. An engine call stuck
+outside a checkpoint is not waited for (``trio_vstream.engine_calls``): its session
+ends without it, so the drain keeps its bound and the process exits.
 
 Admission has two levels. A connection holds a connection slot from accept to close
 (``trio_vstream.connections``: a cap below the descriptor limit, a head timeout, and a
@@ -53,6 +55,7 @@ from trio_vstream import (
     protocol,
     taps,
 )
+from trio_vstream.engine_calls import AbandonedCalls
 from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
 from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
@@ -170,6 +173,8 @@ class VideoServer:
             logger,
             "refused a request for Host %s from %s: not a name served here (--allowed-hosts)",
         )
+        self.abandoned_calls = AbandonedCalls()
+        """Engine calls still running after their sessions ended (see ``health``)."""
         progress = EngineProgress()
         batch = max_batch(engine)
         # A batching engine's steps all go through its batcher, one batch at a time:
@@ -188,6 +193,7 @@ class VideoServer:
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
             metrics=self.metrics,
             admit=self._busy,
+            abandoned_calls=self.abandoned_calls,
         )
 
     @property
@@ -467,10 +473,7 @@ class VideoServer:
         elif request.method != b"GET":
             await http.respond(stream, 405, "only GET and WebSocket upgrades here\n")
         elif path == "/health":
-            if self._draining:
-                await http.respond(stream, 503, "draining\n")
-            else:
-                await http.respond(stream, 200, "ok\n")
+            await http.respond(stream, *self.health())
         elif path == "/metrics":
             await http.respond(
                 stream, 200, self.metrics.exposition(), content_type=metrics.CONTENT_TYPE
@@ -501,6 +504,23 @@ class VideoServer:
         if watching and not self.config.watch.requires_key:
             return access.Need.NOTHING  # the link's token is the capability
         return access.Need.KEY
+
+    def health(self) -> tuple[int, str]:
+        """``GET /health``: 200 ``ok``, or 503 and why not.
+
+        503 while draining, and while an engine call abandoned by its session is still
+        running (``degraded``): a thread stuck outside a checkpoint usually means a hung
+        device, on which new sessions would stall too. A balancer then sends new
+        sessions elsewhere, and an orchestrator's health check can restart the server
+        (its drain does not wait for the stuck thread). Sessions are still served here:
+        whoever connects directly, or is already streaming, carries on.
+        """
+        if self._draining:
+            return 503, "draining\n"
+        stuck = len(self.abandoned_calls.running)
+        if stuck:
+            return 503, f"degraded: {stuck} engine call(s) stuck after their sessions ended\n"
+        return 200, "ok\n"
 
     def models(self) -> dict[str, Any]:
         """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.

@@ -25,9 +25,11 @@ graceful shutdown cancels only the producer (the engine sees it at its next
 checkpoint, within one step); the deliverer finishes the chunk it is sending,
 so the socket stays usable for the terminal message. A
 disconnect or a stall aborts everything, including a send stuck on a client
-that does not read. Sends are otherwise shielded: a cancelled half-written
-WebSocket frame would corrupt the stream, so a send is only ever interrupted
-on purpose, and then the socket is marked broken and left alone.
+that does not read, and stops waiting for an engine call stuck outside a
+checkpoint (it is left to finish in its thread: `_call_engine`). Sends are
+otherwise shielded: a cancelled half-written WebSocket frame would corrupt the
+stream, so a send is only ever interrupted on purpose, and then the socket is
+marked broken and left alone.
 
 The outcome is decided when it happens, and the first reason wins: once the
 engine has produced the last chunk the video is complete, and a stop or a
@@ -53,10 +55,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NoReturn, TypeVar
 
 import attrs
 import numpy as np
+import outcome
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
@@ -67,6 +71,7 @@ from trio_vstream.encoding import (
     FragmentedMP4Encoder,
     decode_image,
 )
+from trio_vstream.engine_calls import AbandonedCalls, EngineCall
 from trio_vstream.engines.base import (
     Chunk,
     Engine,
@@ -209,6 +214,8 @@ class ServerResources:
         factory=lambda: trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)
     )
     """Bounds the image decodes of all sessions together (one per server)."""
+    abandoned_calls: AbandonedCalls = attrs.field(factory=AbandonedCalls)
+    """Engine calls still running after their sessions ended (``/health`` reads it)."""
 
 
 class Session:
@@ -240,7 +247,11 @@ class Session:
         """Set when the session stops or aborts: read by the encoder's thread between frames."""
         self._progress = trio.Event()
         self._stream: EngineStream | None = None
+        """The engine stream while the session owns it (None once closed, or handed to a
+        call left running, which closes it when it returns)."""
         self._encoder: FragmentedMP4Encoder | None = None
+        self._detached: list[EngineCall[Any]] = []
+        """Blocking calls the session stopped waiting for (see `_call_engine`)."""
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
@@ -286,14 +297,19 @@ class Session:
                 except* Exception as errors:
                     logger.error("session %s: internal error", self.request_id, exc_info=errors)
                     self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error"))
-            await self._close_stream()
+            # Closed already, unless the producer never ran: then the close goes on while
+            # the terminal message is sent (a stuck close must not hold it), and the
+            # session's end waits for it like for any call it left running.
+            self._close_stream_soon()
             await self._finish()
+            await self._wait_detached()
         finally:
+            self._close_stream_soon()
             with trio.CancelScope(shield=True):
-                await self._close_stream()
                 encoder, self._encoder = self._encoder, None
                 if encoder is not None:
                     await self._in_thread(_close_quietly, encoder)
+            self._abandon_detached()
             stats.sessions_active -= 1
             self._metrics.session_ended((self.outcome or Outcome.FAILED).value)
         return self.summary()
@@ -528,15 +544,42 @@ class Session:
             lora=request.lora,
             extra_params=extra,
         )
-        try:
-            self._stream = await self._in_thread(self._res.engine.open_stream, generation_request)
-        except InvalidRequestError as exc:
-            raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
-        except Exception as exc:
-            logger.exception("session %s: engine could not open a stream", self.request_id)
-            raise _Failure(ErrorCode.GENERATION_FAILED, _describe(exc)) from exc
+        # The stall guard starts with the video; until then, this is the engine's deadline.
+        opening = EngineCall(self._res.engine.open_stream, generation_request)
+        with trio.move_on_after(self._config.stall_timeout) as too_slow:
+            try:
+                self._stream = await self._call_engine(opening, _close_opened_stream)
+            except InvalidRequestError as exc:
+                raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
+            except Exception as exc:
+                logger.exception("session %s: engine could not open a stream", self.request_id)
+                raise _Failure(*self._engine_failure(exc, "opening the stream")) from exc
+        if too_slow.cancelled_caught:
+            logger.warning(
+                "session %s: the engine did not open a stream within %.1f s, aborting",
+                self.request_id,
+                self._config.stall_timeout,
+            )
+            error = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
+            self._end(Outcome.STALLED, error)
+            raise _Failure(*error)
         self._res.stats.streams_open += 1
         return generation_request
+
+    def _engine_failure(self, exc: Exception, doing: str) -> tuple[ErrorCode, str]:
+        """What a client (and its viewers) are told of an engine's exception.
+
+        An `EngineError`'s message is written for clients (see its docstring), so it is
+        shown. Anything else (a ``RuntimeError`` of a library, an ``OSError`` naming a
+        model file) may carry paths and internals: the client gets a coded error
+        naming the request, and the text and traceback go to the server log (the caller
+        logs them).
+        """
+        if isinstance(exc, EngineError):
+            return ErrorCode.GENERATION_FAILED, _describe(exc)
+        return ErrorCode.GENERATION_FAILED, (
+            f"engine failed while {doing} (see the server log, request {self.request_id})"
+        )
 
     # --------------------------------------------------------- receive loop
 
@@ -680,6 +723,12 @@ class Session:
             try:
                 with self._producer_scope:
                     await self._generate_chunks(stream, send_chunks)
+                # After a stop, the engine's call sees it at its next checkpoint, within
+                # a step, and closes the stream as it returns: wait for that, so the
+                # stream is closed before the terminal message. An engine stuck outside a
+                # checkpoint is not waited for past the stall guard's abort.
+                for call in self._detached:
+                    await call.returned.wait()
             finally:
                 # The engine is done with this session: free the model's memory now,
                 # not after the last chunk has been encoded and sent.
@@ -695,15 +744,13 @@ class Session:
                 # The scripts' entries for this chunk, queued at its boundary.
                 for change in self._scripts.before_chunk(index):
                     stream.interact(change)
-                chunk = await self._in_thread(stream.next_chunk, self._checkpoint)
+                chunk = await self._next_chunk(stream)
             except trio.Cancelled:
                 raise
             except Exception as exc:
                 logger.exception("session %s: engine failed while generating", self.request_id)
-                self.stop(Outcome.FAILED, (ErrorCode.GENERATION_FAILED, _describe(exc)))
+                self.stop(Outcome.FAILED, self._engine_failure(exc, "generating"))
                 return
-            finally:
-                self._checkpoint.release()
             if chunk is None:
                 # The video is complete: what is left is delivery, which a stop or a
                 # shutdown no longer interrupts.
@@ -714,6 +761,28 @@ class Session:
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
             await send_chunks.send(chunk)
+
+    async def _next_chunk(self, stream: EngineStream) -> Chunk | None:
+        """The engine's next chunk. Cancelled while the engine still runs, the call keeps
+        the stream and the step slot: it closes the one and gives back the other when it
+        returns (the engine's step limit holds even for a stuck step)."""
+        call = EngineCall(stream.next_chunk, self._checkpoint)
+        try:
+            return await self._call_engine(
+                call,
+                lambda _result: self._close_in_thread(stream),
+                self._detached_stream_closed,
+            )
+        finally:
+            if call.detached:
+                self._stream = None  # the call's now
+                self._checkpoint.cancel()  # its waits for a slot or a batch end now
+            else:
+                self._checkpoint.release()
+
+    def _detached_stream_closed(self) -> None:
+        self._checkpoint.release()
+        self._stream_closed()
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None
@@ -731,9 +800,14 @@ class Session:
                     )
                     continue
                 encoding_since = trio.current_time()
+                # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
+                # left behind, the call keeps the encoder and closes it when it returns.
+                encoding = EngineCall(
+                    _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+                )
                 try:
-                    frames, data = await self._in_thread(
-                        _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+                    frames, data = await self._call_engine(
+                        encoding, lambda _result: _close_quietly(encoder)
                     )
                 except EncodingAbandoned:
                     logger.info(
@@ -745,14 +819,16 @@ class Session:
                     continue
                 except Exception as exc:
                     logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
-                    code = (
-                        ErrorCode.ENCODING_FAILED
-                        if isinstance(exc, EncodingError)
-                        else ErrorCode.GENERATION_FAILED
-                    )
-                    self.stop(Outcome.FAILED, (code, _describe(exc)))
+                    if isinstance(exc, EncodingError):
+                        error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+                    else:
+                        error = self._engine_failure(exc, "converting its frames")
+                    self.stop(Outcome.FAILED, error)
                     continue
                 finally:
+                    if encoding.detached:
+                        self._encoder = None  # the call's now
+                    # Even for a call left behind: blocked on a device, it uses no CPU.
                     self._res.encode_limiter.release_on_behalf_of(self)
                 now = trio.current_time()
                 self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
@@ -905,19 +981,95 @@ class Session:
             return None
 
     async def _close_stream(self) -> None:
-        """Close the engine stream, whatever happened. Never abandoned."""
+        """Close the engine stream, whatever happened, and wait for the close.
+
+        The close starts at once, cancelled or not (``close`` is called exactly once per
+        stream); a cancelled wait leaves it to finish in its thread, like any engine call
+        the session stops waiting for.
+        """
+        call = self._start_close()
+        if call is None:
+            return
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            await call.returned.wait()
+        except trio.Cancelled:
+            if not self._detach(call, in_trio=self._stream_closed):
+                self._stream_closed()  # it returned just now
+            raise
+        finally:
+            stats.worker_threads -= 1
+        self._stream_closed()
+
+    def _close_stream_soon(self) -> None:
+        """Start closing the engine stream if the session still owns it; don't wait."""
+        call = self._start_close()
+        if call is not None and not self._detach(call, in_trio=self._stream_closed):
+            self._stream_closed()
+
+    def _start_close(self) -> EngineCall[None] | None:
         stream, self._stream = self._stream, None
         if stream is None:
-            return
-        with trio.CancelScope(shield=True):
-            try:
-                await self._in_thread(stream.close)
-            except Exception:
-                logger.exception("session %s: engine stream close failed", self.request_id)
-            finally:
-                self._res.stats.streams_open -= 1
-                self._stream_closed_at = time.monotonic()
+            return None
+        call = EngineCall(self._close_in_thread, stream)
+        call.start()
+        return call
+
+    def _close_in_thread(self, stream: EngineStream) -> None:
+        """A stream's ``close``, in a worker thread: a failure is logged, never raised."""
+        try:
+            stream.close()
+        except Exception:
+            logger.exception("session %s: engine stream close failed", self.request_id)
+
+    def _stream_closed(self) -> None:
+        """Bookkeeping of a stream's close, in the Trio thread, whichever thread closed it."""
+        self._res.stats.streams_open -= 1
+        self._stream_closed_at = time.monotonic()
         logger.info("session %s: engine stream closed", self.request_id)
+
+    async def _wait_detached(self) -> None:
+        """After the last message and the close: a close timeout for the calls the session
+        stopped waiting for to return (an engine that was only between checkpoints does,
+        within a step), so that their streams are closed before the session ends.
+
+        Not shielded: a server that stops now (the end of a drain) does not wait.
+        """
+        with trio.move_on_after(self._config.close_timeout):
+            for call in self._detached:
+                await call.returned.wait()
+
+    def _abandon_detached(self) -> None:
+        """The session ends: the calls still running are abandoned to their threads.
+
+        Counted, and logged, until they return (``/metrics``, and ``/health`` says
+        degraded meanwhile): a thread stuck outside a checkpoint is the engine's, and
+        an operator should know the GPU may be wedged.
+        """
+        abandoned = self._res.abandoned_calls
+        for call in self._detached:
+            if call.returned.is_set():
+                continue
+            abandoned.add(call, partial(self._abandoned_call_returned, call))
+            self._metrics.engine_call_abandoned()
+            logger.warning(
+                "session %s: %s still running as the session ends; left to finish in its "
+                "thread (%d engine call(s) outstanding)",
+                self.request_id,
+                call.name,
+                len(abandoned.running),
+            )
+        self._detached.clear()
+
+    def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
+        self._metrics.engine_call_returned()
+        logger.info(
+            "session %s: abandoned %s returned (%d engine call(s) outstanding)",
+            self.request_id,
+            call.name,
+            len(self._res.abandoned_calls.running),
+        )
 
     # ---------------------------------------------------------------- sends
 
@@ -980,11 +1132,53 @@ class Session:
 
     # -------------------------------------------------------------- threads
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking work (engine, encoder, image decoding) off the event loop.
+    async def _call_engine(
+        self,
+        call: EngineCall[T],
+        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
+        in_trio: Callable[[], None] | None = None,
+    ) -> T:
+        """Run a blocking call that may never return (engine work, or a copy of its
+        frames from the GPU) in a worker thread; cancelled, stop waiting at once.
 
-        Never abandoned: if the session is cancelled, this waits for the
-        thread to return (engines see the cancellation at their checkpoint).
+        The call goes on in its thread and sees the cancellation at its next
+        checkpoint, if it ever reaches one: it is detached, with what needs it to
+        have returned (``in_thread``: close its stream, say; then ``in_trio``). A stop
+        waits for it after the producer is cancelled (`_produce`), the session's end
+        for a close timeout (`_wait_detached`); past that it is abandoned. So a call
+        stuck outside a checkpoint holds neither the terminal message (sent at the
+        stall deadline) nor the drain.
+        """
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            return await call.run(self._res.thread_limiter)
+        except trio.Cancelled:
+            self._detach(call, in_thread, in_trio)
+            raise
+        finally:
+            stats.worker_threads -= 1
+
+    def _detach(
+        self,
+        call: EngineCall[T],
+        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
+        in_trio: Callable[[], None] | None = None,
+    ) -> bool:
+        """`EngineCall.detach`, remembering the call; False if it is not running."""
+        if not call.detach(in_thread, in_trio):
+            return False
+        self._detached.append(call)
+        logger.debug("session %s: stopped waiting for %s", self.request_id, call.name)
+        return True
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work of the server's own (encoder set-up, image decoding) off
+        the event loop.
+
+        Never abandoned: if the session is cancelled, this waits for the thread to
+        return. The engine's calls, which may block for good, go through
+        `_call_engine` instead.
         """
         stats = self._res.stats
         stats.worker_threads += 1
@@ -1004,6 +1198,15 @@ def _encode_chunk(
     """Worker-thread part of delivery: tensor to array, then H.264 into fMP4."""
     frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
     return frames.shape[0], encoder.encode(frames, abandon=abandon)
+
+
+def _close_opened_stream(opened: outcome.Outcome[EngineStream]) -> None:
+    """After an ``open_stream`` the session stopped waiting for: close what it opened."""
+    if isinstance(opened, outcome.Value):
+        try:
+            opened.value.close()
+        except Exception:
+            logger.exception("engine stream close failed (opened after its session left)")
 
 
 def _close_quietly(encoder: FragmentedMP4Encoder) -> None:

@@ -19,13 +19,15 @@ import contextlib
 import copy
 import enum
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
 
 from trio_vstream.engines.base import Checkpoint, EngineError, In, Out, RunBatch, batch_result
+
+T = TypeVar("T")
 
 
 class EngineProgress:
@@ -86,6 +88,8 @@ class SessionCheckpoint(Checkpoint):
         self._holding = False
         self._waited = 0.0
         self._waiting_since: float | None = None
+        self._cancelled = False
+        self._waits: set[trio.CancelScope] = set()
 
     def take_waited(self) -> float:
         """Seconds spent queued (step slots, ``waiting()``) since the last call."""
@@ -99,7 +103,8 @@ class SessionCheckpoint(Checkpoint):
             # than running a task there.
             trio.from_thread.run_sync(self._progressed)
         else:
-            trio.from_thread.run(self._step)
+            trio.from_thread.run(self._interruptible, self._step)
+            trio.from_thread.check_cancelled()  # no step after a wait that `cancel` ended
 
     def check_cancelled(self) -> None:
         trio.from_thread.check_cancelled()
@@ -130,12 +135,39 @@ class SessionCheckpoint(Checkpoint):
                 # Nobody to batch with: the row runs here, as an unbatched step would,
                 # without two hand-overs to and from the batcher's thread.
                 return batch_result(run_batch([row]), 0, 1)
-            return trio.from_thread.run(batcher.step, member, row)
+            result = trio.from_thread.run(self._interruptible, batcher.step, member, row)
+            trio.from_thread.check_cancelled()  # None: the wait was ended by `cancel`
+            return cast(Out, result)
 
         try:
             yield step
         finally:
             trio.from_thread.run_sync(batcher.leave, member)
+
+    def cancel(self) -> None:
+        """The session left its engine call behind (`trio_vstream.engine_calls`): end the
+        call's waits in the Trio thread now, and any it would start later.
+
+        Such a call runs with ``abandon_on_cancel=True``, so its ``trio.from_thread.run``
+        waits (for a step slot, for a batch) run as system tasks, which the session's
+        cancellation does not reach. ``trio.from_thread.check_cancelled`` still raises
+        in its thread, and does so right after a wait ended here.
+        """
+        self._cancelled = True
+        for scope in self._waits:
+            scope.cancel()
+
+    async def _interruptible(self, wait: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+        """``await wait(*args)``, unless `cancel` ends it first (then None)."""
+        with trio.CancelScope() as scope:
+            if self._cancelled:
+                scope.cancel()
+            self._waits.add(scope)
+            try:
+                return await wait(*args)
+            finally:
+                self._waits.discard(scope)
+        return None
 
     def _enter_queue(self, queued: contextlib.AbstractContextManager[None]) -> None:
         queued.__enter__()

@@ -22,7 +22,9 @@ no video encoding. Three rules keep the server's guarantees intact:
   ``interact``, which arrives from another thread and must only queue the
   change (``PromptSchedule`` does that, with the reference's transition rules).
 * ``close`` is always called exactly once per opened stream, even after an
-  error or a cancellation, and must release everything the stream holds.
+  error or a cancellation, and must release everything the stream holds. After
+  a call the server stopped waiting for (one stuck outside a checkpoint, see
+  `trio_vstream.engine_calls`), it is called in that call's thread as it returns.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ chunks) but renders a cheap moving pattern whose colours follow the prompt,
 so an interaction visibly changes the picture. Faults can be injected to test
 the server: ``fail_at_chunk`` raises while generating that chunk,
 ``hang_at_chunk`` stops making progress there (while still honouring
-cancellation). Both are engine args (every session) and ``extra_params`` of a
-``session.start`` (that session alone), so a soak can mix faulty sessions
-with healthy ones on one server.
+cancellation), and ``block_at_chunk`` blocks there without a checkpoint, as a
+hung CUDA kernel would: nothing reaches it until the engine releases it (`Blocks`,
+at the engine's close, or a test's ``engine.blocks.release()``). All three are
+engine args (every session) and ``extra_params`` of a ``session.start`` (that
+session alone), so a soak can mix faulty sessions with healthy ones on one server.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class SyntheticSettings:
     chunk_frames: int = 8
     fail_at_chunk: int | None = None
     hang_at_chunk: int | None = None
+    block_at_chunk: int | None = None
     concurrency: int | None = None
 
 
@@ -74,7 +77,7 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
     return SyntheticSettings(**values)  # type: ignore[arg-type]
 
 
-_FAULTS = ("fail_at_chunk", "hang_at_chunk")
+_FAULTS = ("fail_at_chunk", "hang_at_chunk", "block_at_chunk")
 """The settings a session may override through ``extra_params``."""
 
 
@@ -106,10 +109,49 @@ def prompt_colour(prompt: str) -> np.ndarray:
     return np.array(rgb, dtype=np.float32) * 255.0
 
 
+class Blocks:
+    """Where ``block_at_chunk`` streams wait: an event the engine owns, so that a test
+    releases them when it chooses and the engine's close releases them for good (no
+    thread of a finished test or server is left waiting)."""
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+        self._changed = threading.Condition()
+        self.waiting = 0
+        """Streams blocked now."""
+
+    def block(self) -> None:
+        """Wait, in the engine's thread, until released: no checkpoint, no cancellation."""
+        with self._changed:
+            self.waiting += 1
+            self._changed.notify_all()
+        try:
+            self._released.wait()
+        finally:
+            with self._changed:
+                self.waiting -= 1
+                self._changed.notify_all()
+
+    def release(self) -> None:
+        """Release every blocked stream, and those that reach their block later."""
+        self._released.set()
+
+    def wait_blocked(self, count: int = 1, timeout: float | None = None) -> bool:
+        """Block (a test, in a thread) until ``count`` streams are blocked at once."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.waiting >= count, timeout)
+
+
 class SyntheticStream:
-    def __init__(self, request: GenerationRequest, settings: SyntheticSettings) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        settings: SyntheticSettings,
+        blocks: Blocks | None = None,
+    ) -> None:
         self._request = request
         self._settings = settings
+        self._blocks = blocks or Blocks()
         self._schedule = PromptSchedule(request.prompt)
         self._next_index = 0
         self._frames_done = 0
@@ -132,6 +174,8 @@ class SyntheticStream:
             return None
         index = self._next_index
         settings = self._settings
+        if settings.block_at_chunk == index:
+            self._blocks.block()  # stuck outside any checkpoint until released
         conditioning = self._schedule.next_conditioning()
         for step in range(settings.steps):
             checkpoint()
@@ -193,14 +237,16 @@ class SyntheticEngine:
     def __init__(self, settings: SyntheticSettings | None = None) -> None:
         self.settings = settings or SyntheticSettings()
         self.max_concurrent_steps = self.settings.concurrency
+        self.blocks = Blocks()
+        """Where ``block_at_chunk`` streams wait; released at `close`."""
 
     def open_stream(self, request: GenerationRequest) -> SyntheticStream:
         if request.image is not None:
             logger.info("synthetic engine ignores image_reference (request %s)", request.request_id)
-        return SyntheticStream(request, session_settings(self.settings, request))
+        return SyntheticStream(request, session_settings(self.settings, request), self.blocks)
 
     def close(self) -> None:
-        pass
+        self.blocks.release()
 
 
 def create_engine(*, device: str = "auto", **engine_args: str) -> SyntheticEngine:
