@@ -9,7 +9,7 @@ figures), its log, and at the end whether the process is back where it started (
 file descriptors, memory) and stops cleanly on SIGTERM; then, in shutdown rounds, that a
 second signal stops a server at once. Exit status 1 if anything was violated.
 
-Why a soak, next to the unit and server tests: each guarantee (G1-G5 in the README) has
+Why a soak, next to the unit and server tests: each guarantee (G1-G5 in docs/architecture.md) has
 its own test, but the bugs that matter in production live where they meet: a client
 that goes away while its session is being admitted, a ping that arrives while the close
 handshake runs, a stall guard racing a stop. Those show up only with many sessions of

@@ -522,7 +522,7 @@ def test_the_shipped_config_passes_nginx_t(tmp_path: Path) -> None:
 
 
 def test_the_shipped_config_has_what_scale_out_needs() -> None:
-    """The settings the README promises, read off the file (no nginx needed)."""
+    """The settings docs/deploying.md promises, read off the file (no nginx needed)."""
     text = NGINX_CONF.read_text()
     directives = {
         line.strip().split()[0]: line.strip().rstrip(";").split(None, 1)[-1]

@@ -318,7 +318,7 @@ class VideoServer:
                 await self._wait_no_sessions()
         # Viewers may still be sending what was queued for them and the terminal
         # message (a viewer a few chunks behind): a close timeout more for them, never
-        # past the bound, so the drain stays within what the README promises.
+        # past the bound, so the drain stays within what docs/server.md promises.
         with trio.move_on_at(min(trio.current_time() + close_timeout, bound)):
             await self.watch.wait_connections_closed()
         # Connections still in their handshake, and anything left, go now.

@@ -497,7 +497,7 @@ def check_round_process(plan: ShutdownPlan, rec: RoundRecord, timing: Timing) ->
     that another waited for, and exited with status 0 within ``exit_bound`` of the last.
 
     Status 0: cli.py's second signal cancels the server's run, which then returns as
-    after a drain (README, Server: "The exit status is 0. A second signal stops at
+    after a drain (docs/server.md, Draining: "The exit status is 0. A second signal stops at
     once."); a process killed by the signal's default action would show -15, an
     interrupt's traceback 1."""
     if rec.error is not None:

@@ -11,15 +11,9 @@ The received stream is fragmented MP4 (made for Media Source Extensions). Deskto
 players and editors cope badly with it (no duration, slow seeking), so `remux_to_mp4`
 copies its packets, without re-encoding, into a plain progressive MP4.
 
-Private modules, one concern each:
-
-- ``_results``: `StreamResult` and the records in it (plain data).
-- ``_stream``: `stream_video`, the WebSocket I/O around `ClientProtocol`.
-- ``_mp4``: `remux_to_mp4`, and the frame rate read from the stream itself.
-- ``_cli``: `add_client_arguments`, `run_client`, the summary and ``--json``.
-- ``_replay``: `load_recording`, `replay`, `run_replay`: a server's recording, again.
-- ``_watch``: `run_watch`, `watch_link_url`: ``python -m trio_vstream watch``, a viewer
-  of a watch link (`watch_video`, in ``_stream``, is its library side).
+The private modules behind the names below hold one concern each; what each holds is in
+the layout map, ``docs/architecture.md`` (kept there only, so that a new module is one
+edit).
 """
 
 from trio_vstream.client._cli import (

@@ -2,7 +2,7 @@
 
 Flags into ``session.start`` fields, signals into stop and abort, a progress line on a
 terminal, then the output files (raw and remuxed), the summary or ``--json``, and an
-exit status from the README's table. The streaming itself is `stream_video`'s.
+exit status from the table in docs/client.md. The streaming itself is `stream_video`'s.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DEFAULT_URL: Final = "ws://127.0.0.1:8000/v1/realtime/video"
 #: stays out of ``ps`` output that way.
 API_KEY_ENV: Final = "TRIO_VSTREAM_API_KEY"
 
-# Exit statuses of `run_client`; documented in the README.
+# Exit statuses of `run_client`; documented in docs/client.md.
 EXIT_OK: Final = 0
 EXIT_SERVER_ERROR: Final = 1
 EXIT_USAGE: Final = 2
@@ -578,7 +578,7 @@ async def _run_async(
 
 
 def run_client(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
-    """The ``client`` subcommand; returns the exit status (see the README's table)."""
+    """The ``client`` subcommand; returns the exit status (see docs/client.md's table)."""
     out = stdout or sys.stdout
     err = sys.stderr
     try:

@@ -11,19 +11,9 @@ silently ignores input (pydantic's lax mode, unknown keys), this package is stri
 request that says ``"num_frames": "30"`` or ``"promt": ...`` is a client bug, and a
 clear error is cheaper than a video that is not what was asked for.
 
-The public names all live here; the private modules are the seams behind them:
-
-- ``_errors``: `ErrorCode` and `ProtocolError`; imports nothing from the package.
-- ``_limits``: `Limits`, the bounds on what clients send; imports nothing either.
-- ``_wire``: strict JSON loading and dumping, and the strict cattrs hooks.
-- ``_messages``: every later message, both ways, and the converter that writes them.
-- ``_start``: ``session.start``: the request model and `parse_start`.
-- ``_client``: `ClientProtocol`, the client side of a session as a state machine.
-- ``_camera_keys``: WASD/IJKL key states as velocity cameras (vllm-omni's mapping).
-- ``_codec_options``: ``extra_params.video_codec_options``, the libx264 allow-list.
-- ``_camera_script``: ``extra_params.camera_action_script``, one camera per chunk.
-  (``extra_params.interaction_script``, this project's extension for replays, is parsed
-  with the rest of ``session.start`` in ``_start``.)
+The public names all live here; the private modules are the seams behind them, one
+concern each. What each holds is in the layout map, ``docs/architecture.md`` (kept there
+only, so that a new module is one edit).
 
 Dependencies point one way, down: ``_client`` and ``_start`` build on ``_messages``,
 ``_camera_script`` and ``_codec_options``, which build on ``_wire`` and ``_camera_keys``,

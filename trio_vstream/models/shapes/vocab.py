@@ -424,7 +424,7 @@ def fill_slots(slots: Slots, defaults: SeedDefaults) -> Slots:
 
 
 def vocabulary_table() -> str:
-    """The vocabulary as Markdown, for the README (kept next to the parser it documents)."""
+    """The vocabulary as Markdown, for docs/shapes.md (kept next to the parser it documents)."""
 
     def synonyms(words: dict[str, str], value: str) -> str:
         forms = {w.replace("_", " ") for w, v in words.items() if v == value}
