@@ -22,15 +22,14 @@ from trio_vstream.engines.diffusers._extra import (
     FRAMEPACK,
     HELIOS,
     HELIOS_PYRAMID,
-    LOOP_KEYS,
     MAX_STEPS,
     SEGMENTS,
     SKYREELS_DF,
-    Family,
-    _check,
+    by_plan,
     check_extra_params,
     schedule_steps,
 )
+from trio_vstream.engines.diffusers._extra import ExtraParams as Family
 from trio_vstream.engines.diffusers._forcing import FORCING_ARGS
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.protocol._validation import VideoRequest
@@ -94,10 +93,10 @@ def check(
 def test_every_key_of_every_family_has_a_check_or_a_loop_plan() -> None:
     for family in FAMILIES:
         assert set(COMMON) <= set(family.keys)
-        for key in family.keys:
-            if key not in LOOP_KEYS:
+        for key, check in family.checks.items():
+            if check is not by_plan:
                 with pytest.raises(ValueError):  # refused by its check, never unchecked
-                    _check(key, object(), [stub(takes_all)])
+                    check(key, object(), [stub(takes_all)])
 
 
 def test_the_step_cap_is_the_protocols() -> None:
