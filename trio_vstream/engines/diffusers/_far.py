@@ -17,7 +17,7 @@ range(len(chunk_partition))`` loop (diffusers 0.42.1, ``pipeline_anyflow_far.py`
 steps 4 to 8: the noise drawn for the whole video, the KV cache allocated as the call
 allocates it, the inner flow-map steps, then ``encode_kv_cache``), restated here, and
 then decodes that chunk's latent frames with the session's own causal VAE cache (the
-same ``AutoencoderKLWan`` as SkyReels-V2 DF, see `decode_continuing`). The cache pass
+same ``AutoencoderKLWan`` as SkyReels-V2 DF, see ``_vae.decode_continuing``). The cache pass
 that ends a chunk in the call is run at the start of the next one instead: its inputs
 are the same, so the numbers are too, and the frames go out before it. So the frames,
 joined, equal the single call's (tested), each chunk is handed over as soon as it is
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from trio_vstream.engines.diffusers._forcing import _onload, decode_continuing
 from trio_vstream.engines.diffusers._messages import shown
+from trio_vstream.engines.diffusers._vae import decode_continuing, onload
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -308,7 +308,7 @@ class FarLoop:
         }
         self._kv_flag = {"num_cached_chunks": 0, "is_cache_step": False}
         if image is not None:
-            _onload(pipe.vae)  # encode_video calls vae._encode, which no offload hook sees
+            onload(pipe.vae)  # encode_video calls vae._encode, which no offload hook sees
             prefix = pipe.encode_video(image, height=height, width=width)
             output[:, : prefix.shape[1]] = prefix
             self._context_chunks = next(

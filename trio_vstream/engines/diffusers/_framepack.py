@@ -61,8 +61,8 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.diffusers._forcing import _onload
 from trio_vstream.engines.diffusers._messages import quoted, shown
+from trio_vstream.engines.diffusers._vae import onload
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -393,7 +393,7 @@ class FramepackLoop:
         device = pipe._execution_device
         pixels = pipe.video_processor.preprocess(image, height, width)
         self._image_embeds = pipe.encode_image(pixels, device=device).to(dtype)
-        _onload(pipe.vae)  # prepare_image_latents calls vae.encode, which no offload hook sees
+        onload(pipe.vae)  # prepare_image_latents calls vae.encode, which no offload hook sees
         image_latents = pipe.prepare_image_latents(
             pixels, dtype=torch.float32, device=device, generator=self.generator
         )
@@ -441,7 +441,7 @@ class FramepackLoop:
     def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
         """One section's decode, as the call makes it (with the section before it)."""
         vae = pipe.vae
-        _onload(vae)
+        onload(vae)
         return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
 
     def _final_frames(self, decoded: torch.Tensor, *, first: bool, last: bool) -> torch.Tensor:
