@@ -3,17 +3,17 @@
 ``extra_params`` reach a pipeline's ``__call__`` (or the loop the engine drives in its
 place), so a client could otherwise set anything the call takes: a schedule of a million
 steps, a prompt padded to any length, the call's own tensors. So each family of
-pipelines declares the keys it takes as `ExtraParams`, each with its check, no
+pipelines (`loops`) declares the keys it takes as `ExtraParams`, each with its check, no
 other key (and only those the pipelines' ``__call__`` take), and every value is checked
 for type and bounds before the stream opens: an ``invalid_request`` names what is wrong,
 and the keys this pipeline takes. A key its family's own loop reads (SkyReels-V2 DF's
 window, AnyFlow FAR's chunk partition, FramePack's sections) is declared `by_plan`: the
 loop's plan checks it, where the bounds depend on the video.
 
-This module holds the checks the families' lists are made of, the lists, and
-`check_extra_params`, which applies a list to a request. The server's own
-``extra_params`` (pacing, the camera and interaction scripts, codec options) never get
-here: the session takes them out before it opens the stream.
+This module holds the checks the families' lists are made of, and `check_extra_params`,
+which applies a list to a request. The server's own ``extra_params`` (pacing, the camera
+and interaction scripts, codec options) never get here: the session takes them out
+before it opens the stream.
 """
 
 from __future__ import annotations
@@ -132,64 +132,6 @@ class ExtraParams:
     def keys(self) -> tuple[str, ...]:
         """The keys, sorted."""
         return tuple(sorted(self.checks))
-
-
-SEGMENTS = ExtraParams("a pipeline served segment by segment", COMMON)
-"""Wan, SkyReels-V2 and other fixed-length pipelines, FramePack's inverted sampling aside."""
-HELIOS = ExtraParams("Helios", {**COMMON, "sigmas": sigmas}, array_sigmas=True)
-HELIOS_PYRAMID = ExtraParams(
-    "Helios pyramid",
-    {
-        **COMMON,
-        "is_amplify_first_chunk": flag,
-        "use_zero_init": flag,
-        "zero_steps": whole(0, MAX_STEPS),
-    },
-)
-"""(Its call takes ``sigmas`` but ignores it: each stage's schedule is the scheduler's.)"""
-FORCING_KEYS = (
-    "addnoise_condition",
-    "ar_step",
-    "base_num_frames",
-    "causal_block_size",
-    "overlap_history",
-)
-"""SkyReels-V2 DF's window-loop arguments (``_forcing.FORCING_ARGS``, listed here since
-``_forcing`` takes its step cap from this module), checked by `window_plan`."""
-SKYREELS_DF = ExtraParams(
-    "SkyReels-V2 diffusion forcing", {**COMMON, **dict.fromkeys(FORCING_KEYS, by_plan)}
-)
-ANYFLOW_FAR = ExtraParams(
-    "AnyFlow FAR",
-    {
-        **COMMON,
-        "chunk_partition": by_plan,
-        "sigmas": sigmas,
-        "timesteps": timesteps,
-        "use_mean_velocity": by_plan,
-    },
-)
-FRAMEPACK = ExtraParams(
-    "FramePack",
-    {**COMMON, "latent_window_size": by_plan, "sampling_type": by_plan, "sigmas": sigmas},
-)
-
-
-def family_of(
-    model: PipelineInfo, *, chunked: bool, windowed: bool, far: bool, framepack: bool
-) -> ExtraParams:
-    """The family ``model`` is served as (the engine decided how at start-up)."""
-    if chunked:
-        stages = model.default("pyramid_num_inference_steps_list")
-        pyramid = isinstance(stages, list) and not model.accepts("num_inference_steps")
-        return HELIOS_PYRAMID if pyramid else HELIOS
-    if windowed:
-        return SKYREELS_DF
-    if far:
-        return ANYFLOW_FAR
-    if framepack:
-        return FRAMEPACK
-    return SEGMENTS
 
 
 def check_extra_params(

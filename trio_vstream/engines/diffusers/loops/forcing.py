@@ -1,4 +1,5 @@
-"""`ForcingLoop`: one session's diffusion-forcing windows (SkyReels-V2 DF), one per chunk.
+"""Forcing windows: diffusion-forcing pipelines (SkyReels-V2 DF), one window per chunk,
+the window loop driven by the engine (`ForcingLoop`).
 
 ``SkyReelsV2DiffusionForcingPipeline`` (and its image-to-video sibling) makes a long video
 in overlapping windows of ``base_num_frames``: each window after the first starts from
@@ -31,18 +32,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from trio_vstream.engines.diffusers._extra import MAX_STEPS
+from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams, by_plan
+from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown
-from trio_vstream.engines.diffusers._vae import decode_continuing
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import decode_continuing
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FORCING_ARGS: tuple[str, ...] = (
     "overlap_history",
@@ -59,12 +65,57 @@ DEFAULT_OVERLAP_HISTORY = 17
 recommends 17 or 37."""
 
 
-def streams_windows(params: Collection[str], pipe: Any) -> bool:
-    """Whether the engine can drive this pipeline's diffusion-forcing window loop itself:
-    a ``__call__`` with the loop's arguments, and the loop's public helper."""
-    return all(name in params for name in FORCING_ARGS) and callable(
-        getattr(pipe, "generate_timestep_matrix", None)
-    )
+EXTRA_PARAMS = ExtraParams(
+    "SkyReels-V2 diffusion forcing", {**COMMON, **dict.fromkeys(FORCING_ARGS, by_plan)}
+)
+"""The common keys, and the window loop's, which `window_plan` checks against the video."""
+
+
+class ForcingWindows:
+    """Diffusion-forcing pipelines (`Loop`): the window loop, driven by the engine."""
+
+    name = "forcing windows"
+    order = 20
+    frame_continued = False
+    image_in_loop = True
+    engine_set: tuple[str, ...] = ()
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` with the window loop's arguments, and the loop's public helper."""
+        return all(name in info.params for name in FORCING_ARGS) and callable(
+            getattr(info.pipe, "generate_timestep_matrix", None)
+        )
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        """The window's frames (``base_num_frames``): its call's default, 97."""
+        if given is None:
+            return default_segment_frames(model, frame_step, window_arg="base_num_frames")
+        if (given - 1) % frame_step or given <= frame_step:
+            raise config_error(
+                f"segment_frames is {model.class_name}'s window (base_num_frames): "
+                f"{frame_step}*n+1 with n >= 2 (e.g. "
+                f"{valid_frames(max(given, 2 * frame_step + 1), frame_step)}), got {given}"
+            )
+        return given
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return EXTRA_PARAMS
+
+    def plan(self, draft: Draft) -> WindowPlan | None:
+        return window_plan(
+            draft.model,
+            draft.extra,
+            num_frames=valid_frames(draft.request.num_frames, draft.frame_step),
+            base_num_frames=draft.segment_frames,
+            temporal=draft.frame_step,
+            problems=draft.problems,
+        )
+
+    def start(self, stream: DiffusersStream, plan: WindowPlan) -> ForcingLoop:
+        return ForcingLoop(stream, plan)
+
+
+LOOP: Loop[WindowPlan] = ForcingWindows()
 
 
 @attrs.frozen(kw_only=True)
@@ -208,8 +259,9 @@ def window_plan(
 class ForcingLoop:
     """One session's place in the window loop: what the next window starts from."""
 
-    def __init__(self, plan: WindowPlan, seed: int) -> None:
+    def __init__(self, stream: DiffusersStream, plan: WindowPlan) -> None:
         self.plan = plan
+        seed = stream.plan.seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
         """Draws each window's noise, in the single call's order."""
         self._condition_noise = torch.Generator(device="cpu").manual_seed((seed + 1) % 2**64)
@@ -229,7 +281,31 @@ class ForcingLoop:
         """Latent frames kept for the next window's prefix; at most the overlap (tests)."""
         return 0 if self._history is None else int(self._history.shape[2])
 
-    def clear(self) -> None:
+    def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next window's new frames."""
+        request = stream.request
+
+        def window(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = stream.embeds_and_negative(info, mix, pass_.guidance)
+            return self.run_window(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                fps=request.fps,
+                image=stream.image if pass_.index == 0 else None,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return stream.driven_chunk(
+            checkpoint, remaining, window, f"window of {self.plan.windows}", 1.0
+        )
+
+    def close(self) -> None:
         """Drop the tensors (the stream is closing)."""
         self._history = None
         self._decoder_cache = None

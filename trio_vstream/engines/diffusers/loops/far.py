@@ -1,4 +1,5 @@
-"""`FarLoop`: one session's AnyFlow FAR chunks, one per ``next_chunk``.
+"""FAR chunks: AnyFlow FAR, one causal chunk per ``next_chunk``, the chunk loop (KV cache
+included) driven by the engine (`FarLoop`).
 
 ``AnyFlowFARPipeline`` makes a video chunk by chunk (``chunk_partition``, in latent
 frames): each chunk is denoised with flow-map steps while attending, through a KV cache,
@@ -34,17 +35,24 @@ costs more the later the chunk.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 
+from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas, timesteps
+from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown
-from trio_vstream.engines.diffusers._vae import decode_continuing, onload
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import decode_continuing, onload
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
 """What a FAR pipeline's ``__call__`` takes for its causal chunk loop."""
@@ -52,15 +60,66 @@ FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
 ENGINE_SET_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache")
 """Chunk-loop arguments a request may not set: the engine keeps the history and the KV
 cache itself (``chunk_partition``, ``use_mean_velocity``, ``sigmas`` or ``timesteps``
-may be set, as for the call: `_extra.ANYFLOW_FAR`)."""
+may be set, as for the call: `EXTRA_PARAMS`)."""
+
+EXTRA_PARAMS = ExtraParams(
+    "AnyFlow FAR",
+    {
+        **COMMON,
+        "chunk_partition": by_plan,
+        "sigmas": sigmas,
+        "timesteps": timesteps,
+        "use_mean_velocity": by_plan,
+    },
+)
+"""The common keys, a schedule, and the chunk loop's, which `far_plan` checks."""
 
 
-def streams_far(params: Collection[str], pipe: Any) -> bool:
-    """Whether the engine can drive this pipeline's FAR chunk loop itself: a ``__call__``
-    with the loop's arguments, and the call's cache pass as a public method."""
-    return all(name in params for name in FAR_ARGS) and callable(
-        getattr(pipe, "encode_kv_cache", None)
-    )
+class FarChunks:
+    """AnyFlow FAR pipelines (`Loop`): the causal chunk loop, driven by the engine."""
+
+    name = "FAR chunks"
+    order = 30
+    frame_continued = False
+    image_in_loop = True
+    engine_set = ENGINE_SET_ARGS
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` with the loop's arguments, and the call's cache pass as a
+        public method."""
+        return all(name in info.params for name in FAR_ARGS) and callable(
+            getattr(info.pipe, "encode_kv_cache", None)
+        )
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        """A chunk's frames (all but the video's first chunk): ``chunk_partition``'s unit."""
+        segment = given or chunk_latent_frames(model.pipe) * frame_step
+        if segment % frame_step:
+            raise config_error(
+                f"segment_frames is {model.class_name}'s chunk: whole latent frames, a "
+                f"multiple of {frame_step} (e.g. {3 * frame_step}), got {segment}"
+            )
+        return segment
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return EXTRA_PARAMS
+
+    def plan(self, draft: Draft) -> FarPlan | None:
+        return far_plan(
+            draft.model,
+            draft.extra,
+            num_frames=valid_frames(draft.request.num_frames, draft.frame_step),
+            temporal=draft.frame_step,
+            chunk=draft.segment_frames // draft.frame_step,
+            image=draft.request.image is not None,
+            problems=draft.problems,
+        )
+
+    def start(self, stream: DiffusersStream, plan: FarPlan) -> FarLoop:
+        return FarLoop(stream, plan)
+
+
+LOOP: Loop[FarPlan] = FarChunks()
 
 
 def chunk_latent_frames(pipe: Any) -> int:
@@ -158,9 +217,9 @@ class FarLoop:
     """One session's place in the FAR chunk loop: the video's noise and latents so far,
     its KV cache, its decoder cache, and its generator."""
 
-    def __init__(self, plan: FarPlan, seed: int) -> None:
+    def __init__(self, stream: DiffusersStream, plan: FarPlan) -> None:
         self.plan = plan
-        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        self.generator = torch.Generator(device="cpu").manual_seed(stream.plan.seed % 2**64)
         """Draws the whole video's noise at the first chunk, as the single call does."""
         self._noise: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
@@ -176,7 +235,34 @@ class FarLoop:
         """Whether every chunk of the video has been made."""
         return self.chunks_done >= self.plan.chunks
 
-    def clear(self) -> None:
+    def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next chunk's frames."""
+        request = stream.request
+        image = None
+        if stream.index == 0 and stream.image is not None:
+            pixels = np.asarray(stream.image.convert("RGB"), dtype=np.float32) / 255.0
+            image = torch.from_numpy(pixels).permute(2, 0, 1)[None, None]  # (1, 1, 3, H, W)
+
+        def chunk(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = stream.embeds_and_negative(info, mix, pass_.guidance)
+            return self.run_chunk(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                image=image,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return stream.driven_chunk(
+            checkpoint, remaining, chunk, f"chunk of {self.plan.chunks}", 1.0
+        )
+
+    def close(self) -> None:
         """Drop the tensors (the stream is closing)."""
         self._noise = None
         self._output = None
