@@ -35,7 +35,6 @@ costs more the later the chunk.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -105,15 +104,7 @@ class FarChunks:
         return EXTRA_PARAMS
 
     def plan(self, draft: Draft) -> FarPlan | None:
-        return far_plan(
-            draft.model,
-            draft.extra,
-            num_frames=valid_frames(draft.request.num_frames, draft.frame_step),
-            temporal=draft.frame_step,
-            chunk=draft.segment_frames // draft.frame_step,
-            image=draft.request.image is not None,
-            problems=draft.problems,
-        )
+        return far_plan(draft)
 
     def start(self, stream: DiffusersStream, plan: FarPlan) -> FarLoop:
         return FarLoop(stream, plan)
@@ -152,21 +143,16 @@ class FarPlan:
         return start, start + self.partition[index]
 
 
-def far_plan(
-    info: PipelineInfo,
-    extra: Mapping[str, Any],
-    *,
-    num_frames: int,
-    temporal: int,
-    chunk: int,
-    image: bool,
-    problems: list[str],
-) -> FarPlan | None:
+def far_plan(draft: Draft) -> FarPlan | None:
     """The chunk loop a request asks for: ``chunk_partition`` from ``extra_params`` (it
     must sum to the video's latent frames, as for the call), else the first chunk of the
-    transformer's own partition followed by chunks of ``chunk`` latent frames, the last
-    one what is left. Appends what is wrong to ``problems`` (then returns None), so a bad
-    request is refused before it runs."""
+    transformer's own partition followed by chunks of ``segment_frames`` (in latent
+    frames), the last one what is left. Appends what is wrong to ``draft.problems`` (then
+    returns None), so a bad request is refused before it runs."""
+    info, extra, problems, temporal = draft.model, draft.extra, draft.problems, draft.frame_step
+    num_frames = valid_frames(draft.request.num_frames, temporal)
+    chunk = draft.segment_frames // temporal
+    image = draft.request.image is not None
     latent_frames = (num_frames - 1) // temporal + 1
     given = extra.get("chunk_partition")
     if given is not None:

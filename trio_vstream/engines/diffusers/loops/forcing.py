@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -102,14 +102,7 @@ class ForcingWindows:
         return EXTRA_PARAMS
 
     def plan(self, draft: Draft) -> WindowPlan | None:
-        return window_plan(
-            draft.model,
-            draft.extra,
-            num_frames=valid_frames(draft.request.num_frames, draft.frame_step),
-            base_num_frames=draft.segment_frames,
-            temporal=draft.frame_step,
-            problems=draft.problems,
-        )
+        return window_plan(draft)
 
     def start(self, stream: DiffusersStream, plan: WindowPlan) -> ForcingLoop:
         return ForcingLoop(stream, plan)
@@ -178,20 +171,15 @@ class WindowPlan:
         return min(self.latent_frames - finished + self.overlap, self.base)
 
 
-def window_plan(
-    info: PipelineInfo,
-    extra: Mapping[str, Any],
-    *,
-    num_frames: int,
-    base_num_frames: int,
-    temporal: int,
-    problems: list[str],
-) -> WindowPlan | None:
+def window_plan(draft: Draft) -> WindowPlan | None:
     """The window loop a request asks for: ``base_num_frames`` (the engine's
     ``segment_frames``), ``overlap_history`` (17, or about half a window for windows of 21
     frames or fewer), ``ar_step``, ``causal_block_size`` and ``addnoise_condition`` may come
-    in ``extra_params``, as for the call. Appends what is wrong to ``problems`` (then
+    in ``extra_params``, as for the call. Appends what is wrong to ``draft.problems`` (then
     returns None), so a bad request is refused before it runs, not mid-video."""
+    info, extra, problems, temporal = draft.model, draft.extra, draft.problems, draft.frame_step
+    num_frames = valid_frames(draft.request.num_frames, temporal)
+    base_num_frames = draft.segment_frames
 
     def whole(name: str, default: Any, minimum: int, maximum: int | None = None) -> Any:
         value = extra.get(name, default)
