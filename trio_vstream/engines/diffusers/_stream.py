@@ -81,7 +81,7 @@ class DiffusersStream:
 
     ``engine``, ``request``, ``plan`` and ``image`` (the request's image reference as the
     pipelines take it, at the video's size) are for the family's run to read; the
-    methods below ``interface`` are what it makes each chunk with."""
+    methods after the engine interface are what it makes each chunk with."""
 
     def __init__(
         self,
@@ -101,7 +101,7 @@ class DiffusersStream:
         self._frames_done = 0
         self._next_index = 0
         self._closed = False
-        self.image = None
+        self.image: Any = None
         if request.image is not None:
             self.image = to_pil(request.image, request.width, request.height)
         self._run = plan.loop.start(self, plan.loop_plan)
