@@ -24,6 +24,16 @@ def fresh_registry() -> Iterator[None]:
     loops.registered.cache_clear()
 
 
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: None) -> Iterator[Path]:
+    """A folder the registry reads as part of ``loops`` (as if its modules were there);
+    what it imported from it is forgotten afterwards."""
+    monkeypatch.setattr(loops, "__path__", [*loops.__path__, str(tmp_path)])
+    yield tmp_path
+    for module in tmp_path.glob("*.py"):
+        sys.modules.pop(f"{loops.__name__}.{module.stem}", None)
+
+
 def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
     assert loops.registered() == (
         history.LOOP,
@@ -34,12 +44,10 @@ def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
     )
 
 
-def test_a_new_family_is_one_module_in_the_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: None
-) -> None:
+def test_a_new_family_is_one_module_in_the_folder(folder: Path) -> None:
     """A module dropped beside the others is asked in its order, before the segment
     path; a private module there is not a family."""
-    (tmp_path / "newfamily.py").write_text(
+    (folder / "newfamily.py").write_text(
         "class NewFamily:\n"
         "    name = 'new'\n"
         "    order = 50\n"
@@ -47,31 +55,24 @@ def test_a_new_family_is_one_module_in_the_folder(
         "        return info.class_name == 'NewPipeline'\n"
         "LOOP = NewFamily()\n"
     )
-    (tmp_path / "_helpers.py").write_text("raise AssertionError('not a family')\n")
-    monkeypatch.setattr(loops, "__path__", [*loops.__path__, str(tmp_path)])
-    monkeypatch.delitem(sys.modules, f"{loops.__name__}.newfamily", raising=False)
+    (folder / "_helpers.py").write_text("raise AssertionError('not a family')\n")
     found = loops.registered()
     assert [loop.name for loop in found][-2:] == ["new", "segments"]
     pipeline = SimpleNamespace(class_name="NewPipeline", params={}, pipe=None)
     assert loops.loop_for(pipeline).name == "new"  # type: ignore[arg-type]
-    monkeypatch.delitem(sys.modules, f"{loops.__name__}.newfamily")
 
 
-def test_a_module_without_a_loop_or_with_a_taken_order_is_an_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: None
-) -> None:
-    monkeypatch.setattr(loops, "__path__", [*loops.__path__, str(tmp_path)])
-    (tmp_path / "notafamily.py").write_text("X = 1\n")
+def test_a_module_without_a_loop_is_an_error(folder: Path) -> None:
+    (folder / "notafamily.py").write_text("X = 1\n")
     with pytest.raises(ImportError, match="notafamily: a family's module defines LOOP"):
         loops.registered()
-    (tmp_path / "notafamily.py").write_text(
-        "class Twin:\n    name = 'twin'\n    order = 10\nLOOP = Twin()\n"
-    )
-    monkeypatch.delitem(sys.modules, f"{loops.__name__}.notafamily")
-    loops.registered.cache_clear()
+
+
+def test_two_families_of_one_order_are_an_error(folder: Path) -> None:
+    twin = "class Twin:\n    name = 'twin'\n    order = 10\nLOOP = Twin()\n"
+    (folder / "twin.py").write_text(twin)  # Helios' order
     with pytest.raises(ImportError, match="two families share an order"):
         loops.registered()
-    monkeypatch.delitem(sys.modules, f"{loops.__name__}.notafamily")
 
 
 def test_a_fixed_length_pipeline_takes_the_segment_path(
