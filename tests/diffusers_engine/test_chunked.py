@@ -27,6 +27,7 @@ from tests.diffusers_engine.support import (
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.diffusers.loops import history
 
 CHUNK = 33
 """Frames per Helios chunk: 9 latent frames."""
@@ -63,7 +64,7 @@ def test_streamed_chunks_equal_the_single_call(
     variant: str, helios: dict[str, Path], make_engine: Any, probes: list[Probe]
 ) -> None:
     engine = make_engine(helios[variant], segment_frames=str(CHUNK))
-    assert engine.chunked
+    assert engine.loop is history.LOOP
     pipe = engine.model.pipe
     w = Probe(pipe, keep_embeds=True)
     probes.append(w)
@@ -155,7 +156,7 @@ def test_memory_stays_flat_over_many_chunks(helios: dict[str, Path], make_engine
     chunks = 7
     stream = engine.open_stream(helios_request(num_frames=chunks * CHUNK))
     sizes, held, frames = memory_per_chunk(
-        stream, chunks, lambda: stream._history.held_latent_frames
+        stream, chunks, lambda: stream._run.history.held_latent_frames
     )
     assert set(frames) == {CHUNK}
     assert held[:3] == [9, 18, 19] and set(held[2:]) == {19}  # the history window, no more

@@ -1,5 +1,6 @@
-"""``extra_params`` allow-lists (``trio_vstream.engines.diffusers._extra``), on stand-in
-pipelines: each family's keys, the checks and their bounds, and the messages.
+"""``extra_params`` allow-lists (``trio_vstream.engines.diffusers._extra``, each family's
+in its module of ``loops``), on stand-in pipelines: each family's keys, the checks and
+their bounds, and the messages.
 
 (What a real pipeline refuses and takes: ``tests/security/test_diffusers_extra_params.py``,
 and each family's own tests.)
@@ -16,23 +17,20 @@ import numpy as np
 import pytest
 
 from trio_vstream.engines.diffusers._extra import (
-    ANYFLOW_FAR,
     COMMON,
-    FORCING_KEYS,
-    FRAMEPACK,
-    HELIOS,
-    HELIOS_PYRAMID,
-    LOOP_KEYS,
     MAX_STEPS,
-    SEGMENTS,
-    SKYREELS_DF,
-    Family,
-    _check,
+    by_plan,
     check_extra_params,
     schedule_steps,
 )
-from trio_vstream.engines.diffusers._forcing import FORCING_ARGS
+from trio_vstream.engines.diffusers._extra import ExtraParams as Family
 from trio_vstream.engines.diffusers._loading import PipelineInfo
+from trio_vstream.engines.diffusers.loops.far import EXTRA_PARAMS as ANYFLOW_FAR
+from trio_vstream.engines.diffusers.loops.forcing import EXTRA_PARAMS as SKYREELS_DF
+from trio_vstream.engines.diffusers.loops.forcing import FORCING_ARGS
+from trio_vstream.engines.diffusers.loops.framepack import EXTRA_PARAMS as FRAMEPACK
+from trio_vstream.engines.diffusers.loops.history import HELIOS, HELIOS_PYRAMID
+from trio_vstream.engines.diffusers.loops.segments import EXTRA_PARAMS as SEGMENTS
 from trio_vstream.protocol import VideoRequest
 from trio_vstream.protocol._wire import CHECKS
 
@@ -94,10 +92,10 @@ def check(
 def test_every_key_of_every_family_has_a_check_or_a_loop_plan() -> None:
     for family in FAMILIES:
         assert set(COMMON) <= set(family.keys)
-        for key in family.keys:
-            if key not in LOOP_KEYS:
+        for key, check in family.checks.items():
+            if check is not by_plan:
                 with pytest.raises(ValueError):  # refused by its check, never unchecked
-                    _check(key, object(), [stub(takes_all)])
+                    check(key, object(), [stub(takes_all)])
 
 
 def test_the_step_cap_is_the_protocols() -> None:
@@ -105,7 +103,7 @@ def test_the_step_cap_is_the_protocols() -> None:
 
 
 def test_skyreels_keys_are_the_window_loops() -> None:
-    assert sorted(FORCING_KEYS) == sorted(FORCING_ARGS)
+    assert sorted(set(SKYREELS_DF.keys) - set(COMMON)) == sorted(FORCING_ARGS)
 
 
 def test_a_key_the_call_does_not_take_is_refused_even_if_the_family_lists_it() -> None:

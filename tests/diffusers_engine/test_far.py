@@ -28,6 +28,7 @@ from tests.diffusers_engine.support import (
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.diffusers.loops import far
 
 FRAMES = 25
 """Seven latent frames: chunks of 1, 2, 2 and 2 (the tiny transformer's partition unit),
@@ -115,7 +116,7 @@ def test_chunks_stream_as_the_single_call(
     guided: dict[str, Any], anyflow_far: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(anyflow_far, segment_frames="8")
-    assert engine.far and not engine.chunked and not engine.windowed
+    assert engine.loop is far.LOOP
     pipe = engine.model.pipe
     c = Counts(pipe)
     probes.append(c)
@@ -175,7 +176,7 @@ def test_stop_within_a_step_and_the_stopped_chunk_is_not_decoded(
         stops.stop_at = stops.calls + 1 + 3
         with pytest.raises(Stopped):
             stream.next_chunk(stops.checkpoint)
-        assert stream._far.chunks_done == 1  # the stopped chunk is not kept
+        assert stream._run.chunks_done == 1  # the stopped chunk is not kept
     finally:
         stream.close()
     assert c.steps == 3 + 2  # no step after the stop
@@ -202,7 +203,7 @@ def test_memory_is_flat_over_chunks_but_sized_by_the_video(
     chunks = 5
     frames = 1 + 8 * (chunks - 1)
     stream = engine.open_stream(far_request(num_frames=frames, num_inference_steps=1))
-    sizes, held, _ = memory_per_chunk(stream, chunks, lambda: stream._far.held_bytes)
+    sizes, held, _ = memory_per_chunk(stream, chunks, lambda: stream._run.held_bytes)
     # What a session holds is allocated at its first chunk, as the single call allocates
     # it (the decoder's causal cache fills up with the second latent frame): nothing
     # grows from chunk to chunk after that, not even one latent frame's worth.
@@ -214,7 +215,7 @@ def test_memory_is_flat_over_chunks_but_sized_by_the_video(
     longer = engine.open_stream(far_request(num_frames=frames + 16, num_inference_steps=1))
     try:
         longer.next_chunk(no_stop)
-        assert longer._far.held_bytes > held[0]
+        assert longer._run.held_bytes > held[0]
     finally:
         longer.close()
 

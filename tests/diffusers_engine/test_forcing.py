@@ -26,6 +26,7 @@ from tests.diffusers_engine.support import (
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.diffusers.loops import forcing
 
 WINDOW = 17
 """The engine's window in the tests (``segment_frames``, the call's ``base_num_frames``):
@@ -117,7 +118,7 @@ def test_windows_stream_as_the_single_call(
     probes: list[Counts],
 ) -> None:
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
-    assert engine.windowed and not engine.chunked
+    assert engine.loop is forcing.LOOP
     pipe = engine.model.pipe
     guided = {"guidance_scale": 6.0, "negative_prompt": "blurry"} if extra else {}
     c = Counts(pipe)
@@ -195,7 +196,7 @@ def test_stop_within_a_step_and_the_stopped_window_is_not_decoded(
         stops.stop_at = stops.calls + 3
         with pytest.raises(Stopped):
             stream.next_chunk(stops.checkpoint)
-        assert stream._forcing.windows_done == 1  # the stopped window is not kept
+        assert stream._run.windows_done == 1  # the stopped window is not kept
     finally:
         stream.close()
     assert c.forwards == 3 + 2  # no step after the stop
@@ -219,7 +220,7 @@ def test_memory_stays_flat_over_many_windows(skyreels: dict[str, Path], make_eng
     engine = make_engine(skyreels["t2v"], segment_frames=str(WINDOW))
     windows = 6
     stream = engine.open_stream(df_request(num_frames=WINDOW + 8 * (windows - 1)))
-    sizes, held, _ = memory_per_chunk(stream, windows, lambda: stream._forcing.held_latent_frames)
+    sizes, held, _ = memory_per_chunk(stream, windows, lambda: stream._run.held_latent_frames)
     assert set(held) == {3}  # the overlap, whatever the length
     # From the second window on nothing grows: not even one latent frame's worth (a
     # window adds two to a history that is not trimmed).

@@ -32,6 +32,7 @@ from tests.diffusers_engine.support import (
 from trio_vstream.engines import InvalidRequestError
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.diffusers.loops.framepack import LOOP as SECTION_LOOP
 
 FRAMES = 27
 """Three sections of 3 latent frames (``segment_frames`` 12): the call makes 37 frames
@@ -167,7 +168,7 @@ def test_sections_stream_as_the_single_call(
     guided: dict[str, Any], framepack: Path, make_engine: Any, probes: list[Counts]
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
-    assert engine.framepack and not (engine.chunked or engine.windowed or engine.far)
+    assert engine.loop is SECTION_LOOP
     pipe = engine.model.pipe
     c = Counts(pipe)
     probes.append(c)
@@ -212,7 +213,7 @@ def test_stop_within_a_step_and_the_stopped_section_is_not_decoded(
         stops.stop_at = stops.calls + 3  # the second section's third step
         with pytest.raises(Stopped):
             stream.next_chunk(stops.checkpoint)
-        assert stream._framepack.sections_done == 1  # the stopped section is not kept
+        assert stream._run.sections_done == 1  # the stopped section is not kept
     finally:
         stream.close()
     assert c.steps == 3 + 2  # no step after the stop
@@ -238,7 +239,7 @@ def test_memory_is_flat_over_sections(framepack: Path, make_engine: Any) -> None
     engine = make_engine(framepack, segment_frames=SECTION)
     sections = 5
     stream = engine.open_stream(fp_request(num_frames=9 * sections, num_inference_steps=1))
-    loop = stream._framepack
+    loop = stream._run
     sizes, kept, _ = memory_per_chunk(
         stream, sections - 1, lambda: (loop.held_bytes, loop.held_latent_frames), to_the_end=False
     )
@@ -312,7 +313,7 @@ def test_inverted_sampling_streams_segment_by_segment_from_the_last_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     engine = make_engine(framepack, segment_frames=SECTION)
-    assert engine.framepack
+    assert engine.loop is SECTION_LOOP
     pipe = engine.model.pipe
     c = Counts(pipe)
     probes.append(c)

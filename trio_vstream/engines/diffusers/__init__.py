@@ -6,29 +6,18 @@ component). It is loaded once per server process with
 ``from_pretrained(path, local_files_only=True)``, with the Hugging Face hub in
 offline mode: nothing is ever downloaded.
 
-Streaming. A video is made segment by segment: one pipeline call of
-``segment_frames`` frames per segment, and each segment is one chunk, handed
-to the server as soon as it is decoded. With an image-to-video pipeline
-(``i2v_model=/path``, or the main pipeline itself when its ``__call__`` takes
-``image=``) every segment after the first continues from the last frame of
-the previous one (whose copy, the new segment's first frame, is dropped);
-without one, segments are independent clips seeded ``seed + index``. A
-request's ``image_reference`` conditions the first segment. A
-chunk-autoregressive pipeline (Helios) is streamed chunk by chunk instead:
-each segment is one chunk of the model's own loop, continued from the
-session's history latents (``_history``), so the frames are exactly those
-of the pipeline's single call and sessions take turns at chunk boundaries. A
-diffusion-forcing pipeline (SkyReels-V2 DF) is streamed window by window: the engine
-drives its window loop from the pipeline's components (``_forcing``), since its call
-keeps the overlap latents to itself and decodes only at its end. An AnyFlow FAR pipeline is
-streamed chunk by chunk the same way (``_far``): the engine drives its causal chunk loop,
-KV cache included, since its call keeps the cache to itself and decodes only at its end. A
-FramePack pipeline with ``sampling_type="vanilla"`` is streamed section by section
-(``_framepack``): the engine drives its section loop and holds back each section's
-cross-faded overlap frames until the next section has blended them. With the call's
-default, ``"inverted_anti_drifting"`` (which makes a call's sections backwards), it is
-served segment by segment like Wan image-to-video: one call of one section per segment,
-each later one continued from the last frame (decided per request, in ``_plan``).
+Streaming. How a video is made depends on the pipeline's family, found once at start-up
+(``loops.loop_for``): fixed-length pipelines (Wan) segment by segment, one pipeline call
+of ``segment_frames`` frames per segment, each continued from the last frame of the one
+before through an image-to-video pipeline (``i2v_model=/path``, or the main pipeline
+itself when its ``__call__`` takes ``image=``) or an independent clip seeded ``seed +
+index``; chunk-autoregressive pipelines (Helios) one call per chunk, continued from the
+session's history latents; and pipelines whose call keeps its loop to itself
+(SkyReels-V2 DF, AnyFlow FAR, FramePack) by a loop the engine drives from the
+pipeline's parts, one window, chunk or section at a time. Each family is one module of
+``loops``, whose docstring lists them and says how to add one. Each chunk is handed to
+the server as soon as it is decoded; a request's ``image_reference`` conditions the
+first.
 
 Cancellation. The pipeline's ``callback_on_step_end`` calls the session's
 ``checkpoint()`` after every denoising step, and the engine calls it before
@@ -47,15 +36,9 @@ A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes.
 
-Layout. This module holds the engine (request planning) and its factory; the
-private modules hold one concern each: ``_settings`` (engine args),
-``_loading`` (pipeline directories, what a pipeline's ``__call__`` takes),
-``_extra`` (the ``extra_params`` each family takes, checked), ``_messages`` (client
-text in messages), ``_lock`` (the segment lock), ``_lora`` (adapters), ``_stream`` (segments),
-``_history`` (a chunk-autoregressive session's history), ``_forcing`` (a
-diffusion-forcing session's window loop), ``_far`` (an AnyFlow FAR session's chunk loop),
-``_framepack`` (a FramePack session's section loop).
-``tiny`` builds tiny random pipelines for the tests and the benchmark.
+Layout. This module holds the engine (what every family shares of request planning)
+and its factory; ``loops`` holds the families, one module each. What each private
+module holds is in the layout map of ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -69,24 +52,14 @@ import torch
 
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
-from trio_vstream.engines.diffusers._extra import check_extra_params, family_of, schedule_steps
-from trio_vstream.engines.diffusers._far import ENGINE_SET_ARGS as FAR_LOOP_ARGS
-from trio_vstream.engines.diffusers._far import chunk_latent_frames as far_chunk_latent_frames
-from trio_vstream.engines.diffusers._far import far_plan
-from trio_vstream.engines.diffusers._forcing import window_plan
-from trio_vstream.engines.diffusers._framepack import ENGINE_SET_ARGS as FRAMEPACK_LOOP_ARGS
-from trio_vstream.engines.diffusers._framepack import default_window, framepack_plan
-from trio_vstream.engines.diffusers._history import ENGINE_SET_ARGS as CHUNK_LOOP_ARGS
-from trio_vstream.engines.diffusers._history import chunk_latent_frames
+from trio_vstream.engines.diffusers._extra import check_extra_params, schedule_steps
 from trio_vstream.engines.diffusers._loading import (
     PipelineInfo,
     check_pipeline_dir,
     config_value,
-    default_segment_frames,
     flow_shift_key,
     import_diffusers,
     load_pipeline,
-    valid_frames,
     video_defaults,
 )
 from trio_vstream.engines.diffusers._lock import SegmentLock
@@ -107,6 +80,7 @@ from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
+from trio_vstream.engines.diffusers.loops import Draft, loop_for
 from trio_vstream.logsafe import get_logger
 
 __all__ = [
@@ -183,88 +157,27 @@ class DiffusersEngine:
         self.lock = SegmentLock()
         self.loras = LoraAdapters(self.lock)
         self.name = settings.name or settings.model.resolve().name or "diffusers"
-        self.chunked = model.streams_chunks
-        """One call per chunk, continued from the session's history latents (Helios)."""
-        self.windowed = model.streams_windows and not self.chunked
-        """One diffusion-forcing window per chunk, the loop driven by the engine (SkyReels-V2
-        DF): see `ForcingLoop`."""
-        self.far = model.streams_far and not self.chunked and not self.windowed
-        """One causal chunk per ``next_chunk``, the loop and its KV cache driven by the
-        engine (AnyFlow FAR): see `FarLoop`."""
-        self.framepack = (
-            model.streams_sections and not self.chunked and not self.windowed and not self.far
-        )
-        """A FramePack pipeline. With ``sampling_type="vanilla"``, one section per
-        ``next_chunk``, the loop driven by the engine and each section's overlap frames
-        held back until the next one blends them: see `FramepackLoop`. With
-        ``"inverted_anti_drifting"`` (the call's default), the segment path, continued from
-        each segment's last frame: see `FramepackPlan.inverted`."""
-        self.family = family_of(
-            model,
-            chunked=self.chunked,
-            windowed=self.windowed,
-            far=self.far,
-            framepack=self.framepack,
-        )
-        """The ``extra_params`` a request may set, and how they are checked (`_extra`)."""
-        looped = self.chunked or self.windowed or self.far or self.framepack
-        if looped and i2v is not None:
+        self.loop = loop_for(model)
+        """The family that serves ``model`` (`loops`): how a request is planned and how
+        each chunk is made."""
+        if i2v is not None and not self.loop.frame_continued:
             raise config_error(
                 f"i2v_model: {model.class_name} continues each chunk from its own history "
                 "latents and takes image_reference itself; leave i2v_model out"
             )
-        self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
-        if looped:
-            self.continuation = None
+        self.continuation: PipelineInfo | None = None
+        """The pipeline that continues a segment from the last frame, if any."""
+        if self.loop.frame_continued:
+            self.continuation = i2v if i2v is not None else (model if model.takes_image else None)
+        self.extra_params = self.loop.extra_params(model)
+        """The ``extra_params`` a request may set, and how they are checked (`_extra`)."""
         pipelines = [model] + ([i2v] if i2v is not None else [])
         self.size_multiple = math.lcm(*(p.size_multiple for p in pipelines))
         self.frame_step = math.lcm(*(p.frame_step for p in pipelines))
-        if self.chunked:
-            segment = (chunk_latent_frames(model) - 1) * self.frame_step + 1
-            if settings.segment_frames not in (None, segment):
-                raise config_error(
-                    f"segment_frames: {model.class_name} makes {segment}-frame chunks, one per "
-                    f"call; leave segment_frames out or set it to {segment}"
-                )
-        elif self.windowed and settings.segment_frames is not None:
-            segment = settings.segment_frames  # the window's frames: base_num_frames
-            if (segment - 1) % self.frame_step or segment <= self.frame_step:
-                raise config_error(
-                    f"segment_frames is {model.class_name}'s window (base_num_frames): "
-                    f"{self.frame_step}*n+1 with n >= 2 (e.g. "
-                    f"{valid_frames(max(segment, 2 * self.frame_step + 1), self.frame_step)}), "
-                    f"got {segment}"
-                )
-        elif self.far:
-            # A chunk's frames (all but the video's first chunk): chunk_partition's unit.
-            segment = (
-                settings.segment_frames or far_chunk_latent_frames(model.pipe) * self.frame_step
-            )
-            if segment % self.frame_step:
-                raise config_error(
-                    f"segment_frames is {model.class_name}'s chunk: whole latent frames, a "
-                    f"multiple of {self.frame_step} (e.g. {3 * self.frame_step}), got {segment}"
-                )
-        elif self.framepack:
-            # A section's new frames: latent_window_size latent frames of frame_step each.
-            segment = settings.segment_frames or default_window(model) * self.frame_step
-            if segment % self.frame_step:
-                raise config_error(
-                    f"segment_frames is {model.class_name}'s section (latent_window_size "
-                    f"latent frames): a multiple of {self.frame_step} (e.g. "
-                    f"{default_window(model) * self.frame_step}), got {segment}"
-                )
-        elif settings.segment_frames is not None:
-            segment = settings.segment_frames
-            if (segment - 1) % self.frame_step:
-                raise config_error(
-                    f"segment_frames must be {self.frame_step}*n+1 for {model.class_name} "
-                    f"(e.g. {valid_frames(segment, self.frame_step)}), got {segment}"
-                )
-        else:
-            segment = default_segment_frames(model, self.frame_step)
-        self.segment_frames = segment
-        self.video_defaults = video_defaults(model, self.size_multiple, segment)
+        self.segment_frames = self.loop.segment_frames(
+            model, settings.segment_frames, self.frame_step
+        )
+        self.video_defaults = video_defaults(model, self.size_multiple, self.segment_frames)
 
     # ------------------------------------------------------------ interface
 
@@ -299,8 +212,8 @@ class DiffusersEngine:
                 f"got {request.width}x{request.height}"
             )
         if request.image is not None:
-            if model.takes_image or self.windowed or self.far or self.framepack:
-                first = model  # an engine-driven loop conditions its first chunk itself
+            if model.takes_image or self.loop.image_in_loop:
+                first = model
             elif self.i2v is not None:
                 first = self.i2v
             else:
@@ -334,11 +247,10 @@ class DiffusersEngine:
             call_kwargs[info.role]["height"] = request.height
             call_kwargs[info.role]["width"] = request.width
         steps = request.num_inference_steps
-        stages = model.default("pyramid_num_inference_steps_list")
-        pyramid = isinstance(stages, list) and not model.accepts("num_inference_steps")
-        if steps is not None and pyramid:
+        stages = model.pyramid_stages
+        if steps is not None and stages is not None:
             # A pyramid pipeline (HeliosPyramidPipeline) counts steps per resolution stage.
-            put("pyramid_num_inference_steps_list", [steps] * len(stages), "num_inference_steps")
+            put("pyramid_num_inference_steps_list", [steps] * stages, "num_inference_steps")
         else:
             put("num_inference_steps", steps, "num_inference_steps")
         put("guidance_scale", request.guidance_scale, "guidance_scale")
@@ -386,18 +298,10 @@ class DiffusersEngine:
                 )
                 problems.append(f"flow_shift is not supported by the scheduler ({names})")
 
-        engine_set = dict(_ENGINE_SET_ARGS)
-        for loop, args in (
-            (self.chunked, CHUNK_LOOP_ARGS),
-            (self.far, FAR_LOOP_ARGS),
-            (self.framepack, FRAMEPACK_LOOP_ARGS),
-        ):
-            if loop:
-                for arg in args:
-                    engine_set.setdefault(arg, "")
+        engine_set = {**dict.fromkeys(self.loop.engine_set, ""), **_ENGINE_SET_ARGS}
         extra = check_extra_params(
             request.extra_params,
-            family=self.family,
+            family=self.extra_params,
             used=used,
             engine_set=engine_set,
             steps=steps,
@@ -418,49 +322,18 @@ class DiffusersEngine:
         if request.lora is not None:
             problems.extend(lora_problems(request.lora, self.settings.lora_root, used))
 
-        windows = None
-        if self.windowed:
-            windows = window_plan(
-                model,
-                extra,
-                num_frames=valid_frames(request.num_frames, self.frame_step),
-                base_num_frames=self.segment_frames,
-                temporal=self.frame_step,
+        loop_plan = self.loop.plan(
+            Draft(
+                request=request,
+                model=model,
+                extra=extra,
+                segment_frames=self.segment_frames,
+                frame_step=self.frame_step,
+                continues=continuation is not None,
+                call_kwargs=call_kwargs,
                 problems=problems,
             )
-        far = None
-        if self.far:
-            far = far_plan(
-                model,
-                extra,
-                num_frames=valid_frames(request.num_frames, self.frame_step),
-                temporal=self.frame_step,
-                chunk=self.segment_frames // self.frame_step,
-                image=request.image is not None,
-                problems=problems,
-            )
-        framepack = None
-        continues = continuation is not None
-        segment_frames = self.segment_frames
-        call_frames = None
-        if self.framepack:
-            sections = framepack_plan(
-                model,
-                extra,
-                num_frames=request.num_frames,
-                window=self.segment_frames // self.frame_step,
-                true_cfg_scale=request.true_cfg_scale,
-                problems=problems,
-            )
-            if sections is not None and sections.inverted:
-                # The segment path: one call of one section a segment (the image's frame and
-                # window*frame_step new ones), each later one continued from the last frame.
-                continues = True
-                segment_frames = sections.segment_frames(self.frame_step)
-                call_frames = sections.call_frames(self.frame_step)
-                call_kwargs[model.role].update(sections.call_kwargs())
-            else:
-                framepack = sections
+        )
         if problems:
             raise InvalidRequestError("; ".join(problems))
         seed = request.seed
@@ -470,20 +343,14 @@ class DiffusersEngine:
         return StreamPlan(
             first=first,
             following=following,
-            continues=continues,
-            chunked=self.chunked,
-            windows=windows,
-            far=far,
-            framepack=framepack,
+            loop=self.loop,
+            loop_plan=loop_plan,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,
             config_overrides=config_overrides,
             max_sequence_length=max_sequence_length,
             guidance_scale=guidance,
             seed=seed,
-            segment_frames=segment_frames,
-            frame_step=self.frame_step,
-            call_frames=call_frames,
         )
 
     def _claim_lora(self, request: GenerationRequest) -> tuple[LoadedLora, float] | None:

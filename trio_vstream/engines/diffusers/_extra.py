@@ -1,22 +1,24 @@
-"""A request's ``extra_params``: an allow-list per pipeline family, each value checked.
+"""A request's ``extra_params``: an allow-list per family of pipelines, each value checked.
 
 ``extra_params`` reach a pipeline's ``__call__`` (or the loop the engine drives in its
 place), so a client could otherwise set anything the call takes: a schedule of a million
-steps, a prompt padded to any length, the call's own tensors. So each family of pipeline
-the engine serves takes the keys listed in its `Family`, no other (and only those the
-pipelines' ``__call__`` take), and every value is checked for type and bounds before the
-stream opens: an ``invalid_request`` names what is wrong, and the keys this pipeline
-takes. The keys a family's own loop reads (SkyReels-V2 DF's window, AnyFlow FAR's chunk
-partition, FramePack's sections) are checked by that loop's plan (`window_plan`,
-`far_plan`, `framepack_plan`), where the bounds depend on the video.
+steps, a prompt padded to any length, the call's own tensors. So each family of
+pipelines (`loops`) declares the keys it takes as `ExtraParams`, each with its check, no
+other key (and only those the pipelines' ``__call__`` take), and every value is checked
+for type and bounds before the stream opens: an ``invalid_request`` names what is wrong,
+and the keys this pipeline takes. A key its family's own loop reads (SkyReels-V2 DF's
+window, AnyFlow FAR's chunk partition, FramePack's sections) is declared `by_plan`: the
+loop's plan checks it, where the bounds depend on the video.
 
-The server's own ``extra_params`` (pacing, the camera and interaction scripts, codec
-options) never get here: the session takes them out before it opens the stream.
+This module holds the checks the families' lists are made of, and `check_extra_params`,
+which applies a list to a request. The server's own ``extra_params`` (pacing, the camera
+and interaction scripts, codec options) never get here: the session takes them out
+before it opens the stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -41,74 +43,101 @@ ATTENTION_SCALE = 4.0
 ``-ATTENTION_SCALE..ATTENTION_SCALE``: the layers are multiplied by it and divided again
 after the call, on the pipeline every session shares."""
 
-COMMON = ("attention_kwargs", "max_sequence_length")
+
+class Refused(ValueError):
+    """A value out of type or bounds; the message names the key and what it takes."""
+
+
+Check = Callable[[str, Any, Sequence["PipelineInfo"]], Any]
+"""A key's check: ``check(key, value, used)`` is ``value`` as the call takes it, or
+raises `Refused`; ``used`` are the pipelines the request runs on (its first segment's,
+and the following ones')."""
+
+
+def by_plan(key: str, value: Any, used: Sequence[PipelineInfo]) -> Any:
+    """A key the family's loop reads: taken as it is here, and checked by the loop's plan
+    against the video (``Loop.plan``)."""
+    return value
+
+
+def max_sequence_length(key: str, value: Any, used: Sequence[PipelineInfo]) -> int:
+    """The prompt's token length: 1 up to the pipelines' own default (the text encoder's
+    length), or `DEFAULT_MAX_SEQUENCE_LENGTH` where they have none."""
+    defaults = [info.default(key) for info in used]
+    cap = min(
+        (d for d in defaults if isinstance(d, int) and not isinstance(d, bool) and d > 0),
+        default=DEFAULT_MAX_SEQUENCE_LENGTH,
+    )
+    return _whole(key, value, 1, cap)
+
+
+def attention_kwargs(key: str, value: Any, used: Sequence[PipelineInfo]) -> dict[str, Any]:
+    """Only ``scale`` (the LoRA layers' scale for the call), within `ATTENTION_SCALE`."""
+    if not isinstance(value, dict) or set(value) - {"scale"}:
+        raise Refused(
+            f"extra_params.{key} takes only scale (a number from "
+            f"{-ATTENTION_SCALE:g} to {ATTENTION_SCALE:g}), got {shown(value)}"
+        )
+    if "scale" in value:
+        _number(f"{key}.scale", value["scale"], -ATTENTION_SCALE, ATTENTION_SCALE)
+    return dict(value)
+
+
+def sigmas(key: str, value: Any, used: Sequence[PipelineInfo]) -> tuple[float, ...]:
+    """A sigma schedule: one number in 0..1 per step (`schedule`)."""
+    return schedule(key, value, 1.0)
+
+
+def timesteps(key: str, value: Any, used: Sequence[PipelineInfo]) -> tuple[float, ...]:
+    """A timestep schedule: one number per step, in the scheduler's units (0 to its
+    ``num_train_timesteps``)."""
+    return schedule(key, value, float(_train_timesteps(used[0])))
+
+
+def flag(key: str, value: Any, used: Sequence[PipelineInfo]) -> bool:
+    """True or false, nothing else (no 0, 1 or "true")."""
+    if not isinstance(value, bool):
+        raise Refused(f"extra_params.{key} must be true or false, got {shown(value)}")
+    return value
+
+
+def whole(low: int, high: int) -> Check:
+    """The check of an integer from ``low`` to ``high``."""
+
+    def check(key: str, value: Any, used: Sequence[PipelineInfo]) -> int:
+        return _whole(key, value, low, high)
+
+    return check
+
+
+COMMON: Mapping[str, Check] = {
+    "attention_kwargs": attention_kwargs,
+    "max_sequence_length": max_sequence_length,
+}
 """What every family takes: the prompt's token length, and the LoRA scale for the call."""
 
 
 @attrs.frozen
-class Family:
-    """A family of pipelines the engine serves one way, and the ``extra_params`` it takes."""
+class ExtraParams:
+    """The ``extra_params`` one family of pipelines takes, each key with its check."""
 
     name: str
-    keys: tuple[str, ...]
+    """The family, as messages name it ("Helios takes ...")."""
+    checks: Mapping[str, Check]
     array_sigmas: bool = False
     """``sigmas`` goes to the call as a numpy array: Helios' scheduler multiplies it by
     ``num_train_timesteps``, which would repeat a list, not scale it."""
 
-
-SEGMENTS = Family("a pipeline served segment by segment", COMMON)
-"""Wan, SkyReels-V2 and other fixed-length pipelines, FramePack's inverted sampling aside."""
-HELIOS = Family("Helios", (*COMMON, "sigmas"), array_sigmas=True)
-HELIOS_PYRAMID = Family(
-    "Helios pyramid", (*COMMON, "is_amplify_first_chunk", "use_zero_init", "zero_steps")
-)
-"""(Its call takes ``sigmas`` but ignores it: each stage's schedule is the scheduler's.)"""
-FORCING_KEYS = (
-    "addnoise_condition",
-    "ar_step",
-    "base_num_frames",
-    "causal_block_size",
-    "overlap_history",
-)
-"""SkyReels-V2 DF's window-loop arguments (``_forcing.FORCING_ARGS``, listed here since
-``_forcing`` takes its step cap from this module)."""
-SKYREELS_DF = Family("SkyReels-V2 diffusion forcing", (*COMMON, *FORCING_KEYS))
-ANYFLOW_FAR = Family(
-    "AnyFlow FAR", (*COMMON, "chunk_partition", "sigmas", "timesteps", "use_mean_velocity")
-)
-FRAMEPACK = Family("FramePack", (*COMMON, "latent_window_size", "sampling_type", "sigmas"))
-
-LOOP_KEYS = frozenset(
-    {*FORCING_KEYS, "chunk_partition", "use_mean_velocity", "latent_window_size", "sampling_type"}
-)
-"""Keys the engine's own loops read, checked by their plans against the video."""
-
-
-def family_of(
-    model: PipelineInfo, *, chunked: bool, windowed: bool, far: bool, framepack: bool
-) -> Family:
-    """The family ``model`` is served as (the engine decided how at start-up)."""
-    if chunked:
-        stages = model.default("pyramid_num_inference_steps_list")
-        pyramid = isinstance(stages, list) and not model.accepts("num_inference_steps")
-        return HELIOS_PYRAMID if pyramid else HELIOS
-    if windowed:
-        return SKYREELS_DF
-    if far:
-        return ANYFLOW_FAR
-    if framepack:
-        return FRAMEPACK
-    return SEGMENTS
-
-
-class _Refused(ValueError):
-    """A value out of type or bounds; the message names the key and what it takes."""
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys, sorted."""
+        return tuple(sorted(self.checks))
 
 
 def check_extra_params(
     extra: Mapping[str, Any],
     *,
-    family: Family,
+    family: ExtraParams,
     used: Sequence[PipelineInfo],
     engine_set: Mapping[str, str],
     steps: int | None,
@@ -123,7 +152,7 @@ def check_extra_params(
     request's ``num_inference_steps``, which a schedule must agree with.
     """
     model = used[0]
-    taken = [k for k in sorted(family.keys) if all(info.accepts(k) for info in used)]
+    taken = [k for k in family.keys if all(info.accepts(k) for info in used)]
     reserved: list[str] = []
     unknown: list[str] = []
     checked: dict[str, Any] = {}
@@ -131,12 +160,9 @@ def check_extra_params(
         if key not in taken:
             (reserved if key in engine_set else unknown).append(key)
             continue
-        if key in LOOP_KEYS:
-            checked[key] = value  # checked against the video by the loop's plan
-            continue
         try:
-            checked[key] = _check(key, value, used)
-        except _Refused as exc:
+            checked[key] = family.checks[key](key, value, used)
+        except Refused as exc:
             problems.append(str(exc))
     if reserved:
         hints = [f"{k} (use {engine_set[k]})" if engine_set[k] else k for k in sorted(reserved)]
@@ -170,55 +196,7 @@ def schedule_steps(checked: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _check(key: str, value: Any, used: Sequence[PipelineInfo]) -> Any:
-    """``value`` for ``key`` as the call takes it, or `_Refused`."""
-    if key == "max_sequence_length":
-        defaults = [info.default(key) for info in used]
-        cap = min(
-            (d for d in defaults if isinstance(d, int) and not isinstance(d, bool) and d > 0),
-            default=DEFAULT_MAX_SEQUENCE_LENGTH,
-        )
-        return _whole(key, value, 1, cap)
-    if key == "attention_kwargs":
-        if not isinstance(value, dict) or set(value) - {"scale"}:
-            raise _Refused(
-                "extra_params.attention_kwargs takes only scale (a number from "
-                f"{-ATTENTION_SCALE:g} to {ATTENTION_SCALE:g}), got {shown(value)}"
-            )
-        if "scale" in value:
-            _number("attention_kwargs.scale", value["scale"], -ATTENTION_SCALE, ATTENTION_SCALE)
-        return dict(value)
-    if key == "sigmas":
-        return _schedule(key, value, 1.0)
-    if key == "timesteps":
-        return _schedule(key, value, float(_train_timesteps(used[0])))
-    if key == "zero_steps":
-        return _whole(key, value, 0, MAX_STEPS)
-    if key in ("use_zero_init", "is_amplify_first_chunk"):
-        if not isinstance(value, bool):
-            raise _Refused(f"extra_params.{key} must be true or false, got {shown(value)}")
-        return value
-    raise AssertionError(f"no check for extra_params.{key}")  # a Family lists it: add one
-
-
-def _whole(key: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _Refused(
-            f"extra_params.{key} must be an integer from {low} to {high}, got {shown(value)}"
-        )
-    return value
-
-
-def _number(key: str, value: Any, low: float, high: float) -> float:
-    # The range check also refuses NaN and the infinities (they compare false).
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise _Refused(
-            f"extra_params.{key} must be a number from {low:g} to {high:g}, got {shown(value)}"
-        )
-    return float(value)
-
-
-def _schedule(key: str, value: Any, high: float) -> tuple[float, ...]:
+def schedule(key: str, value: Any, high: float) -> tuple[float, ...]:
     """A ``sigmas`` or ``timesteps`` list: one finite number in ``0..high`` per step, at
     most `MAX_STEPS` (the schedule sets the number of steps: each is a transformer pass)."""
     if (
@@ -229,11 +207,28 @@ def _schedule(key: str, value: Any, high: float) -> tuple[float, ...]:
             for v in value
         )
     ):
-        raise _Refused(
+        raise Refused(
             f"extra_params.{key} must be a list of 1 to {MAX_STEPS} numbers from 0 to "
             f"{high:g}, one per step, got {shown(value)}"
         )
     return tuple(float(v) for v in value)
+
+
+def _whole(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise Refused(
+            f"extra_params.{key} must be an integer from {low} to {high}, got {shown(value)}"
+        )
+    return value
+
+
+def _number(key: str, value: Any, low: float, high: float) -> float:
+    # The range check also refuses NaN and the infinities (they compare false).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise Refused(
+            f"extra_params.{key} must be a number from {low:g} to {high:g}, got {shown(value)}"
+        )
+    return float(value)
 
 
 def _train_timesteps(info: PipelineInfo) -> int:

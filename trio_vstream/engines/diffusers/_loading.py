@@ -24,10 +24,6 @@ from typing import Any
 import attrs
 import torch
 
-from trio_vstream.engines.diffusers._far import streams_far
-from trio_vstream.engines.diffusers._forcing import streams_windows
-from trio_vstream.engines.diffusers._framepack import streams_sections
-from trio_vstream.engines.diffusers._history import streams_chunks
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
 from trio_vstream.logsafe import get_logger
 from trio_vstream.video import VideoDefaults
@@ -169,18 +165,6 @@ class PipelineInfo:
     """Valid frame counts are ``frame_step * n + 1`` (1: any count)."""
     encode_params: frozenset[str] | None
     """``encode_prompt``'s parameters, or None when prompts go in as strings."""
-    streams_chunks: bool = False
-    """Whether ``__call__`` is chunk-autoregressive and takes its history back in
-    (Helios): then each call makes one chunk, continued from the session's history."""
-    streams_windows: bool = False
-    """Whether it is a diffusion-forcing pipeline (SkyReels-V2 DF) whose window loop the
-    engine drives itself from its components, one window per chunk (`ForcingLoop`)."""
-    streams_far: bool = False
-    """Whether it is an AnyFlow FAR pipeline whose causal chunk loop the engine drives
-    itself from its components, one chunk per ``next_chunk`` (`FarLoop`)."""
-    streams_sections: bool = False
-    """Whether it is a FramePack pipeline whose section loop the engine drives itself from
-    its components, one section per ``next_chunk`` (`FramepackLoop`)."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -197,6 +181,16 @@ class PipelineInfo:
         if param is None or param.default is inspect.Parameter.empty:
             return None
         return param.default
+
+    @property
+    def pyramid_stages(self) -> int | None:
+        """How many resolution stages a pyramid pipeline (``HeliosPyramidPipeline``)
+        counts its steps per: its ``__call__`` takes ``pyramid_num_inference_steps_list``
+        (one count a stage) and no ``num_inference_steps``. None for any other pipeline."""
+        stages = self.default("pyramid_num_inference_steps_list")
+        if isinstance(stages, list) and not self.accepts("num_inference_steps"):
+            return len(stages)
+        return None
 
 
 def _component(pipe: Any, name: str) -> Any:
@@ -265,10 +259,6 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         size_multiple=max(2, multiple),
         frame_step=max(1, int(temporal)),
         encode_params=encode_params,
-        streams_chunks=streams_chunks(params),
-        streams_windows=streams_windows(params, pipe),
-        streams_far=streams_far(params, pipe),
-        streams_sections=streams_sections(params, pipe),
     )
 
 
@@ -351,15 +341,18 @@ def flow_shift_key(pipe: Any) -> str | None:
     return None
 
 
-def default_segment_frames(model: PipelineInfo, step: int) -> int:
-    """Frames per pipeline call when ``segment_frames`` is not set: one window for a
-    pipeline that generates in windows, else five latent frames (17 for Wan)."""
+def default_segment_frames(model: PipelineInfo, step: int, *, window_arg: str | None = None) -> int:
+    """Frames per pipeline call when ``segment_frames`` is not set: one chunk for a
+    pipeline that generates in chunks (``num_latent_frames_per_chunk``: Helios' 33), the
+    call's own window where ``window_arg`` names the argument that sets it (a diffusion-
+    forcing window, ``base_num_frames``: SkyReels-V2 DF's 97), else five latent frames (17
+    for Wan)."""
     window = model.default("num_latent_frames_per_chunk")
     if isinstance(window, int) and window > 1 and step > 1:
-        return (window - 1) * step + 1  # a pipeline that generates in windows (Helios): one
-    base = model.default("base_num_frames")
-    if model.streams_windows and isinstance(base, int) and base > 1:
-        return valid_frames(base, step)  # a diffusion-forcing window (SkyReels-V2 DF: 97)
+        return (window - 1) * step + 1
+    base = model.default(window_arg) if window_arg is not None else None
+    if isinstance(base, int) and base > 1:
+        return valid_frames(base, step)
     return 4 * step + 1 if step > 1 else 16
 
 

@@ -1,4 +1,5 @@
-"""`FarLoop`: one session's AnyFlow FAR chunks, one per ``next_chunk``.
+"""FAR chunks: AnyFlow FAR, one causal chunk per ``next_chunk``, the chunk loop (KV cache
+included) driven by the engine (`FarLoop`).
 
 ``AnyFlowFARPipeline`` makes a video chunk by chunk (``chunk_partition``, in latent
 frames): each chunk is denoised with flow-map steps while attending, through a KV cache,
@@ -17,7 +18,7 @@ range(len(chunk_partition))`` loop (diffusers 0.42.1, ``pipeline_anyflow_far.py`
 steps 4 to 8: the noise drawn for the whole video, the KV cache allocated as the call
 allocates it, the inner flow-map steps, then ``encode_kv_cache``), restated here, and
 then decodes that chunk's latent frames with the session's own causal VAE cache (the
-same ``AutoencoderKLWan`` as SkyReels-V2 DF, see `decode_continuing`). The cache pass
+same ``AutoencoderKLWan`` as SkyReels-V2 DF, see ``_vae.decode_continuing``). The cache pass
 that ends a chunk in the call is run at the start of the next one instead: its inputs
 are the same, so the numbers are too, and the frames go out before it. So the frames,
 joined, equal the single call's (tested), each chunk is handed over as soon as it is
@@ -34,17 +35,23 @@ costs more the later the chunk.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 
-from trio_vstream.engines.diffusers._forcing import _onload, decode_continuing
+from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas, timesteps
+from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import decode_continuing, onload
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
 """What a FAR pipeline's ``__call__`` takes for its causal chunk loop."""
@@ -52,15 +59,58 @@ FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
 ENGINE_SET_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache")
 """Chunk-loop arguments a request may not set: the engine keeps the history and the KV
 cache itself (``chunk_partition``, ``use_mean_velocity``, ``sigmas`` or ``timesteps``
-may be set, as for the call: `_extra.ANYFLOW_FAR`)."""
+may be set, as for the call: `EXTRA_PARAMS`)."""
+
+EXTRA_PARAMS = ExtraParams(
+    "AnyFlow FAR",
+    {
+        **COMMON,
+        "chunk_partition": by_plan,
+        "sigmas": sigmas,
+        "timesteps": timesteps,
+        "use_mean_velocity": by_plan,
+    },
+)
+"""The common keys, a schedule, and the chunk loop's, which `far_plan` checks."""
 
 
-def streams_far(params: Collection[str], pipe: Any) -> bool:
-    """Whether the engine can drive this pipeline's FAR chunk loop itself: a ``__call__``
-    with the loop's arguments, and the call's cache pass as a public method."""
-    return all(name in params for name in FAR_ARGS) and callable(
-        getattr(pipe, "encode_kv_cache", None)
-    )
+class FarChunks:
+    """AnyFlow FAR pipelines (`Loop`): the causal chunk loop, driven by the engine."""
+
+    name = "FAR chunks"
+    order = 30
+    frame_continued = False
+    image_in_loop = True
+    engine_set = ENGINE_SET_ARGS
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` with the loop's arguments, and the call's cache pass as a
+        public method."""
+        return all(name in info.params for name in FAR_ARGS) and callable(
+            getattr(info.pipe, "encode_kv_cache", None)
+        )
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        """A chunk's frames (all but the video's first chunk): ``chunk_partition``'s unit."""
+        segment = given or chunk_latent_frames(model.pipe) * frame_step
+        if segment % frame_step:
+            raise config_error(
+                f"segment_frames is {model.class_name}'s chunk: whole latent frames, a "
+                f"multiple of {frame_step} (e.g. {3 * frame_step}), got {segment}"
+            )
+        return segment
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return EXTRA_PARAMS
+
+    def plan(self, draft: Draft) -> FarPlan | None:
+        return far_plan(draft)
+
+    def start(self, stream: DiffusersStream, plan: FarPlan) -> FarLoop:
+        return FarLoop(stream, plan)
+
+
+LOOP: Loop[FarPlan] = FarChunks()
 
 
 def chunk_latent_frames(pipe: Any) -> int:
@@ -93,21 +143,16 @@ class FarPlan:
         return start, start + self.partition[index]
 
 
-def far_plan(
-    info: PipelineInfo,
-    extra: Mapping[str, Any],
-    *,
-    num_frames: int,
-    temporal: int,
-    chunk: int,
-    image: bool,
-    problems: list[str],
-) -> FarPlan | None:
+def far_plan(draft: Draft) -> FarPlan | None:
     """The chunk loop a request asks for: ``chunk_partition`` from ``extra_params`` (it
     must sum to the video's latent frames, as for the call), else the first chunk of the
-    transformer's own partition followed by chunks of ``chunk`` latent frames, the last
-    one what is left. Appends what is wrong to ``problems`` (then returns None), so a bad
-    request is refused before it runs."""
+    transformer's own partition followed by chunks of ``segment_frames`` (in latent
+    frames), the last one what is left. Appends what is wrong to ``draft.problems`` (then
+    returns None), so a bad request is refused before it runs."""
+    info, extra, problems, temporal = draft.model, draft.extra, draft.problems, draft.frame_step
+    num_frames = valid_frames(draft.request.num_frames, temporal)
+    chunk = draft.segment_frames // temporal
+    image = draft.request.image is not None
     latent_frames = (num_frames - 1) // temporal + 1
     given = extra.get("chunk_partition")
     if given is not None:
@@ -158,9 +203,9 @@ class FarLoop:
     """One session's place in the FAR chunk loop: the video's noise and latents so far,
     its KV cache, its decoder cache, and its generator."""
 
-    def __init__(self, plan: FarPlan, seed: int) -> None:
+    def __init__(self, stream: DiffusersStream, plan: FarPlan) -> None:
         self.plan = plan
-        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        self.generator = torch.Generator(device="cpu").manual_seed(stream.plan.seed % 2**64)
         """Draws the whole video's noise at the first chunk, as the single call does."""
         self._noise: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
@@ -176,7 +221,34 @@ class FarLoop:
         """Whether every chunk of the video has been made."""
         return self.chunks_done >= self.plan.chunks
 
-    def clear(self) -> None:
+    def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next chunk's frames."""
+        request = stream.request
+        image = None
+        if stream.index == 0 and stream.image is not None:
+            pixels = np.asarray(stream.image.convert("RGB"), dtype=np.float32) / 255.0
+            image = torch.from_numpy(pixels).permute(2, 0, 1)[None, None]  # (1, 1, 3, H, W)
+
+        def chunk(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = stream.embeds_and_negative(info, mix, pass_.guidance)
+            return self.run_chunk(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                image=image,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return stream.driven_chunk(
+            checkpoint, remaining, chunk, f"chunk of {self.plan.chunks}", 1.0
+        )
+
+    def close(self) -> None:
         """Drop the tensors (the stream is closing)."""
         self._noise = None
         self._output = None
@@ -309,7 +381,7 @@ class FarLoop:
         }
         self._kv_flag = {"num_cached_chunks": 0, "is_cache_step": False}
         if image is not None:
-            _onload(pipe.vae)  # encode_video calls vae._encode, which no offload hook sees
+            onload(pipe.vae)  # encode_video calls vae._encode, which no offload hook sees
             prefix = pipe.encode_video(image, height=height, width=width)
             output[:, : prefix.shape[1]] = prefix
             self._context_chunks = next(

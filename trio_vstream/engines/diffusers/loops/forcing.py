@@ -1,4 +1,5 @@
-"""`ForcingLoop`: one session's diffusion-forcing windows (SkyReels-V2 DF), one per chunk.
+"""Forcing windows: diffusion-forcing pipelines (SkyReels-V2 DF), one window per chunk,
+the window loop driven by the engine (`ForcingLoop`).
 
 ``SkyReelsV2DiffusionForcingPipeline`` (and its image-to-video sibling) makes a long video
 in overlapping windows of ``base_num_frames``: each window after the first starts from
@@ -31,17 +32,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from trio_vstream.engines.diffusers._extra import MAX_STEPS
+from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams, by_plan
+from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import decode_continuing
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FORCING_ARGS: tuple[str, ...] = (
     "overlap_history",
@@ -58,12 +65,50 @@ DEFAULT_OVERLAP_HISTORY = 17
 recommends 17 or 37."""
 
 
-def streams_windows(params: Collection[str], pipe: Any) -> bool:
-    """Whether the engine can drive this pipeline's diffusion-forcing window loop itself:
-    a ``__call__`` with the loop's arguments, and the loop's public helper."""
-    return all(name in params for name in FORCING_ARGS) and callable(
-        getattr(pipe, "generate_timestep_matrix", None)
-    )
+EXTRA_PARAMS = ExtraParams(
+    "SkyReels-V2 diffusion forcing", {**COMMON, **dict.fromkeys(FORCING_ARGS, by_plan)}
+)
+"""The common keys, and the window loop's, which `window_plan` checks against the video."""
+
+
+class ForcingWindows:
+    """Diffusion-forcing pipelines (`Loop`): the window loop, driven by the engine."""
+
+    name = "forcing windows"
+    order = 20
+    frame_continued = False
+    image_in_loop = True
+    engine_set: tuple[str, ...] = ()
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` with the window loop's arguments, and the loop's public helper."""
+        return all(name in info.params for name in FORCING_ARGS) and callable(
+            getattr(info.pipe, "generate_timestep_matrix", None)
+        )
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        """The window's frames (``base_num_frames``): its call's default, 97."""
+        if given is None:
+            return default_segment_frames(model, frame_step, window_arg="base_num_frames")
+        if (given - 1) % frame_step or given <= frame_step:
+            raise config_error(
+                f"segment_frames is {model.class_name}'s window (base_num_frames): "
+                f"{frame_step}*n+1 with n >= 2 (e.g. "
+                f"{valid_frames(max(given, 2 * frame_step + 1), frame_step)}), got {given}"
+            )
+        return given
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return EXTRA_PARAMS
+
+    def plan(self, draft: Draft) -> WindowPlan | None:
+        return window_plan(draft)
+
+    def start(self, stream: DiffusersStream, plan: WindowPlan) -> ForcingLoop:
+        return ForcingLoop(stream, plan)
+
+
+LOOP: Loop[WindowPlan] = ForcingWindows()
 
 
 @attrs.frozen(kw_only=True)
@@ -126,20 +171,15 @@ class WindowPlan:
         return min(self.latent_frames - finished + self.overlap, self.base)
 
 
-def window_plan(
-    info: PipelineInfo,
-    extra: Mapping[str, Any],
-    *,
-    num_frames: int,
-    base_num_frames: int,
-    temporal: int,
-    problems: list[str],
-) -> WindowPlan | None:
+def window_plan(draft: Draft) -> WindowPlan | None:
     """The window loop a request asks for: ``base_num_frames`` (the engine's
     ``segment_frames``), ``overlap_history`` (17, or about half a window for windows of 21
     frames or fewer), ``ar_step``, ``causal_block_size`` and ``addnoise_condition`` may come
-    in ``extra_params``, as for the call. Appends what is wrong to ``problems`` (then
+    in ``extra_params``, as for the call. Appends what is wrong to ``draft.problems`` (then
     returns None), so a bad request is refused before it runs, not mid-video."""
+    info, extra, problems, temporal = draft.model, draft.extra, draft.problems, draft.frame_step
+    num_frames = valid_frames(draft.request.num_frames, temporal)
+    base_num_frames = draft.segment_frames
 
     def whole(name: str, default: Any, minimum: int, maximum: int | None = None) -> Any:
         value = extra.get(name, default)
@@ -207,8 +247,9 @@ def window_plan(
 class ForcingLoop:
     """One session's place in the window loop: what the next window starts from."""
 
-    def __init__(self, plan: WindowPlan, seed: int) -> None:
+    def __init__(self, stream: DiffusersStream, plan: WindowPlan) -> None:
         self.plan = plan
+        seed = stream.plan.seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
         """Draws each window's noise, in the single call's order."""
         self._condition_noise = torch.Generator(device="cpu").manual_seed((seed + 1) % 2**64)
@@ -228,7 +269,31 @@ class ForcingLoop:
         """Latent frames kept for the next window's prefix; at most the overlap (tests)."""
         return 0 if self._history is None else int(self._history.shape[2])
 
-    def clear(self) -> None:
+    def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next window's new frames."""
+        request = stream.request
+
+        def window(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            embeds, negative = stream.embeds_and_negative(info, mix, pass_.guidance)
+            return self.run_window(
+                checkpoint,
+                info.pipe,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                fps=request.fps,
+                image=stream.image if pass_.index == 0 else None,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return stream.driven_chunk(
+            checkpoint, remaining, window, f"window of {self.plan.windows}", 1.0
+        )
+
+    def close(self) -> None:
         """Drop the tensors (the stream is closing)."""
         self._history = None
         self._decoder_cache = None
@@ -355,45 +420,6 @@ class ForcingLoop:
         return decode_continuing(pipe, latents, self._decoder_cache)
 
 
-def decode_continuing(pipe: Any, latents: torch.Tensor, cache: list[Any]) -> torch.Tensor:
-    """Decode ``latents`` (B, C, T, H, W, normalised) with a Wan VAE as one decode of the
-    whole video would decode them: frame by frame through ``vae.decoder``, continuing the
-    causal ``cache`` (``AutoencoderKLWan._decode``, without its cache reset between calls).
-    ``cache`` is the session's: empty before its first frame, filled here, and kept by the
-    caller for the next call. Returns the frames as ``output_type="pt"`` makes them."""
-    vae = pipe.vae
-    _onload(vae)
-    latents = latents.to(vae.dtype)
-    z_dim = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-    mean = mean.to(latents.device, latents.dtype)
-    inv_std = inv_std.to(latents.device, latents.dtype)
-    latents = latents / inv_std + mean
-    first = not cache
-    if first:
-        cache.extend([None] * _causal_convs(vae.decoder))
-    x = vae.post_quant_conv(latents)
-    parts = []
-    for i in range(x.shape[2]):
-        parts.append(
-            vae.decoder(
-                x[:, :, i : i + 1],
-                feat_cache=cache,
-                feat_idx=[0],
-                first_chunk=first and i == 0,
-            )
-        )
-    out = torch.cat(parts, dim=2)
-    if vae.config.get("patch_size") is not None:
-        # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-        out = unpatchify(out, patch_size=vae.config.patch_size)
-    out = torch.clamp(out, min=-1.0, max=1.0)
-    return pipe.video_processor.postprocess_video(out, output_type="pt")
-
-
 def _predict(
     transformer: Any,
     hidden: torch.Tensor,
@@ -446,19 +472,3 @@ def _image_latents(
     mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, torch.float32)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
     return (latent - mean) * inv_std.to(device, torch.float32)
-
-
-def _causal_convs(decoder: Any) -> int:
-    """How many cache slots a Wan decoder needs: one per causal convolution."""
-    # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
-    return sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
-
-
-def _onload(module: Any) -> None:
-    """Bring an offloaded module to its device, as its ``decode`` would (accelerate's
-    hook only runs on ``forward``/``decode``, and the loop calls ``module.decoder``)."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(module)

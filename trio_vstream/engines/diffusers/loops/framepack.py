@@ -1,6 +1,7 @@
-"""FramePack (``HunyuanVideoFramepackPipeline``): `FramepackLoop` streams one session's
-FramePack-F1 (vanilla) sections, one per ``next_chunk``; inverted sampling goes the
-engine's segment path, one call of one section per segment (`FramepackPlan.inverted`).
+"""FramePack sections (``HunyuanVideoFramepackPipeline``): `FramepackLoop` streams one
+session's FramePack-F1 (vanilla) sections, one per ``next_chunk``; inverted sampling goes
+the segment path, one call of one section per segment (`FramepackPlan.inverted`,
+`InvertedRun`).
 
 ``HunyuanVideoFramepackPipeline`` with ``sampling_type="vanilla"`` (FramePack-F1) makes a
 video forwards in sections of ``latent_window_size`` latent frames: each section is
@@ -36,7 +37,7 @@ FramePackI2V_HY checkpoint's) makes the sections from the video's end backwards,
 prepended to the history: the first frames come last, so nothing of a multi-section call
 can be sent in time order before the whole call ends, and no loop of the engine's could
 continue it forwards. So it is served as fixed-length image-to-video pipelines (Wan) are,
-segment by segment (``DiffusersStream._generate``): each segment is one whole call of one
+segment by segment (``segments.SegmentRun``): each segment is one whole call of one
 section (``num_frames`` at most ``(latent_window_size-1)*4+1``, which the call rounds up to
 one section; `FramepackPlan.call_frames`), which makes ``4*latent_window_size+1`` frames,
 the conditioning image's own first (`FramepackPlan.segment_frames`). The first segment is
@@ -54,18 +55,25 @@ while a transition runs. Any other ``sampling_type`` is refused (`framepack_plan
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.diffusers._forcing import _onload
+from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas
 from trio_vstream.engines.diffusers._messages import quoted, shown
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import onload
+from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
+    from trio_vstream.engines.transitions import ChunkConditioning
 
 FRAMEPACK_ARGS: tuple[str, ...] = ("latent_window_size", "sampling_type", "image_latents")
 """What a FramePack pipeline's ``__call__`` takes for its section loop."""
@@ -95,13 +103,77 @@ SAMPLING_TYPES: tuple[str, ...] = (INVERTED, VANILLA)
 """The ``sampling_type`` values a request may ask for."""
 
 
-def streams_sections(params: Collection[str], pipe: Any) -> bool:
-    """Whether the engine can drive this pipeline's FramePack section loop itself: a
-    ``__call__`` with the loop's arguments, and the parts the loop is made of."""
-    return all(name in params for name in FRAMEPACK_ARGS) and all(
-        callable(getattr(pipe, name, None))
-        for name in ("encode_image", "prepare_image_latents", "prepare_latents")
-    )
+EXTRA_PARAMS = ExtraParams(
+    "FramePack",
+    {**COMMON, "latent_window_size": by_plan, "sampling_type": by_plan, "sigmas": sigmas},
+)
+"""The common keys, a schedule, and the section loop's, which `framepack_plan` checks."""
+
+
+class FramepackSections:
+    """FramePack pipelines (`Loop`): vanilla sampling's section loop, driven by the
+    engine; inverted sampling, the segment path (decided per request, in `plan`)."""
+
+    name = "FramePack sections"
+    order = 40
+    frame_continued = False
+    image_in_loop = True
+    engine_set = ENGINE_SET_ARGS
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` with the section loop's arguments, and the parts the loop is
+        made of."""
+        return all(name in info.params for name in FRAMEPACK_ARGS) and all(
+            callable(getattr(info.pipe, name, None))
+            for name in ("encode_image", "prepare_image_latents", "prepare_latents")
+        )
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        """A section's new frames: ``latent_window_size`` latent frames of ``frame_step``."""
+        segment = given or default_window(model) * frame_step
+        if segment % frame_step:
+            raise config_error(
+                f"segment_frames is {model.class_name}'s section (latent_window_size "
+                f"latent frames): a multiple of {frame_step} (e.g. "
+                f"{default_window(model) * frame_step}), got {segment}"
+            )
+        return segment
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return EXTRA_PARAMS
+
+    def plan(self, draft: Draft) -> FramepackPlan | SegmentPlan | None:
+        """Vanilla: the sections. Inverted: the segment path, one call of one section a
+        segment (the image's frame and ``window*frame_step`` new ones), each later one
+        continued from the last frame."""
+        model, step = draft.model, draft.frame_step
+        sections = framepack_plan(
+            model,
+            draft.extra,
+            num_frames=draft.request.num_frames,
+            window=draft.segment_frames // step,
+            true_cfg_scale=draft.request.true_cfg_scale,
+            problems=draft.problems,
+        )
+        if sections is None or not sections.inverted:
+            return sections
+        draft.call_kwargs[model.role].update(sections.call_kwargs())
+        return SegmentPlan(
+            continues=True,
+            segment_frames=sections.segment_frames(step),
+            frame_step=step,
+            call_frames=sections.call_frames(step),
+        )
+
+    def start(
+        self, stream: DiffusersStream, plan: FramepackPlan | SegmentPlan
+    ) -> FramepackLoop | InvertedRun:
+        if isinstance(plan, SegmentPlan):
+            return InvertedRun(stream, plan)
+        return FramepackLoop(stream, plan)
+
+
+LOOP: Loop[FramepackPlan | SegmentPlan] = FramepackSections()
 
 
 def default_window(info: PipelineInfo) -> int:
@@ -192,16 +264,16 @@ def framepack_plan(
         )
         return None
     # sigmas comes checked (`check_extra_params`): bounded, one per step.
-    sigmas = extra.get("sigmas")
-    if sigmas is not None:
-        sigmas = tuple(sigmas)
+    schedule = extra.get("sigmas")
+    if schedule is not None:
+        schedule = tuple(schedule)
     if not known:
         return None
     window_frames = (size - 1) * 4 + 1
     return FramepackPlan(
         window=size,
         sections=max(1, (num_frames + window_frames - 1) // window_frames),
-        sigmas=sigmas,
+        sigmas=schedule,
         true_cfg_scale=1.0 if true_cfg_scale is None else float(true_cfg_scale),
         sampling=sampling,
     )
@@ -259,13 +331,66 @@ class Prompt:
         return kwargs
 
 
+class Prompts:
+    """One session's `Prompt` per prompt text, encoded once per stream."""
+
+    def __init__(self, max_sequence_length: int | None) -> None:
+        self._max_sequence_length = max_sequence_length
+        self._encoded: dict[str, Prompt] = {}
+
+    def get(self, info: PipelineInfo, text: str) -> Prompt:
+        """``text``'s conditioning on ``info``'s pipeline."""
+        cached = self._encoded.get(text)
+        if cached is None:
+            cached = Prompt.encode(info.pipe, text, self._max_sequence_length)
+            self._encoded[text] = cached
+        return cached
+
+    def mixed(self, info: PipelineInfo, mix: Mix) -> Prompt:
+        """A schedule's mix of prompts, blended (`Prompt.mixed`)."""
+        return Prompt.mixed([(self.get(info, text), weight) for text, weight in mix])
+
+    def clear(self) -> None:
+        self._encoded.clear()
+
+
+class InvertedRun(SegmentRun):
+    """One session's inverted segments: the segment path, its prompts as FramePack's
+    three tensors (which its ``encode_prompt`` returns and the generic layouts do not
+    read), blended as the section loop blends them."""
+
+    def __init__(self, stream: DiffusersStream, plan: SegmentPlan) -> None:
+        super().__init__(stream, plan)
+        self._prompts = Prompts(stream.plan.max_sequence_length)
+
+    def close(self) -> None:
+        super().close()
+        self._prompts.clear()
+
+    def _prompt_kwargs(
+        self, stream: DiffusersStream, info: PipelineInfo, conditioning: ChunkConditioning
+    ) -> dict[str, Any]:
+        """The negative prompt's tensors only for true CFG (``guidance_scale`` is distilled
+        guidance)."""
+        prompt = self._prompts.mixed(info, conditioning.mix)
+        negative = None
+        true_cfg = stream.plan.call_kwargs[info.role].get("true_cfg_scale")
+        if true_cfg is None:
+            true_cfg = info.default("true_cfg_scale")
+        text = stream.request.negative_prompt
+        if text is not None and isinstance(true_cfg, (int, float)) and true_cfg > 1.0:
+            negative = self._prompts.get(info, text)
+        return prompt.call_kwargs(negative)
+
+
 class FramepackLoop:
     """One session's place in the vanilla section loop: the first frame's latent and
     embedding, the latest latent frames, the held-back overlap frames, the generator."""
 
-    def __init__(self, plan: FramepackPlan, seed: int) -> None:
+    def __init__(self, stream: DiffusersStream, plan: FramepackPlan) -> None:
         self.plan = plan
-        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        self._prompts = Prompts(stream.plan.max_sequence_length)
+        self.generator = torch.Generator(device="cpu").manual_seed(stream.plan.seed % 2**64)
         """Draws the image latent's sample, then each section's noise: the call's order."""
         self._image_latents: torch.Tensor | None = None
         self._image_embeds: torch.Tensor | None = None
@@ -278,8 +403,37 @@ class FramepackLoop:
         """Whether every section of the video has been made."""
         return self.sections_done >= self.plan.sections
 
-    def clear(self) -> None:
+    def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
+        """The next section's final frames; its conditioning (the LLaMA embeddings and
+        mask and the CLIP pooled embedding) is blended alike."""
+        plan = self.plan
+        request = stream.request
+
+        def section(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
+            prompt = self._prompts.mixed(info, mix)
+            negative = None
+            if plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
+                negative = self._prompts.get(info, request.negative_prompt)
+            return self.run_section(
+                checkpoint,
+                info.pipe,
+                prompt=prompt,
+                negative=negative,
+                guidance_scale=pass_.guidance,
+                num_inference_steps=pass_.steps,
+                height=request.height,
+                width=request.width,
+                image=stream.image if pass_.index == 0 else None,
+                attention_kwargs=pass_.kwargs.get("attention_kwargs"),
+            )
+
+        return stream.driven_chunk(
+            checkpoint, remaining, section, f"section of {plan.sections}", 6.0
+        )
+
+    def close(self) -> None:
         """Drop the tensors (the stream is closing)."""
+        self._prompts.clear()
         self._image_latents = None
         self._image_embeds = None
         self._history = None
@@ -393,7 +547,7 @@ class FramepackLoop:
         device = pipe._execution_device
         pixels = pipe.video_processor.preprocess(image, height, width)
         self._image_embeds = pipe.encode_image(pixels, device=device).to(dtype)
-        _onload(pipe.vae)  # prepare_image_latents calls vae.encode, which no offload hook sees
+        onload(pipe.vae)  # prepare_image_latents calls vae.encode, which no offload hook sees
         image_latents = pipe.prepare_image_latents(
             pixels, dtype=torch.float32, device=device, generator=self.generator
         )
@@ -442,7 +596,7 @@ class FramepackLoop:
     def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
         """One section's decode, as the call makes it (with the section before it)."""
         vae = pipe.vae
-        _onload(vae)
+        onload(vae)
         return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
 
     def _final_frames(self, decoded: torch.Tensor, *, first: bool, last: bool) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""`ChunkHistory`: one session's state for a chunk-autoregressive pipeline (Helios).
+"""History chunks: chunk-autoregressive pipelines (Helios, its pyramid and distilled
+variants), one call a chunk with the session's history latents passed back in.
 
 Helios makes a video in chunks of ``num_latent_frames_per_chunk`` latent frames, each
 conditioned on the last ``sum(history_sizes)`` latent frames made before it and on the
@@ -12,18 +13,33 @@ session carries on from call to call, drawing what one long call would draw, in 
 order; so the frames are exactly those of the single call (tested).
 
 The history kept is the pipeline's fixed window, whatever the video's length: memory
-stays flat over any number of chunks.
+stays flat over any number of chunks. A chunk is the segment path's call (`SegmentRun`)
+with `ChunkHistory`'s continuation arguments and one generator for the whole session in
+place of a frame and a generator per segment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trio_vstream.engines.base import Checkpoint, EngineError
+from trio_vstream.engines.diffusers._extra import (
+    COMMON,
+    MAX_STEPS,
+    ExtraParams,
+    flag,
+    sigmas,
+    whole,
+)
+from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
+
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._stream import DiffusersStream
 
 HISTORY_ARGS: tuple[str, ...] = (
     "video_latents",
@@ -48,11 +64,55 @@ ENGINE_SET_ARGS: tuple[str, ...] = (
 """Chunk-loop arguments a request may not set: the engine sets them, or relies on their
 defaults, to carry one chunk's state into the next call."""
 
+HELIOS = ExtraParams("Helios", {**COMMON, "sigmas": sigmas}, array_sigmas=True)
+HELIOS_PYRAMID = ExtraParams(
+    "Helios pyramid",
+    {
+        **COMMON,
+        "is_amplify_first_chunk": flag,
+        "use_zero_init": flag,
+        "zero_steps": whole(0, MAX_STEPS),
+    },
+)
+"""(Its call takes ``sigmas`` but ignores it: each stage's schedule is the scheduler's.)"""
 
-def streams_chunks(params: Collection[str]) -> bool:
-    """Whether a ``__call__`` with these parameters is chunk-autoregressive (Helios's
-    signature): then the engine calls it once per chunk with the history passed in."""
-    return all(name in params for name in HISTORY_ARGS)
+
+class HistoryChunks:
+    """Chunk-autoregressive pipelines (`Loop`): one call a chunk, continued from the
+    session's history latents."""
+
+    name = "history chunks"
+    order = 10
+    frame_continued = False
+    image_in_loop = False
+    engine_set = ENGINE_SET_ARGS
+
+    def recognises(self, info: PipelineInfo) -> bool:
+        """A ``__call__`` that takes its history back in (Helios's signature)."""
+        return all(name in info.params for name in HISTORY_ARGS)
+
+    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
+        segment = (chunk_latent_frames(model) - 1) * frame_step + 1
+        if given not in (None, segment):
+            raise config_error(
+                f"segment_frames: {model.class_name} makes {segment}-frame chunks, one per "
+                f"call; leave segment_frames out or set it to {segment}"
+            )
+        return segment
+
+    def extra_params(self, model: PipelineInfo) -> ExtraParams:
+        return HELIOS_PYRAMID if model.pyramid_stages is not None else HELIOS
+
+    def plan(self, draft: Draft) -> SegmentPlan:
+        return SegmentPlan(
+            continues=False, segment_frames=draft.segment_frames, frame_step=draft.frame_step
+        )
+
+    def start(self, stream: DiffusersStream, plan: SegmentPlan) -> HistoryRun:
+        return HistoryRun(stream, plan)
+
+
+LOOP: Loop[SegmentPlan] = HistoryChunks()
 
 
 def chunk_latent_frames(info: PipelineInfo) -> int:
@@ -152,6 +212,55 @@ class ChunkHistory:
     def held_latent_frames(self) -> int:
         """Latent frames of history held now; bounded by the window (for tests)."""
         return 0 if self._history is None else int(self._history.shape[2])
+
+
+class HistoryRun(SegmentRun):
+    """One session's chunks: the segment path's calls, each a whole chunk continued from
+    the session's `ChunkHistory` (so its frames are the single call's)."""
+
+    def __init__(self, stream: DiffusersStream, plan: SegmentPlan) -> None:
+        super().__init__(stream, plan)
+        self.history = ChunkHistory(stream.plan.first, stream.plan.seed)
+        self._made: list[torch.Tensor] = []  # the chunk's latents, for the history
+
+    def close(self) -> None:
+        super().close()
+        self.history.clear()
+        self._made.clear()
+
+    def _frames(self, remaining: int, continuing: bool) -> int:
+        return self.plan.segment_frames  # a whole chunk, so its noise is the single call's
+
+    def _seed_call(self, kwargs: dict[str, Any], index: int, image: Any) -> None:
+        """Nothing: the history's generator and first frame go in under the lock."""
+
+    def _before_call(
+        self,
+        stream: DiffusersStream,
+        checkpoint: Checkpoint,
+        info: PipelineInfo,
+        kwargs: dict[str, Any],
+        index: int,
+        image: Any,
+    ) -> None:
+        self._made.clear()
+        kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+        if index == 0 and image is not None:
+            request = stream.request
+            checkpoint()  # the first frame's VAE encode
+            self.history.start_from_image(
+                info.pipe, image, height=request.height, width=request.width
+            )
+        kwargs.update(self.history.call_kwargs())
+
+    def _on_step(self, tensors: dict[str, Any]) -> None:
+        self._made[:] = [tensors["latents"]]  # after the last step: the chunk's latents
+
+    def _after_call(self, info: PipelineInfo) -> None:
+        if not self._made:
+            raise EngineError(f"{info.class_name} ran no denoising step")
+        self.history.record(self._made[0])
+        self._made.clear()
 
 
 def _noised(

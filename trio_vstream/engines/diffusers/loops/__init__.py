@@ -1,0 +1,78 @@
+"""One module per family of diffusers pipelines, behind one protocol (`Loop`).
+
+A family is the pipelines the engine streams one way:
+
+- ``segments``: fixed-length pipelines (Wan, LTX, CogVideoX, ...), one call per segment,
+  each continued from the last frame or an independent clip. It takes any pipeline, so
+  it is asked last.
+- ``history``: chunk-autoregressive pipelines (Helios, pyramid and distilled included),
+  one call per chunk with the session's history latents passed back in.
+- ``forcing``: diffusion-forcing pipelines (SkyReels-V2 DF), their window loop driven by
+  the engine from the pipeline's parts.
+- ``far``: AnyFlow FAR, its causal chunk loop (KV cache included) driven by the engine.
+- ``framepack``: FramePack, its vanilla section loop driven by the engine; its inverted
+  sampling goes the segment path.
+
+The engine asks the registry once, at start-up (`loop_for`): the first family, in
+``LOOP.order``, that recognises the ``model`` pipeline serves it, and that one value
+decides everything the engine does per family.
+
+Adding a family is one new module here and its tests:
+
+1. ``loops/<family>.py`` (a name without a leading underscore: the registry imports
+   every such module of this package; ``_``-modules hold what families share, such as
+   `_vae`) defines ``LOOP``, an object implementing `Loop`: its ``name``, its ``order``
+   (below the segment path's 1000), ``recognises`` (what the pipeline's ``__call__``
+   takes and the parts its loop needs), ``segment_frames`` (what the engine arg means
+   for it), ``extra_params`` (its allow-list: `ExtraParams` built from the checks in
+   ``_extra``, ``by_plan`` for the keys its plan checks against the video),
+   ``engine_set``, ``plan`` (a request's video, every problem appended, nothing run) and
+   ``start``, whose `Run` makes each chunk (``next_chunk``) and drops its tensors
+   (``close``). A loop the engine drives hands each pass to
+   ``DiffusersStream.driven_chunk`` (the lock, the LoRA, the prompt blend, the host copy);
+   a loop of pipeline calls can build on ``segments.SegmentRun``, as ``history`` does.
+2. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
+   (a builder in ``tiny``): the streamed frames equal the pipeline's own single call,
+   sessions take turns, a stop ends within a step and the stopped chunk is not decoded,
+   memory stays flat (or says why not), and the ``extra_params`` it refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any
+
+from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop, Run
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers._loading import PipelineInfo
+
+__all__ = ["Draft", "Loop", "Run", "loop_for", "registered"]
+
+
+@functools.cache
+def registered() -> tuple[Loop[Any], ...]:
+    """Every family's ``LOOP``, in the order the registry asks them (``LOOP.order``)."""
+    loops: list[Loop[Any]] = []
+    for module in pkgutil.iter_modules(__path__):
+        if module.name.startswith("_"):
+            continue
+        family = importlib.import_module(f"{__name__}.{module.name}")
+        loop = getattr(family, "LOOP", None)
+        if loop is None:
+            raise ImportError(f"{family.__name__}: a family's module defines LOOP")
+        loops.append(loop)
+    orders = [loop.order for loop in loops]
+    if len(set(orders)) != len(orders):
+        raise ImportError(f"two families share an order: {sorted(orders)}")
+    return tuple(sorted(loops, key=lambda loop: loop.order))
+
+
+def loop_for(info: PipelineInfo) -> Loop[Any]:
+    """The family that serves ``info``: the first, in order, that recognises it."""
+    for loop in registered():
+        if loop.recognises(info):
+            return loop
+    raise LookupError(f"no family serves {info.class_name}")  # the segment path takes any
