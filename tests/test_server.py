@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ import trio
 from trio_websocket import open_websocket_url
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
+from tests.instrumented import InstrumentedEngine, InstrumentedStream
+from trio_vstream.engines.base import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "a red circle moving left", "size": "64x48", "fps": 8}
@@ -407,6 +410,51 @@ async def test_slow_engine_without_client_messages_is_not_a_stall(start_server: 
 
 
 # ---------------------------------------------------------------------- G3
+
+
+class SignalsClose(InstrumentedEngine):
+    """Says (to a test's thread) when a session's stream has been closed."""
+
+    def __init__(self, settings: SyntheticSettings) -> None:
+        super().__init__(settings)
+        self.stream_closed = threading.Event()
+
+    def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
+        stream = super().open_stream(request)
+        close = stream.close
+
+        def closing() -> None:
+            close()
+            self.stream_closed.set()
+
+        stream.close = closing  # type: ignore[method-assign]
+        return stream
+
+
+async def test_chunks_made_before_an_engine_failure_are_still_sent(start_server: Any) -> None:
+    """The engine makes chunks 0 and 1, then fails at chunk 2, while no chunk has been
+    encoded yet (the test holds every encode slot). What the engine made is the user's
+    video so far: both chunks arrive, then the error."""
+    running = await start_server(
+        SyntheticSettings(fail_at_chunk=2, chunk_frames=2, steps=1), engine_class=SignalsClose
+    )
+    limiter = running.server._resources.encode_limiter
+    holders = [object() for _ in range(int(limiter.total_tokens))]
+    for holder in holders:
+        await limiter.acquire_on_behalf_of(holder)
+    transcript = Transcript()
+    async with running.connect() as ws:
+        await ws.send_message(json.dumps({**START, "num_frames": 10}))
+        # The engine failed (and its stream was closed) before anything was encoded.
+        assert await trio.to_thread.run_sync(running.engine.stream_closed.wait, 20)
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
+        await receive_into(ws, transcript)
+    media = [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+    assert [m["generation_chunk_index"] for m in media] == [0, 1]
+    assert len(decode_video(transcript.video_bytes)) == 4
+    assert transcript.terminal[-1]["code"] == "generation_failed"
+    assert transcript.close_code == 1000
 
 
 async def test_engine_failure_reaches_the_client_and_spares_other_sessions(

@@ -235,6 +235,8 @@ class Session:
         self._session_scope = trio.CancelScope()
         self._streaming = False
         self._generated_all = False
+        self._deliver_generated = False
+        """The engine failed: what it made before is still sent, then the error."""
         self.admitted = False
         """True from the ``session.start`` that took a session slot: an upgrade still
         waiting for its ``session.start`` never counts against the server's limit."""
@@ -749,7 +751,11 @@ class Session:
                 raise
             except Exception as exc:
                 logger.exception("session %s: engine failed while generating", self.request_id)
-                self.stop(Outcome.FAILED, self._engine_failure(exc, "generating"))
+                # The chunks the engine made before it failed are the user's video so far:
+                # they are still sent (at most the one waiting and the one being sent),
+                # then the error. The producer ends here, so nothing needs cancelling.
+                if self._end(Outcome.FAILED, self._engine_failure(exc, "generating")):
+                    self._deliver_generated = True
                 return
             if chunk is None:
                 # The video is complete: what is left is delivery, which a stop or a
@@ -844,7 +850,7 @@ class Session:
         first waits for its chunk's media time. A stop ends either wait, so a chunk
         whose encoding has not started is dropped at once.
         """
-        if self.outcome is not None:
+        if self.outcome is not None and not self._deliver_generated:
             return False
         limiter = self._res.encode_limiter
         with trio.CancelScope() as self._encode_wait:
@@ -852,7 +858,7 @@ class Session:
             await limiter.acquire_on_behalf_of(self)
         if self._encode_wait.cancelled_caught:
             return False
-        if self.outcome is not None:  # stopped just as the slot came
+        if self.outcome is not None and not self._deliver_generated:  # stopped just then
             limiter.release_on_behalf_of(self)
             return False
         return True
