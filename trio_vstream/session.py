@@ -80,9 +80,9 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    frames_to_uint8_array,
-    interaction_kinds,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array
+from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
@@ -471,7 +471,7 @@ class Session:
 
     def _config_echo(self, start: protocol.SessionStart) -> dict[str, Any]:
         """The request as used: with the engine's seed when the client chose none."""
-        seed = getattr(self._stream, "seed", None)
+        seed = self._stream.seed if supports_seed(self._stream) else None
         if "seed" in start.config or not isinstance(seed, int) or isinstance(seed, bool):
             return start.config
         return {**start.config, "seed": seed}

@@ -35,6 +35,7 @@ import attrs
 import torch
 from torch.nn import functional as F
 
+from trio_vstream.engines.args import parse_number_arg, reject_unknown_args
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
@@ -43,8 +44,6 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    parse_number_arg,
-    reject_unknown_args,
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import PromptSchedule
