@@ -80,6 +80,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    SamplingSettings,
 )
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
@@ -534,10 +535,12 @@ class Session:
             negative_prompt=request.negative_prompt,
             num_inference_steps=request.num_inference_steps,
             guidance_scale=request.guidance_scale,
-            guidance_scale_2=request.guidance_scale_2,
-            true_cfg_scale=request.true_cfg_scale,
-            boundary_ratio=request.boundary_ratio,
-            flow_shift=request.flow_shift,
+            sampling=SamplingSettings(
+                guidance_scale_2=request.guidance_scale_2,
+                true_cfg_scale=request.true_cfg_scale,
+                boundary_ratio=request.boundary_ratio,
+                flow_shift=request.flow_shift,
+            ),
             seed=request.seed,
             quality=request.quality,
             image=image,

@@ -23,6 +23,7 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    SamplingSettings,
     checkpoint_calling,
 )
 from trio_vstream.engines.interfaces import (
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidRequestError",
     "PromptChange",
     "PromptSchedule",
+    "SamplingSettings",
     "checkpoint_calling",
     "interaction_kinds",
     "load_engine",

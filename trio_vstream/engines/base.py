@@ -156,12 +156,32 @@ class EngineConfigError(EngineError):
 
 
 @attrs.frozen(kw_only=True)
+class SamplingSettings:
+    """Sampler settings that some model families have and others do not.
+
+    Wan 2.2's two-stage sampling (``guidance_scale_2`` for the low-noise stage,
+    ``boundary_ratio`` where it begins), true classifier-free guidance with a negative
+    prompt (``true_cfg_scale``), and the timestep shift of flow-matching schedulers
+    (``flow_shift``). Each is ``None`` when the client left it to the engine. They are
+    kept apart from `GenerationRequest`'s common fields so that what every engine must
+    answer stays small: an engine reads those its sampler has, and refuses or ignores
+    (saying so in its log) the others.
+    """
+
+    guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     """One validated session.start, resolved to what an engine needs.
 
     ``num_frames``, ``width``, ``height`` and ``fps`` are always set (the
     request's values or the engine's defaults); optional sampling fields are
-    ``None`` when the client left them to the engine.
+    ``None`` when the client left them to the engine. Model-family sampler
+    settings are in ``sampling``.
     """
 
     request_id: str
@@ -173,10 +193,8 @@ class GenerationRequest:
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
-    true_cfg_scale: float | None = None
-    boundary_ratio: float | None = None
-    flow_shift: float | None = None
+    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
+    """Settings of some model families' samplers (Wan 2.2's second stage, ...)."""
     seed: int | None = None
     quality: str | None = None
     image: np.ndarray | None = attrs.field(default=None, eq=False)
