@@ -84,7 +84,7 @@ def test_the_built_in_engines_declare_their_capabilities() -> None:
 def test_a_max_batch_that_is_not_a_positive_integer_fails_at_start_up(value: object) -> None:
     engine = BareEngine()
     engine.max_batch = value  # type: ignore[attr-defined]
-    assert supports_batching(engine)
+    assert isinstance(engine, SupportsBatching)
     with pytest.raises(EngineConfigError, match="engine bare: max_batch must be an integer >= 1"):
         max_batch(engine)
 
