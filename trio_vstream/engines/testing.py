@@ -39,6 +39,8 @@ from trio_vstream.engines.base import (
     EngineError,
     EngineStream,
     GenerationRequest,
+    In,
+    Out,
     PromptChange,
     RunBatch,
     batch_result,
@@ -65,8 +67,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-In = TypeVar("In")
-Out = TypeVar("Out")
 
 RULES: Final[dict[str, str]] = {
     "interface": "the engine and its streams have the contract's members, and what they "
