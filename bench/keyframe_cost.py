@@ -33,8 +33,8 @@ from trio_vstream.engines.base import (  # noqa: E402
     Checkpoint,
     Engine,
     GenerationRequest,
-    frames_to_uint8_array,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array  # noqa: E402
 
 INTERVALS = (0, 1, 2, 4)
 """Chunks from one forced IDR to the next; 0: x264 decides."""

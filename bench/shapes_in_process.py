@@ -31,8 +31,8 @@ from trio_vstream.engines.base import (  # noqa: E402
     Checkpoint,
     Engine,
     GenerationRequest,
-    frames_to_uint8_array,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array  # noqa: E402
 from trio_vstream.engines.shapes import create_engine  # noqa: E402
 from trio_vstream.models.shapes import evaluate  # noqa: E402
 

@@ -17,6 +17,7 @@ from trio_websocket import open_websocket_url
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
+from trio_vstream.engines import SamplingSettings
 from trio_vstream.engines.base import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
@@ -107,6 +108,18 @@ async def test_sampling_params_are_lifted_and_echoed(start_server: Any) -> None:
     assert config["extra_params"] == {"custom_knob": 3}
     assert running.engine.streams[0].request.seed == 7
     assert running.engine.streams[0].request.extra_params == {"custom_knob": 3}
+
+
+async def test_model_family_settings_reach_the_engine_in_its_sampling_settings(
+    start_server: Any,
+) -> None:
+    running = await start_server()
+    family = {"guidance_scale_2": 3.0, "true_cfg_scale": 2.0, "boundary_ratio": 0.5}
+    await running.run_session(
+        {**START, "num_frames": 2, **family, "sampling_params": {"flow_shift": 5.0}}
+    )
+    request = running.engine.streams[0].request
+    assert request.sampling == SamplingSettings(**family, flow_shift=5.0)
 
 
 async def test_image_reference_reaches_the_engine_decoded(start_server: Any) -> None:

@@ -20,8 +20,8 @@ from trio_vstream.engines.base import (
     EngineConfigError,
     GenerationRequest,
     PromptChange,
-    frames_to_uint8_array,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
 from trio_vstream.server import ServerConfig, VideoServer

@@ -19,8 +19,8 @@ from trio_vstream.engines.base import (
     InvalidRequestError,
     PromptChange,
     checkpoint_calling,
-    frames_to_uint8_array,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.shapes import ShapesEngine, create_engine, default_weights_path
 from trio_vstream.models.shapes import evaluate
 from trio_vstream.models.shapes.model import (

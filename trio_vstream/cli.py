@@ -28,6 +28,7 @@ from trio_vstream.client import (
 )
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
 from trio_vstream.engines.base import Engine
+from trio_vstream.engines.interfaces import supports_device
 from trio_vstream.recording import Recorder
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
@@ -574,7 +575,7 @@ def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) ->
     cannot be made."""
     if args.record is None:
         return None
-    device = getattr(engine, "device", None)
+    device = engine.device if supports_device(engine) else None
     recorder = Recorder(
         args.record,
         engine=engine.name,

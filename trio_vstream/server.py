@@ -56,7 +56,8 @@ from trio_vstream import (
     taps,
 )
 from trio_vstream.engine_calls import AbandonedCalls
-from trio_vstream.engines.base import Engine, interaction_kinds, max_batch
+from trio_vstream.engines.base import Engine
+from trio_vstream.engines.interfaces import interaction_kinds, max_batch
 from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder

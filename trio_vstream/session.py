@@ -80,9 +80,10 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    frames_to_uint8_array,
-    interaction_kinds,
+    SamplingSettings,
 )
+from trio_vstream.engines.frames import frames_to_uint8_array
+from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
@@ -473,7 +474,7 @@ class Session:
 
     def _config_echo(self, start: protocol.SessionStart) -> dict[str, Any]:
         """The request as used: with the engine's seed when the client chose none."""
-        seed = getattr(self._stream, "seed", None)
+        seed = self._stream.seed if supports_seed(self._stream) else None
         if "seed" in start.config or not isinstance(seed, int) or isinstance(seed, bool):
             return start.config
         return {**start.config, "seed": seed}
@@ -536,10 +537,12 @@ class Session:
             negative_prompt=request.negative_prompt,
             num_inference_steps=request.num_inference_steps,
             guidance_scale=request.guidance_scale,
-            guidance_scale_2=request.guidance_scale_2,
-            true_cfg_scale=request.true_cfg_scale,
-            boundary_ratio=request.boundary_ratio,
-            flow_shift=request.flow_shift,
+            sampling=SamplingSettings(
+                guidance_scale_2=request.guidance_scale_2,
+                true_cfg_scale=request.true_cfg_scale,
+                boundary_ratio=request.boundary_ratio,
+                flow_shift=request.flow_shift,
+            ),
             seed=request.seed,
             quality=request.quality,
             image=image,

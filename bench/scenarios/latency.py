@@ -21,7 +21,7 @@ def calibrate_engine(target: Target, s: Settings) -> dict[str, list[float]]:
     of a first chunk with a fresh encoder: TTFC as it would be with a free transport."""
     from trio_vstream.encoding import FragmentedMP4Encoder
     from trio_vstream.engines import GenerationRequest, load_engine
-    from trio_vstream.engines.base import frames_to_uint8_array
+    from trio_vstream.engines.frames import frames_to_uint8_array
 
     assert target.engine is not None
     engine = load_engine(target.engine, dict(target.engine_args), device="auto")

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import trio
@@ -31,6 +32,7 @@ from trio_vstream.engines import (
     EngineStream,
     GenerationRequest,
     PromptChange,
+    SamplingSettings,
     checkpoint_calling,
 )
 from trio_vstream.session import SessionSummary
@@ -51,7 +53,15 @@ leave a thread hanging forever)."""
 
 
 def request(**fields: Any) -> GenerationRequest:
-    """A request for the tiny pipeline: 48x32, 2 steps, no guidance, seed 1."""
+    """A request for the tiny pipeline: 48x32, 2 steps, no guidance, seed 1.
+
+    Model-family settings (``flow_shift=...``) go into the request's ``sampling``, as a
+    session.start's top-level fields do."""
+    sampling = {
+        name: fields.pop(name) for name in attrs.fields_dict(SamplingSettings) if name in fields
+    }
+    if sampling:
+        fields["sampling"] = SamplingSettings(**sampling)
     values: dict[str, Any] = {
         "request_id": "test",
         "prompt": "a red fox in the snow",

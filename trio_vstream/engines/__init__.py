@@ -2,7 +2,9 @@
 
 ``load_engine("synthetic", {...})`` builds a built-in engine by name;
 ``load_engine("package.module:factory", {...})`` builds a lab's own. See
-``trio_vstream.engines.base`` for the interface an engine implements.
+``trio_vstream.engines.base`` for the contract an engine keeps,
+``trio_vstream.engines.interfaces`` for what it may declare beyond it, and
+``trio_vstream.engines.testing.check_engine`` to prove that it keeps the rules.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import importlib
 from collections.abc import Mapping
 
 from trio_vstream.engines.base import (
-    DEFAULT_INTERACTION_KINDS,
     Checkpoint,
     Chunk,
     Engine,
@@ -22,8 +23,13 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    SamplingSettings,
     checkpoint_calling,
+)
+from trio_vstream.engines.interfaces import (
+    DEFAULT_INTERACTION_KINDS,
     interaction_kinds,
+    missing_members,
 )
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 
@@ -42,6 +48,7 @@ __all__ = [
     "InvalidRequestError",
     "PromptChange",
     "PromptSchedule",
+    "SamplingSettings",
     "checkpoint_calling",
     "interaction_kinds",
     "load_engine",
@@ -80,13 +87,9 @@ def resolve_factory(spec: str) -> EngineFactory:
 def load_engine(spec: str, args: Mapping[str, str], *, device: str = "auto") -> Engine:
     """Build the engine named by ``--engine`` with its ``--engine-arg`` options."""
     engine = resolve_factory(spec)(device=device, **dict(args))
-    missing = [
-        name
-        for name in ("name", "max_concurrent_steps", "video_defaults", "open_stream", "close")
-        if not hasattr(engine, name)
-    ]
-    if missing:
+    if not isinstance(engine, Engine):
+        missing = ", ".join(missing_members(engine, Engine))
         raise EngineConfigError(
-            f"engine {spec!r} does not implement the engine interface: missing {', '.join(missing)}"
+            f"engine {spec!r} does not implement the engine interface: missing {missing}"
         )
     return engine

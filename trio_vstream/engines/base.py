@@ -1,4 +1,4 @@
-"""The engine interface: what a model must provide to be served.
+"""The engine contract: what a model must provide to be served, and nothing else.
 
 An engine is everything model-specific; the server is everything else. The
 server calls the blocking methods below from worker threads (never from the
@@ -25,13 +25,17 @@ no video encoding. Three rules keep the server's guarantees intact:
   error or a cancellation, and must release everything the stream holds. After
   a call the server stopped waiting for (one stuck outside a checkpoint, see
   `trio_vstream.engine_calls`), it is called in that call's thread as it returns.
+
+`trio_vstream.engines.testing.check_engine` drives an engine through these rules.
+What an engine may declare beyond them (interaction kinds, batching, a device, a
+stream's seed) are Protocols of their own in `trio_vstream.engines.interfaces`; the
+helpers the built-in engines share live beside this module (`frames`, `args`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -95,7 +99,8 @@ class Checkpoint:
         the others back. The rows of one batch all come from calls with the same
         ``run_batch``, called from one thread at a time.
 
-        The server batches only engines that declare ``max_batch`` > 1. This base
+        The server batches only engines that declare ``max_batch`` > 1
+        (`interfaces.SupportsBatching`). This base
         runs each row alone: a step, then ``run_batch([row])``.
         """
 
@@ -151,12 +156,32 @@ class EngineConfigError(EngineError):
 
 
 @attrs.frozen(kw_only=True)
+class SamplingSettings:
+    """Sampler settings that some model families have and others do not.
+
+    Wan 2.2's two-stage sampling (``guidance_scale_2`` for the low-noise stage,
+    ``boundary_ratio`` where it begins), true classifier-free guidance with a negative
+    prompt (``true_cfg_scale``), and the timestep shift of flow-matching schedulers
+    (``flow_shift``). Each is ``None`` when the client left it to the engine. They are
+    kept apart from `GenerationRequest`'s common fields so that what every engine must
+    answer stays small: an engine reads those its sampler has, and refuses or ignores
+    (saying so in its log) the others.
+    """
+
+    guidance_scale_2: float | None = None
+    true_cfg_scale: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     """One validated session.start, resolved to what an engine needs.
 
     ``num_frames``, ``width``, ``height`` and ``fps`` are always set (the
     request's values or the engine's defaults); optional sampling fields are
-    ``None`` when the client left them to the engine.
+    ``None`` when the client left them to the engine. Model-family sampler
+    settings are in ``sampling``.
     """
 
     request_id: str
@@ -168,10 +193,8 @@ class GenerationRequest:
     negative_prompt: str | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    guidance_scale_2: float | None = None
-    true_cfg_scale: float | None = None
-    boundary_ratio: float | None = None
-    flow_shift: float | None = None
+    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
+    """Settings of some model families' samplers (Wan 2.2's second stage, ...)."""
     seed: int | None = None
     quality: str | None = None
     image: np.ndarray | None = attrs.field(default=None, eq=False)
@@ -185,7 +208,7 @@ class GenerationRequest:
 class PromptChange:
     """A ``session.interaction``: a new prompt, blended in over some chunks, and/or a camera.
 
-    An engine only receives the kinds it declared in ``Engine.interaction_kinds``: the
+    An engine only receives the kinds it declared (`interfaces.SupportsInteractionKinds`): the
     session refuses the others before they get here. So an engine that takes only
     prompts (the default) can rely on ``prompt`` being set and ``camera`` being None;
     one that also takes cameras must handle a camera-only change (``prompt`` None,
@@ -201,7 +224,7 @@ class PromptChange:
 
     @property
     def kinds(self) -> frozenset[str]:
-        """What this change carries, in `Engine.interaction_kinds`' terms."""
+        """What this change carries, in `interfaces.SupportsInteractionKinds`' terms."""
         return frozenset(
             kind
             for kind, value in (("prompt", self.prompt), ("camera", self.camera))
@@ -240,9 +263,7 @@ class EngineStream(Protocol):
         """Release the stream's resources. Called exactly once."""
         ...
 
-    # Optional: ``seed: int``, the seed the stream uses. When the request had
-    # none, the server adds it to video.start's config echo, so a client can
-    # ask for the same video again.
+    # Optional: ``seed: int``, the seed the stream uses (`interfaces.SupportsSeed`).
 
 
 @runtime_checkable
@@ -257,14 +278,10 @@ class Engine(Protocol):
     video_defaults: VideoDefaults
     """Size, fps and frame count used where a request leaves them out."""
 
-    # Optional: ``max_batch: int``, how many sessions' steps the engine runs as one
-    # batch (see `Checkpoint.batched`); absent or 1 means each session steps alone, taking
-    # turns by ``max_concurrent_steps``. Read it with `max_batch`.
-    #
-    # Optional: ``interaction_kinds: frozenset[str]``, what a ``session.interaction``
-    # may carry for this engine: ``"prompt"``, ``"camera"``. Absent means prompts only
-    # (read it with `interaction_kinds`). Not a Protocol member, so that an engine
-    # written before cameras existed still satisfies ``isinstance(x, Engine)``.
+    # Optional capabilities are Protocols of their own, in `trio_vstream.engines.interfaces`
+    # (``interaction_kinds``, ``max_batch``, ``device``): not members here, so that an
+    # engine written before cameras or batching existed still satisfies
+    # ``isinstance(x, Engine)``, and declaring one is adding an attribute.
 
     def open_stream(self, request: GenerationRequest) -> EngineStream:
         """Start generating for one request. Blocking; runs in a worker thread.
@@ -276,78 +293,5 @@ class Engine(Protocol):
         ...
 
 
-DEFAULT_INTERACTION_KINDS: frozenset[str] = frozenset({"prompt"})
-
-
-def interaction_kinds(engine: Engine) -> frozenset[str]:
-    """What ``engine`` takes in a ``session.interaction``; prompts only when it does not say."""
-    return frozenset(getattr(engine, "interaction_kinds", DEFAULT_INTERACTION_KINDS))
-
-
-def max_batch(engine: Engine) -> int:
-    """How many sessions' steps ``engine`` runs together; 1 when it does not batch."""
-    value = getattr(engine, "max_batch", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EngineConfigError(f"engine {engine.name}: max_batch must be an integer >= 1")
-    return value
-
-
 EngineFactory = Callable[..., Engine]
 """``factory(device=..., **engine_args)``: engine args arrive as strings."""
-
-
-def reject_unknown_args(engine: str, args: Mapping[str, str], known: Iterable[str]) -> None:
-    """A typo in ``--engine-arg`` fails at start-up, naming the key and what is known."""
-    known = sorted(known)
-    unknown = sorted(set(args) - set(known))
-    if unknown:
-        raise EngineConfigError(
-            f"{engine} engine: unknown engine arg(s) {', '.join(unknown)}; "
-            f"known: {', '.join(known)}"
-        )
-
-
-def parse_number_arg(
-    engine: str,
-    name: str,
-    raw: str,
-    kind: type[int] | type[float],
-    *,
-    minimum: float,
-    maximum: float | None = None,
-) -> Any:
-    """One numeric ``--engine-arg``: parsed as ``kind`` and range-checked, or an
-    ``EngineConfigError`` naming the engine, the key and what was wrong."""
-    try:
-        value = kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise EngineConfigError(f"{engine} engine: {name} must be {what}, got {raw!r}") from None
-    if not math.isfinite(value) or value < minimum:
-        raise EngineConfigError(f"{engine} engine: {name} must be >= {minimum}, got {raw}")
-    if maximum is not None and value > maximum:
-        raise EngineConfigError(f"{engine} engine: {name} must be <= {maximum}, got {raw}")
-    return value
-
-
-def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray:
-    """Bring an engine's frames to a contiguous (T, H, W, 3) uint8 numpy array.
-
-    Runs in a worker thread: a GPU tensor is copied to the host here, once per
-    chunk, never on the event loop.
-    """
-    if not isinstance(frames, np.ndarray):
-        to_cpu = getattr(frames, "cpu", None)  # a torch tensor, on whatever device
-        frames = to_cpu().numpy() if to_cpu is not None else np.asarray(frames)
-    expected = f"(T, {height}, {width}, 3) uint8"
-    if (
-        frames.ndim != 4
-        or frames.shape[0] < 1
-        or frames.shape[1:] != (height, width, 3)
-        or frames.dtype != np.uint8
-    ):
-        raise EngineError(
-            f"engine produced frames of shape {tuple(frames.shape)} {frames.dtype}, "
-            f"expected {expected}"
-        )
-    return np.ascontiguousarray(frames)

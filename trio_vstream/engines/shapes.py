@@ -35,6 +35,7 @@ import attrs
 import torch
 from torch.nn import functional as F
 
+from trio_vstream.engines.args import parse_number_arg, reject_unknown_args
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
@@ -43,8 +44,6 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    parse_number_arg,
-    reject_unknown_args,
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.transitions import PromptSchedule
@@ -69,7 +68,6 @@ from trio_vstream.video import Camera, VideoDefaults
 logger = get_logger(__name__)
 
 _MAX_STEPS = 200
-_IGNORED_FIELDS = ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "quality")
 
 
 def default_weights_path() -> Path:
@@ -219,8 +217,14 @@ class ShapesStream:
         self._chunk_frames = _chunk_frames_of(
             request.extra_params, engine.model.config.chunk_frames
         )
-        for name in _IGNORED_FIELDS:
-            if getattr(request, name) is not None:
+        ignored = {
+            "guidance_scale_2": request.sampling.guidance_scale_2,
+            "true_cfg_scale": request.sampling.true_cfg_scale,
+            "boundary_ratio": request.sampling.boundary_ratio,
+            "quality": request.quality,
+        }
+        for name, value in ignored.items():
+            if value is not None:
                 logger.info("shapes engine ignores %s (request %s)", name, request.request_id)
         settings = engine.settings
         self._engine = engine
@@ -228,7 +232,8 @@ class ShapesStream:
         self._steps = request.num_inference_steps or settings.steps
         guidance = request.guidance_scale
         self._guidance = settings.guidance_scale if guidance is None else guidance
-        self._shift = request.flow_shift if request.flow_shift else settings.flow_shift
+        shift = request.sampling.flow_shift
+        self._shift = shift if shift else settings.flow_shift
         if request.seed is None:
             self.seed = secrets.randbits(31)
             logger.info("shapes engine: request %s uses seed %d", request.request_id, self.seed)

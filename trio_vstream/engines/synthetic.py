@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
+from trio_vstream.engines.args import parse_number_arg, reject_unknown_args
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
@@ -31,8 +32,6 @@ from trio_vstream.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    parse_number_arg,
-    reject_unknown_args,
 )
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.logsafe import get_logger

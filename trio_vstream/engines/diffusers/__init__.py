@@ -254,8 +254,8 @@ class DiffusersEngine:
         else:
             put("num_inference_steps", steps, "num_inference_steps")
         put("guidance_scale", request.guidance_scale, "guidance_scale")
-        put("true_cfg_scale", request.true_cfg_scale, "true_cfg_scale")
-        if request.guidance_scale_2 is not None:
+        put("true_cfg_scale", request.sampling.true_cfg_scale, "true_cfg_scale")
+        if request.sampling.guidance_scale_2 is not None:
             single = [i.class_name for i in used if config_value(i.pipe, "boundary_ratio") is None]
             if "boundary_ratio" in model.pipe.config and single:
                 problems.append(
@@ -263,13 +263,13 @@ class DiffusersEngine:
                     f"model_index.json); {', '.join(single)} has one stage"
                 )
             else:
-                put("guidance_scale_2", request.guidance_scale_2, "guidance_scale_2")
+                put("guidance_scale_2", request.sampling.guidance_scale_2, "guidance_scale_2")
         config_overrides: dict[str, Any] = {}
-        if request.boundary_ratio is not None:
+        if request.sampling.boundary_ratio is not None:
             if all(info.accepts("boundary_ratio") for info in used):
-                put("boundary_ratio", request.boundary_ratio, "boundary_ratio")
+                put("boundary_ratio", request.sampling.boundary_ratio, "boundary_ratio")
             elif all(config_value(i.pipe, "boundary_ratio") is not None for i in used):
-                config_overrides["boundary_ratio"] = request.boundary_ratio
+                config_overrides["boundary_ratio"] = request.sampling.boundary_ratio
             else:
                 problems.append(
                     "boundary_ratio needs a two-stage pipeline (boundary_ratio set in its "
@@ -286,10 +286,10 @@ class DiffusersEngine:
             problems.append("negative_prompt is not supported by this pipeline")
 
         scheduler_overrides: dict[str, Any] = {}
-        if request.flow_shift is not None:
+        if request.sampling.flow_shift is not None:
             keys = {flow_shift_key(info.pipe) for info in used}
             if len(keys) == 1 and None not in keys:
-                scheduler_overrides[keys.pop()] = request.flow_shift  # type: ignore[index]
+                scheduler_overrides[keys.pop()] = request.sampling.flow_shift  # type: ignore[index]
             else:
                 names = ", ".join(
                     type(getattr(i.pipe, "scheduler", None)).__name__

@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 import torch
 
-from trio_vstream.engines.base import EngineConfigError, parse_number_arg
+from trio_vstream.engines.args import parse_number_arg
+from trio_vstream.engines.base import EngineConfigError
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

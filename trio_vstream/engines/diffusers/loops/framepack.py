@@ -152,7 +152,7 @@ class FramepackSections:
             draft.extra,
             num_frames=draft.request.num_frames,
             window=draft.segment_frames // step,
-            true_cfg_scale=draft.request.true_cfg_scale,
+            true_cfg_scale=draft.request.sampling.true_cfg_scale,
             problems=draft.problems,
         )
         if sections is None or not sections.inverted:

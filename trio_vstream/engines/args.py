@@ -1,0 +1,50 @@
+"""Parsing ``--engine-arg KEY=VALUE`` options, for engine factories.
+
+Not part of the engine contract (`trio_vstream.engines.base`, where a factory receives
+its engine args as strings): helpers the built-in engines share, and a lab's engine
+may use, so that a bad option fails at start-up with the same kind of message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from trio_vstream.engines.base import EngineConfigError
+
+__all__ = ["parse_number_arg", "reject_unknown_args"]
+
+
+def reject_unknown_args(engine: str, args: Mapping[str, str], known: Iterable[str]) -> None:
+    """A typo in ``--engine-arg`` fails at start-up, naming the key and what is known."""
+    known = sorted(known)
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise EngineConfigError(
+            f"{engine} engine: unknown engine arg(s) {', '.join(unknown)}; "
+            f"known: {', '.join(known)}"
+        )
+
+
+def parse_number_arg(
+    engine: str,
+    name: str,
+    raw: str,
+    kind: type[int] | type[float],
+    *,
+    minimum: float,
+    maximum: float | None = None,
+) -> Any:
+    """One numeric ``--engine-arg``: parsed as ``kind`` and range-checked, or an
+    ``EngineConfigError`` naming the engine, the key and what was wrong."""
+    try:
+        value = kind(raw)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise EngineConfigError(f"{engine} engine: {name} must be {what}, got {raw!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise EngineConfigError(f"{engine} engine: {name} must be >= {minimum}, got {raw}")
+    if maximum is not None and value > maximum:
+        raise EngineConfigError(f"{engine} engine: {name} must be <= {maximum}, got {raw}")
+    return value

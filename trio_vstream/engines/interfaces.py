@@ -1,0 +1,144 @@
+"""What an engine may do beyond the contract: its optional capabilities, as Protocols.
+
+`trio_vstream.engines.base.Engine` and ``EngineStream`` are what every engine must
+provide. An engine may also declare more, each a small ``runtime_checkable`` Protocol
+here, checked with its ``supports_*`` function (as vLLM's ``interfaces.py`` does for
+its models) rather than with ``getattr`` and a default scattered through the server:
+
+* `SupportsInteractionKinds`: what a ``session.interaction`` may carry for it (prompts
+  only when it does not say); read with `interaction_kinds`.
+* `SupportsBatching`: it runs several sessions' steps as one batch
+  (``checkpoint.batched``); read with `max_batch`.
+* `SupportsDevice`: the device it runs on, named in recordings.
+* `SupportsSeed`, for a stream: the seed it uses, echoed to a client that chose none.
+
+Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
+capability existed (before cameras, before batching) still satisfies
+``isinstance(x, Engine)``, and declaring a capability is adding one attribute.
+
+A ``runtime_checkable`` Protocol checks only that the attribute is there: `supports_seed`
+checks the value's type too, and `max_batch` refuses a value of the wrong kind (at the
+server's start-up).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeGuard, runtime_checkable
+
+from trio_vstream.engines.base import Engine, EngineConfigError
+
+__all__ = [
+    "DEFAULT_INTERACTION_KINDS",
+    "INTERACTION_KINDS",
+    "SupportsBatching",
+    "SupportsDevice",
+    "SupportsInteractionKinds",
+    "SupportsSeed",
+    "interaction_kinds",
+    "max_batch",
+    "missing_members",
+    "supports_batching",
+    "supports_device",
+    "supports_interaction_kinds",
+    "supports_seed",
+]
+
+INTERACTION_KINDS: frozenset[str] = frozenset({"prompt", "camera"})
+"""Every kind a ``session.interaction`` can carry (`PromptChange.kinds`)."""
+
+DEFAULT_INTERACTION_KINDS: frozenset[str] = frozenset({"prompt"})
+"""What an engine that declares no kinds takes: prompts, as every engine did before cameras."""
+
+
+@runtime_checkable
+class SupportsInteractionKinds(Protocol):
+    """An engine that says what a ``session.interaction`` may carry for it."""
+
+    interaction_kinds: frozenset[str]
+    """Some of `INTERACTION_KINDS`: ``"prompt"``, ``"camera"``. The session refuses
+    the other kinds before they reach ``EngineStream.interact``, so a prompt-only engine
+    always gets a prompt, and one that takes cameras must handle a camera-only change
+    (``prompt`` None, meaning "keep the prompt")."""
+
+
+@runtime_checkable
+class SupportsBatching(Protocol):
+    """An engine that runs the steps of several sessions as one batch.
+
+    Its streams step inside ``with checkpoint.batched(run_batch) as step:`` (see
+    `trio_vstream.engines.base.Checkpoint.batched`); ``max_batch`` > 1 asks the server to
+    batch them, at most that many rows a call, and 1 makes it step each session alone
+    (``max_concurrent_steps`` then applies). ``run_batch`` is handed over with each row,
+    so it is no member here: an engine may batch more than one kind of step.
+    """
+
+    max_batch: int
+
+
+@runtime_checkable
+class SupportsDevice(Protocol):
+    """An engine that says which device it runs on (a ``torch.device``, or its name)."""
+
+    device: object
+
+
+@runtime_checkable
+class SupportsSeed(Protocol):
+    """A stream that says which seed it uses: when the request had none, the server adds
+    it to ``video.start``'s config echo, so a client can ask for the same video again."""
+
+    seed: int
+
+
+def supports_interaction_kinds(engine: object) -> TypeGuard[SupportsInteractionKinds]:
+    """Whether ``engine`` declares its interaction kinds (read them with `interaction_kinds`)."""
+    return isinstance(engine, SupportsInteractionKinds)
+
+
+def supports_batching(engine: object) -> TypeGuard[SupportsBatching]:
+    """Whether ``engine`` declares ``max_batch`` (read it with `max_batch`; 1 does not batch)."""
+    return isinstance(engine, SupportsBatching)
+
+
+def supports_device(engine: object) -> TypeGuard[SupportsDevice]:
+    """Whether ``engine`` says which device it runs on."""
+    return isinstance(engine, SupportsDevice)
+
+
+def supports_seed(stream: object) -> TypeGuard[SupportsSeed]:
+    """Whether ``stream`` says which seed it uses: an ``int`` (not a ``bool``)."""
+    if not isinstance(stream, SupportsSeed):
+        return False
+    seed = stream.seed
+    return isinstance(seed, int) and not isinstance(seed, bool)
+
+
+def interaction_kinds(engine: Engine) -> frozenset[str]:
+    """What ``engine`` takes in a ``session.interaction``; prompts only when it does not say."""
+    if not supports_interaction_kinds(engine):
+        return DEFAULT_INTERACTION_KINDS
+    return frozenset(engine.interaction_kinds)
+
+
+def max_batch(engine: Engine) -> int:
+    """How many sessions' steps ``engine`` runs together; 1 when it does not batch."""
+    name = engine.name
+    if not supports_batching(engine):
+        return 1
+    value = engine.max_batch
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(f"engine {name}: max_batch must be an integer >= 1")
+    return value
+
+
+def missing_members(obj: object, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks, in the order the Protocol declares
+    them: what ``isinstance(obj, protocol)`` found wanting, for an error message."""
+    members: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls in (object, Protocol) or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
+            if not name.startswith("_"):
+                members[name] = None
+    return [name for name in members if not hasattr(obj, name)]
