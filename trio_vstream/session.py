@@ -50,7 +50,6 @@ interactions in ``scripts``, the session's followers (viewers, recordings) in
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import time
 import uuid
@@ -86,6 +85,14 @@ from trio_vstream.engines.base import (
 from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
 from trio_vstream.metrics import ServerMetrics
+from trio_vstream.outcomes import (
+    Ending,
+    Outcome,
+    SessionError,
+    SessionSummary,
+    describe,
+    engine_failure,
+)
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
@@ -133,20 +140,6 @@ class SessionConfig:
     """Whether (off by default), from where and how ``image_reference`` https URLs are fetched."""
 
 
-class Outcome(enum.Enum):
-    """How a session ended; decides its terminal message."""
-
-    COMPLETED = "completed"
-    STOPPED = "stopped"
-    SHUTDOWN = "shutdown"
-    STALLED = "stalled"
-    FAILED = "failed"
-    DISCONNECTED = "disconnected"
-    REJECTED = "rejected"
-    """Never started streaming: bad or missing session.start, or no session slot free
-    for it (``server_busy``)."""
-
-
 @attrs.define
 class ServerCounters:
     """The server's counters (every session adds to them), read by `GET /stats`, tests and
@@ -157,24 +150,6 @@ class ServerCounters:
     worker_threads: int = 0
     sessions_total: int = 0
     chunks_sent: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class SessionSummary:
-    """What one finished session did; handed to the server's ``on_session_end`` hook."""
-
-    request_id: str | None
-    outcome: Outcome
-    chunks_sent: int
-    frames_generated: int
-    error_code: str | None
-    error_message: str | None = None
-    """What went wrong, in words (also when no message could reach the client)."""
-    started_at: float
-    """``time.monotonic()`` when the connection's session began."""
-    stream_closed_at: float | None
-    """When the engine stream was closed (None: the session never opened one)."""
-    ended_at: float
 
 
 class _SocketBroken(Exception):
@@ -226,15 +201,14 @@ class Session:
         self._res = resources
         self._config = resources.config
         self.request_id: str | None = None
-        self.outcome: Outcome | None = None
-        self._error: tuple[ErrorCode, str] | None = None
+        self._ending = Ending()
+        """How the session ends (`trio_vstream.outcomes`): decided when it happens."""
         self._send_lock = trio.Lock()
         self._active_sends: set[trio.CancelScope] = set()
         self._broken = False
         self._disconnect_logged = False
         self._session_scope = trio.CancelScope()
         self._streaming = False
-        self._generated_all = False
         self.admitted = False
         """True from the ``session.start`` that took a session slot: an upgrade still
         waiting for its ``session.start`` never counts against the server's limit."""
@@ -293,10 +267,12 @@ class Session:
                     self._disconnected()
                 except* _Failure as failures:  # a failure before streaming began
                     failure = _first_leaf(failures)
-                    self._end(Outcome.FAILED, (failure.code, failure.message))
+                    self._ending.end(Outcome.FAILED, (failure.code, failure.message))
                 except* Exception as errors:
                     logger.error("session %s: internal error", self.request_id, exc_info=errors)
-                    self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error"))
+                    self._ending.end(
+                        Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error")
+                    )
             # Closed already, unless the producer never ran: then the close goes on while
             # the terminal message is sent (a stuck close must not hold it), and the
             # session's end waits for it like for any call it left running.
@@ -311,42 +287,39 @@ class Session:
                     await self._in_thread(_close_quietly, encoder)
             self._abandon_detached()
             stats.sessions_active -= 1
-            self._metrics.session_ended((self.outcome or Outcome.FAILED).value)
+            self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
         return self.summary()
 
     def summary(self) -> SessionSummary:
-        outcome = self.outcome or Outcome.FAILED
+        outcome = self._ending.outcome or Outcome.FAILED
+        error = self._ending.error
         return SessionSummary(
             request_id=self.request_id,
             outcome=outcome,
             chunks_sent=self._chunks_sent,
             frames_generated=self._frames_generated,
-            error_code=self._error[0].value if self._error else None,
-            error_message=self._error[1] if self._error else None,
+            error_code=error[0].value if error else None,
+            error_message=error[1] if error else None,
             started_at=self._started_at,
             stream_closed_at=self._stream_closed_at,
             ended_at=time.monotonic(),
         )
 
-    def stop(
-        self, outcome: Outcome = Outcome.STOPPED, error: tuple[ErrorCode, str] | None = None
-    ) -> None:
+    def stop(self, outcome: Outcome = Outcome.STOPPED, error: SessionError | None = None) -> None:
         """End the session gracefully: the engine stops at its next checkpoint, the
         chunk being sent is finished, and the stream is closed properly.
 
         Once the engine has made the last chunk, the video is complete: a stop or a
         shutdown then changes nothing, and the chunks still on their way are sent.
         """
-        if self._generated_all and outcome in (Outcome.STOPPED, Outcome.SHUTDOWN):
-            return
-        if self._end(outcome, error):
+        if self._ending.stop(outcome, error):
             self._producer_scope.cancel()
             self._encode_wait.cancel()
             self._stopping.set()
 
-    def abort(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> None:
+    def abort(self, outcome: Outcome, error: SessionError | None = None) -> None:
         """End the session now, interrupting even a send stuck on the socket."""
-        self._end(outcome, error)
+        self._ending.end(outcome, error)
         self._stopping.set()
         self._producer_scope.cancel()
         self._session_scope.cancel()
@@ -362,17 +335,9 @@ class Session:
         error = (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
         if self._streaming:
             self.stop(Outcome.SHUTDOWN, error)
-        elif self._end(Outcome.SHUTDOWN, error):
+        elif self._ending.end(Outcome.SHUTDOWN, error):
             self._producer_scope.cancel()
             self._session_scope.cancel()
-
-    def _end(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> bool:
-        """Record the first reason the session ends; later ones change nothing."""
-        if self.outcome is not None:
-            return False
-        self.outcome = outcome
-        self._error = error
-        return True
 
     def _disconnected(self) -> None:
         """The client closed the connection: whichever task noticed, one line, no traceback.
@@ -395,7 +360,7 @@ class Session:
         # server's count and this flag, so two starts can never take one slot.
         refusal = self._res.admit() if self._res.admit is not None else None
         if refusal is not None:
-            self._end(Outcome.REJECTED, refusal)
+            self._ending.end(Outcome.REJECTED, refusal)
             return
         self.admitted = True
         self.request_id = f"video_stream-{uuid.uuid4().hex}"
@@ -431,8 +396,8 @@ class Session:
             nursery.start_soon(self._stall_guard)
             await self._generate()
             nursery.cancel_scope.cancel()
-        if self.outcome is None:
-            self._end(Outcome.COMPLETED)
+        if self._ending.outcome is None:
+            self._ending.end(Outcome.COMPLETED)
 
     def _open_taps(self, start: protocol.SessionStart) -> SessionTaps:
         """The session's followers, from the server; none if that fails (logged): a
@@ -452,7 +417,7 @@ class Session:
             try:
                 raw = await self._ws.get_message()
             except ConnectionClosed:
-                self._end(Outcome.DISCONNECTED)
+                self._ending.end(Outcome.DISCONNECTED)
                 return None
             self._start_received_at = trio.current_time()
         if timeout.cancelled_caught:
@@ -465,7 +430,7 @@ class Session:
                 defaults=self._res.engine.video_defaults,
             )
         except protocol.ProtocolError as exc:
-            self._end(Outcome.REJECTED, (exc.code, exc.message))
+            self._ending.end(Outcome.REJECTED, (exc.code, exc.message))
             return None
         return start
 
@@ -553,7 +518,7 @@ class Session:
                 raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
             except Exception as exc:
                 logger.exception("session %s: engine could not open a stream", self.request_id)
-                raise _Failure(*self._engine_failure(exc, "opening the stream")) from exc
+                raise _Failure(*engine_failure(exc, "opening the stream", self.request_id)) from exc
         if too_slow.cancelled_caught:
             logger.warning(
                 "session %s: the engine did not open a stream within %.1f s, aborting",
@@ -561,25 +526,10 @@ class Session:
                 self._config.stall_timeout,
             )
             error = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
-            self._end(Outcome.STALLED, error)
+            self._ending.end(Outcome.STALLED, error)
             raise _Failure(*error)
         self._res.stats.streams_open += 1
         return generation_request
-
-    def _engine_failure(self, exc: Exception, doing: str) -> tuple[ErrorCode, str]:
-        """What a client (and its viewers) are told of an engine's exception.
-
-        An `EngineError`'s message is written for clients (see its docstring), so it is
-        shown. Anything else (a ``RuntimeError`` of a library, an ``OSError`` naming a
-        model file) may carry paths and internals: the client gets a coded error
-        naming the request, and the text and traceback go to the server log (the caller
-        logs them).
-        """
-        if isinstance(exc, EngineError):
-            return ErrorCode.GENERATION_FAILED, _describe(exc)
-        return ErrorCode.GENERATION_FAILED, (
-            f"engine failed while {doing} (see the server log, request {self.request_id})"
-        )
 
     # --------------------------------------------------------- receive loop
 
@@ -622,7 +572,7 @@ class Session:
                     raise raw  # refused while the session prepared
                 message = protocol.parse_control(raw, limits=self._config.limits)
             except protocol.ProtocolError as exc:
-                await self._send_error(exc.code, exc.message, event_id=exc.event_id)
+                await self._send(protocol.Error.from_protocol_error(exc, self.request_id))
                 continue
             if isinstance(message, protocol.Stop):
                 logger.info("session %s: stop requested", self.request_id)
@@ -749,12 +699,12 @@ class Session:
                 raise
             except Exception as exc:
                 logger.exception("session %s: engine failed while generating", self.request_id)
-                self.stop(Outcome.FAILED, self._engine_failure(exc, "generating"))
+                self.stop(Outcome.FAILED, engine_failure(exc, "generating", self.request_id))
                 return
             if chunk is None:
                 # The video is complete: what is left is delivery, which a stop or a
                 # shutdown no longer interrupts.
-                self._generated_all = True
+                self._ending.generated_all = True
                 return
             index += 1
             waited = self._checkpoint.take_waited()
@@ -796,7 +746,7 @@ class Session:
                         "session %s: dropping generated chunk %d after %s",
                         self.request_id,
                         chunk.index,
-                        self.outcome.value if self.outcome else "the end",
+                        self._ending.outcome.value if self._ending.outcome else "the end",
                     )
                     continue
                 encoding_since = trio.current_time()
@@ -814,15 +764,15 @@ class Session:
                         "session %s: dropped chunk %d mid-encode after %s",
                         self.request_id,
                         chunk.index,
-                        self.outcome.value if self.outcome else "the end",
+                        self._ending.outcome.value if self._ending.outcome else "the end",
                     )
                     continue
                 except Exception as exc:
                     logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
                     if isinstance(exc, EncodingError):
-                        error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+                        error = (ErrorCode.ENCODING_FAILED, describe(exc))
                     else:
-                        error = self._engine_failure(exc, "converting its frames")
+                        error = engine_failure(exc, "converting its frames", self.request_id)
                     self.stop(Outcome.FAILED, error)
                     continue
                 finally:
@@ -844,7 +794,7 @@ class Session:
         first waits for its chunk's media time. A stop ends either wait, so a chunk
         whose encoding has not started is dropped at once.
         """
-        if self.outcome is not None:
+        if self._ending.outcome is not None:
             return False
         limiter = self._res.encode_limiter
         with trio.CancelScope() as self._encode_wait:
@@ -852,7 +802,7 @@ class Session:
             await limiter.acquire_on_behalf_of(self)
         if self._encode_wait.cancelled_caught:
             return False
-        if self.outcome is not None:  # stopped just as the slot came
+        if self._ending.outcome is not None:  # stopped just as the slot came
             limiter.release_on_behalf_of(self)
             return False
         return True
@@ -919,17 +869,12 @@ class Session:
         """
         self.finishing = True
         trailer: bytes | None = b""
-        if self.outcome is None:  # defensive: _run returned without deciding
-            self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "session ended unexpectedly"))
-        if self.outcome is Outcome.COMPLETED:
+        if self._ending.settle() is Outcome.COMPLETED:
             # Like the reference, only a completed stream gets the encoder's trailer: after
             # a stop it would be an extra message, and it carries no frames (an index box).
-            trailer = await self._close_encoder()
-            if trailer is None:
-                self.outcome = Outcome.FAILED  # the error is recorded: the video is broken
-        outcome = self.outcome
-        assert outcome is not None
-        if outcome is not Outcome.DISCONNECTED and not self._broken:
+            trailer = await self._close_encoder()  # None: the video is broken, a failure
+        outcome = self._ending.settle()
+        if self._ending.says_goodbye and not self._broken:
             deadline = trio.current_time() + self._config.close_timeout
             with contextlib.suppress(ConnectionClosed, _SocketBroken):
                 if outcome is Outcome.COMPLETED and trailer:
@@ -937,7 +882,7 @@ class Session:
                 await self._send_terminal(outcome, deadline)
             if self._broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
-        self._taps.call("ended", outcome.value, self._terminal(outcome))
+        self._taps.call("ended", outcome.value, self._terminal())
         if not self._broken:
             with trio.move_on_after(self._config.close_timeout):
                 try:
@@ -946,30 +891,25 @@ class Session:
                     # The peer went or closed first: the close is done all the same. A
                     # client can cause this at will, so it is a line, never a traceback.
                     logger.debug("session %s: close: %r", self.request_id, exc)
+        error = self._ending.error
         logger.info(
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
             outcome.value,
             self._chunks_sent,
-            f" ({self._error[0].value}: {self._error[1]})" if self._error else "",
+            f" ({error[0].value}: {error[1]})" if error else "",
         )
 
-    def _terminal(self, outcome: Outcome) -> protocol.SessionDone | protocol.Error:
-        if outcome in (Outcome.COMPLETED, Outcome.STOPPED):
-            assert self.request_id is not None
-            return protocol.SessionDone(
-                self.request_id, self._chunks_sent, outcome is Outcome.STOPPED
-            )
-        code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
-        return protocol.Error(code, message, request_id=self.request_id)
+    def _terminal(self) -> protocol.SessionDone | protocol.Error:
+        return self._ending.terminal(self.request_id, self._chunks_sent)
 
     async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
-        await self._send(self._terminal(outcome), deadline=deadline)
+        await self._send(self._terminal(), deadline=deadline)
         if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
             self._metrics.stopped(trio.current_time() - self._stop_requested_at)
 
     async def _close_encoder(self) -> bytes | None:
-        """The encoder's final bytes, or None (and an error recorded) if it fails."""
+        """The encoder's final bytes, or None if it fails: the session then failed."""
         encoder, self._encoder = self._encoder, None
         if encoder is None:
             return b""
@@ -977,7 +917,7 @@ class Session:
             return await self._in_thread(encoder.close)
         except Exception as exc:
             logger.exception("session %s: encoder failed to finish", self.request_id)
-            self._error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+            self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
             return None
 
     async def _close_stream(self) -> None:
@@ -1072,17 +1012,6 @@ class Session:
         )
 
     # ---------------------------------------------------------------- sends
-
-    async def _send_error(
-        self,
-        code: ErrorCode,
-        message: str,
-        *,
-        event_id: str | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        error = protocol.Error(code, message, request_id=self.request_id, event_id=event_id)
-        await self._send(error, deadline=deadline)
 
     async def _send(self, *messages: Any, deadline: float | None = None) -> None:
         """Send messages back to back, never interleaved with another task's.
@@ -1241,8 +1170,3 @@ def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
         first = first.exceptions[0]
     assert isinstance(first, _Failure)
     return first
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return text if text else type(exc).__name__
