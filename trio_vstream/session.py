@@ -55,7 +55,7 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -95,6 +95,7 @@ from trio_vstream.outcomes import (
 )
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
+from trio_vstream.sending import Sender, SocketBroken
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
@@ -152,10 +153,6 @@ class ServerCounters:
     chunks_sent: int = 0
 
 
-class _SocketBroken(Exception):
-    """A send was interrupted mid-frame; nothing more can be written."""
-
-
 class _Failure(Exception):
     """Ends the session with an ``error`` message (a request or engine problem)."""
 
@@ -203,9 +200,13 @@ class Session:
         self.request_id: str | None = None
         self._ending = Ending()
         """How the session ends (`trio_vstream.outcomes`): decided when it happens."""
-        self._send_lock = trio.Lock()
-        self._active_sends: set[trio.CancelScope] = set()
-        self._broken = False
+        self._sender = Sender(
+            ws,
+            timeout=self._config.stall_timeout,
+            on_closed=self._disconnected,
+            on_stuck=self._client_stopped_reading,
+        )
+        """Every write to the socket (`trio_vstream.sending`)."""
         self._disconnect_logged = False
         self._session_scope = trio.CancelScope()
         self._streaming = False
@@ -323,8 +324,7 @@ class Session:
         self._stopping.set()
         self._producer_scope.cancel()
         self._session_scope.cancel()
-        for scope in self._active_sends:
-            scope.cancel()
+        self._sender.interrupt()
 
     def shutdown(self) -> None:
         """The server is going away: streaming sessions wind down, others end at once.
@@ -349,6 +349,13 @@ class Session:
             self._disconnect_logged = True
             logger.info("session %s: client disconnected", self.request_id)
         self.abort(Outcome.DISCONNECTED)
+
+    def _client_stopped_reading(self) -> None:
+        """A send ran out of time: the client stopped reading. A no-op for the outcome
+        when the session already ended some other way."""
+        self.abort(
+            Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, "Stall timeout: the client stopped reading")
+        )
 
     # ----------------------------------------------------------- the session
 
@@ -378,7 +385,7 @@ class Session:
         video_start = protocol.VideoStart(
             self.request_id, start.format, self._config_echo(start), **taps.video_start_fields
         )
-        await self._send(video_start)
+        await self._sender.send(video_start)
         self._taps = TapSet(self.request_id, taps.taps)
         self._taps.call("started", video_start, start)
         self._metrics.video_started(trio.current_time() - self._start_received_at)
@@ -572,7 +579,7 @@ class Session:
                     raise raw  # refused while the session prepared
                 message = protocol.parse_control(raw, limits=self._config.limits)
             except protocol.ProtocolError as exc:
-                await self._send(protocol.Error.from_protocol_error(exc, self.request_id))
+                await self._sender.send(protocol.Error.from_protocol_error(exc, self.request_id))
                 continue
             if isinstance(message, protocol.Stop):
                 logger.info("session %s: stop requested", self.request_id)
@@ -582,7 +589,7 @@ class Session:
                 # Keep reading: a client may still ping while the stream winds down.
             elif isinstance(message, protocol.Ping):
                 self._touch()
-                await self._send(protocol.Pong())
+                await self._sender.send(protocol.Pong())
             else:
                 await self._interact(message)
 
@@ -593,11 +600,11 @@ class Session:
         refusal = self._apply_interaction(event_id, message)
         if refusal is None:
             self._taps.call("interaction", event_id, message, None)
-            await self._send(protocol.InteractionQueued(self.request_id, event_id))
+            await self._sender.send(protocol.InteractionQueued(self.request_id, event_id))
             return
         error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
         self._taps.call("interaction", event_id, message, error)
-        await self._send(error)
+        await self._sender.send(error)
 
     def _apply_interaction(
         self, event_id: str, message: protocol.Interaction
@@ -647,7 +654,7 @@ class Session:
             with trio.move_on_after(timeout):
                 await progress.wait()
                 continue
-            if self._active_sends:
+            if self._sender.sending:
                 # Nothing moved because a send is stuck: the engine waits for the channel.
                 reason = "Stall timeout: the client stopped reading"
             else:
@@ -847,7 +854,7 @@ class Session:
             completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
             transport_chunk_index=self._chunks_sent,
         )
-        await self._send(metadata, data, deadline=deadline)
+        await self._sender.send(metadata, data, deadline=deadline)
         if self._taps:
             if not self._init_segment and self._encoder is not None:
                 self._init_segment = self._encoder.init_segment or b""
@@ -874,16 +881,16 @@ class Session:
             # a stop it would be an extra message, and it carries no frames (an index box).
             trailer = await self._close_encoder()  # None: the video is broken, a failure
         outcome = self._ending.settle()
-        if self._ending.says_goodbye and not self._broken:
+        if self._ending.says_goodbye and not self._sender.broken:
             deadline = trio.current_time() + self._config.close_timeout
-            with contextlib.suppress(ConnectionClosed, _SocketBroken):
+            with contextlib.suppress(ConnectionClosed, SocketBroken):
                 if outcome is Outcome.COMPLETED and trailer:
                     await self._send_chunk("trailer", 0, trailer, None, deadline=deadline)
                 await self._send_terminal(outcome, deadline)
-            if self._broken:
+            if self._sender.broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
         self._taps.call("ended", outcome.value, self._terminal())
-        if not self._broken:
+        if not self._sender.broken:
             with trio.move_on_after(self._config.close_timeout):
                 try:
                     await self._ws.aclose()
@@ -904,7 +911,7 @@ class Session:
         return self._ending.terminal(self.request_id, self._chunks_sent)
 
     async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
-        await self._send(self._terminal(), deadline=deadline)
+        await self._sender.send(self._terminal(), deadline=deadline)
         if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
             self._metrics.stopped(trio.current_time() - self._stop_requested_at)
 
@@ -1010,54 +1017,6 @@ class Session:
             call.name,
             len(self._res.abandoned_calls.running),
         )
-
-    # ---------------------------------------------------------------- sends
-
-    async def _send(self, *messages: Any, deadline: float | None = None) -> None:
-        """Send messages back to back, never interleaved with another task's.
-
-        The write is shielded so that ordinary cancellation (a stop, the end
-        of the receive loop) never cuts a frame in half; only ``abort`` cancels
-        it, and then the socket is marked broken. The shield's own deadline (an
-        absolute Trio time; by default the stall timeout from now) is the last
-        resort against a peer that never reads. A closed connection is a
-        disconnect, whichever send finds it.
-        """
-        async with self._send_lock:
-            if self._broken:
-                await self._leave()
-            if deadline is None:
-                deadline = trio.current_time() + self._config.stall_timeout
-            closed = False
-            with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                self._active_sends.add(scope)
-                try:
-                    for message in messages:
-                        data = message if isinstance(message, bytes) else message.to_json()
-                        await self._ws.send_message(data)
-                except ConnectionClosed:
-                    closed = True
-                finally:
-                    self._active_sends.discard(scope)
-            if closed:
-                self._disconnected()
-                await self._leave()
-            if scope.cancelled_caught:
-                self._broken = True
-                if trio.current_time() >= deadline:
-                    self.abort(
-                        Outcome.STALLED,
-                        (
-                            ErrorCode.STALL_TIMEOUT,
-                            "Stall timeout: the client stopped reading",
-                        ),
-                    )  # a no-op for the outcome when the session already ended some other way
-                await self._leave()
-
-    async def _leave(self) -> NoReturn:
-        """After a send that cannot go on: the session is aborted; leave quietly."""
-        await trio.lowlevel.checkpoint()  # raises Cancelled inside the session scope
-        raise _SocketBroken  # outside it (while finishing), the caller gives up quietly
 
     # -------------------------------------------------------------- threads
 
