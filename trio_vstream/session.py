@@ -93,6 +93,7 @@ from trio_vstream.outcomes import (
     describe,
     engine_failure,
 )
+from trio_vstream.pacing import Pacer
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
@@ -240,14 +241,13 @@ class Session:
         self._metrics = resources.metrics
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
-        self._pacing: protocol.Pacing | None = None
+        self._pacer: Pacer | None = None
+        """Set when the client asked for pacing (`trio_vstream.pacing`)."""
         self._taps = TapSet("", ())
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
         self._scripts = Scripts()
         """The request's scripted interactions, handed to the engine before their chunks."""
-        self._media_clock: float | None = None
-        """Trio time at which the video's media time 0 was (or would have been) sent."""
 
     # ----------------------------------------------------------------- entry
 
@@ -454,7 +454,7 @@ class Session:
         video = start.video
         self._size = (video.width, video.height)
         self._fps = video.fps
-        self._pacing = start.pacing
+        self._pacer = Pacer(start.pacing) if start.pacing is not None else None
         extra = dict(request.extra_params or {})
         extra.pop(protocol.CODEC_OPTIONS_PARAM, None)  # checked: start.codec_options
         for key in protocol.PACING_PARAMS:  # the server paces, never the engine
@@ -805,7 +805,10 @@ class Session:
             return False
         limiter = self._res.encode_limiter
         with trio.CancelScope() as self._encode_wait:
-            await self._pace(first_frame)
+            if self._pacer is not None:  # its wait is progress for the stall guard
+                await self._pacer.wait(
+                    first_frame / self._fps, self._touch, self._config.stall_timeout / 2
+                )
             await limiter.acquire_on_behalf_of(self)
         if self._encode_wait.cancelled_caught:
             return False
@@ -813,25 +816,6 @@ class Session:
             limiter.release_on_behalf_of(self)
             return False
         return True
-
-    async def _pace(self, first_frame: int) -> None:
-        """With pacing, hold a chunk until its media time (from the first chunk) less the
-        lead. The wait is deliberate, so it counts as progress for the stall guard."""
-        pacing = self._pacing
-        if pacing is None:
-            return
-        now = trio.current_time()
-        media_time = first_frame / self._fps
-        if self._media_clock is None or now > self._media_clock + media_time + (
-            pacing.max_lag_seconds
-        ):
-            self._media_clock = now - media_time  # the first chunk, or fallen too far behind
-            return
-        due = self._media_clock + media_time - pacing.lead_seconds
-        while (now := trio.current_time()) < due:
-            self._touch()
-            await trio.sleep_until(min(due, now + self._config.stall_timeout / 2))
-        self._touch()
 
     async def _send_chunk(
         self,
