@@ -97,6 +97,7 @@ from trio_vstream.pacing import Pacer
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
+from trio_vstream.session_request import config_echo, generation_request
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 from trio_vstream.taps import SessionTaps, TapFactory, TapSet
 
@@ -383,7 +384,10 @@ class Session:
         self._streaming = True
         taps = self._open_taps(start)
         video_start = protocol.VideoStart(
-            self.request_id, start.format, self._config_echo(start), **taps.video_start_fields
+            self.request_id,
+            start.format,
+            config_echo(start, getattr(self._stream, "seed", None)),
+            **taps.video_start_fields,
         )
         await self._sender.send(video_start)
         self._taps = TapSet(self.request_id, taps.taps)
@@ -441,26 +445,12 @@ class Session:
             return None
         return start
 
-    def _config_echo(self, start: protocol.SessionStart) -> dict[str, Any]:
-        """The request as used: with the engine's seed when the client chose none."""
-        seed = getattr(self._stream, "seed", None)
-        if "seed" in start.config or not isinstance(seed, int) or isinstance(seed, bool):
-            return start.config
-        return {**start.config, "seed": seed}
-
     async def _prepare(self, start: protocol.SessionStart) -> GenerationRequest:
         """Decode inputs, open the encoder and the engine stream: every check before video.start."""
-        request = start.request
         video = start.video
         self._size = (video.width, video.height)
         self._fps = video.fps
         self._pacer = Pacer(start.pacing) if start.pacing is not None else None
-        extra = dict(request.extra_params or {})
-        extra.pop(protocol.CODEC_OPTIONS_PARAM, None)  # checked: start.codec_options
-        for key in protocol.PACING_PARAMS:  # the server paces, never the engine
-            extra.pop(key, None)
-        extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
-        extra.pop(protocol.INTERACTION_SCRIPT_PARAM, None)  # and this one
         try:
             self._scripts = Scripts.from_start(start, interaction_kinds(self._res.engine))
         except ScriptRefused as exc:
@@ -496,28 +486,9 @@ class Session:
                 f"Invalid session.start: extra_params.video_codec_options: {exc}",
             ) from exc
         assert self.request_id is not None
-        generation_request = GenerationRequest(
-            request_id=self.request_id,
-            prompt=request.prompt,
-            width=video.width,
-            height=video.height,
-            fps=video.fps,
-            num_frames=video.num_frames,
-            negative_prompt=request.negative_prompt,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            guidance_scale_2=request.guidance_scale_2,
-            true_cfg_scale=request.true_cfg_scale,
-            boundary_ratio=request.boundary_ratio,
-            flow_shift=request.flow_shift,
-            seed=request.seed,
-            quality=request.quality,
-            image=image,
-            lora=request.lora,
-            extra_params=extra,
-        )
+        request = generation_request(start, self.request_id, image)
         # The stall guard starts with the video; until then, this is the engine's deadline.
-        opening = EngineCall(self._res.engine.open_stream, generation_request)
+        opening = EngineCall(self._res.engine.open_stream, request)
         with trio.move_on_after(self._config.stall_timeout) as too_slow:
             try:
                 self._stream = await self._call_engine(opening, _close_opened_stream)
@@ -536,7 +507,7 @@ class Session:
             self._ending.end(Outcome.STALLED, error)
             raise _Failure(*error)
         self._res.stats.streams_open += 1
-        return generation_request
+        return request
 
     # --------------------------------------------------------- receive loop
 
