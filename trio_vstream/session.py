@@ -57,7 +57,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-import attrs
 import numpy as np
 import outcome
 import trio
@@ -70,10 +69,9 @@ from trio_vstream.encoding import (
     FragmentedMP4Encoder,
     decode_image,
 )
-from trio_vstream.engine_calls import AbandonedCalls, EngineCall
+from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import (
     Chunk,
-    Engine,
     EngineError,
     EngineStream,
     GenerationRequest,
@@ -82,9 +80,8 @@ from trio_vstream.engines.base import (
     frames_to_uint8_array,
     interaction_kinds,
 )
-from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
+from trio_vstream.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
-from trio_vstream.metrics import ServerMetrics
 from trio_vstream.outcomes import (
     Ending,
     Outcome,
@@ -98,8 +95,24 @@ from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
 from trio_vstream.session_request import config_echo, generation_request
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
-from trio_vstream.taps import SessionTaps, TapFactory, TapSet
+from trio_vstream.session_resources import (
+    IMAGE_DECODES_AT_ONCE,
+    ServerCounters,
+    ServerResources,
+    SessionConfig,
+)
+from trio_vstream.steps import SessionCheckpoint
+from trio_vstream.taps import SessionTaps, TapSet
+
+__all__ = [  # what the server and its tests use, whichever module holds it
+    "IMAGE_DECODES_AT_ONCE",
+    "Outcome",
+    "ServerCounters",
+    "ServerResources",
+    "Session",
+    "SessionConfig",
+    "SessionSummary",
+]
 
 logger = get_logger(__name__)
 
@@ -121,38 +134,7 @@ _ROUTINE_CLOSE_ERRORS = (
 the end of a session, not a failure of the server (``http.ReplayStream`` removes the
 cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
 
-IMAGE_DECODES_AT_ONCE = 2
-"""Conditioning images decoded at once, server-wide: each may take a few hundred MB
-(an 8K picture, its RGB copy), so sixteen sessions starting together must not decode
-sixteen at once. The header check (`trio_vstream.image_header`) bounds each one."""
-
 T = TypeVar("T")
-
-
-@attrs.frozen(kw_only=True)
-class SessionConfig:
-    """Per-session timeouts and limits (the reference's defaults)."""
-
-    start_timeout: float = 10.0
-    stall_timeout: float = 60.0
-    close_timeout: float = 5.0
-    """How long to wait for a last message to go out and for the client's close reply."""
-    limits: protocol.Limits = protocol.DEFAULT_LIMITS
-    served_model: str | None = None
-    image_urls: ImageFetchConfig = attrs.field(factory=ImageFetchConfig)
-    """Whether (off by default), from where and how ``image_reference`` https URLs are fetched."""
-
-
-@attrs.define
-class ServerCounters:
-    """The server's counters (every session adds to them), read by `GET /stats`, tests and
-    benchmarks."""
-
-    sessions_active: int = 0
-    streams_open: int = 0
-    worker_threads: int = 0
-    sessions_total: int = 0
-    chunks_sent: int = 0
 
 
 class _Failure(Exception):
@@ -162,34 +144,6 @@ class _Failure(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@attrs.frozen
-class ServerResources:
-    """What a session borrows from the server."""
-
-    engine: Engine
-    config: SessionConfig
-    stats: ServerCounters
-    step_limiter: trio.CapacityLimiter | None
-    thread_limiter: trio.CapacityLimiter
-    encode_limiter: trio.CapacityLimiter
-    engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
-    metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
-    batcher: StepBatcher | None = None
-    """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
-    taps: TapFactory | None = None
-    """Who follows each session's output (viewers, a recording); see `trio_vstream.taps`."""
-    admit: Callable[[], tuple[ErrorCode, str] | None] | None = None
-    """Asked when a valid ``session.start`` arrives: None gives the session a slot
-    (``--max-sessions``), else the refusal it ends with (``server_busy``). Unset, every
-    session is admitted."""
-    image_limiter: trio.CapacityLimiter = attrs.field(
-        factory=lambda: trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)
-    )
-    """Bounds the image decodes of all sessions together (one per server)."""
-    abandoned_calls: AbandonedCalls = attrs.field(factory=AbandonedCalls)
-    """Engine calls still running after their sessions ended (``/health`` reads it)."""
 
 
 class Session:
