@@ -54,11 +54,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
-from typing import Any, TypeVar
 
 import numpy as np
-import outcome
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
@@ -94,6 +91,7 @@ from trio_vstream.pacing import Pacer
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
+from trio_vstream.session_calls import SessionCalls
 from trio_vstream.session_request import config_echo, generation_request
 from trio_vstream.session_resources import (
     IMAGE_DECODES_AT_ONCE,
@@ -133,8 +131,6 @@ _ROUTINE_CLOSE_ERRORS = (
 """What closing a WebSocket may raise when the client closed or went at the same time:
 the end of a session, not a failure of the server (``http.ReplayStream`` removes the
 cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
-
-T = TypeVar("T")
 
 
 class _Failure(Exception):
@@ -177,12 +173,9 @@ class Session:
         self._stopping = threading.Event()
         """Set when the session stops or aborts: read by the encoder's thread between frames."""
         self._progress = trio.Event()
-        self._stream: EngineStream | None = None
-        """The engine stream while the session owns it (None once closed, or handed to a
-        call left running, which closes it when it returns)."""
+        self._calls = SessionCalls(resources)
+        """Its worker-thread calls and its engine stream (`trio_vstream.session_calls`)."""
         self._encoder: FragmentedMP4Encoder | None = None
-        self._detached: list[EngineCall[Any]] = []
-        """Blocking calls the session stopped waiting for (see `_call_engine`)."""
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
@@ -192,7 +185,6 @@ class Session:
         self._started_at = time.monotonic()
         self._size = (0, 0)
         self._fps = 1
-        self._stream_closed_at: float | None = None
         self._metrics = resources.metrics
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
@@ -232,16 +224,20 @@ class Session:
             # Closed already, unless the producer never ran: then the close goes on while
             # the terminal message is sent (a stuck close must not hold it), and the
             # session's end waits for it like for any call it left running.
-            self._close_stream_soon()
+            self._calls.close_stream_soon()
             await self._finish()
-            await self._wait_detached()
+            # A close timeout for the calls the session stopped waiting for to return, so
+            # that their streams are closed before it ends. Not shielded: a server that
+            # stops now (the end of a drain) does not wait.
+            with trio.move_on_after(self._config.close_timeout):
+                await self._calls.wait_detached()
         finally:
-            self._close_stream_soon()
+            self._calls.close_stream_soon()
             with trio.CancelScope(shield=True):
                 encoder, self._encoder = self._encoder, None
                 if encoder is not None:
-                    await self._in_thread(_close_quietly, encoder)
-            self._abandon_detached()
+                    await self._calls.in_thread(_close_quietly, encoder)
+            self._calls.abandon_detached()
             stats.sessions_active -= 1
             self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
         return self.summary()
@@ -257,7 +253,7 @@ class Session:
             error_code=error[0].value if error else None,
             error_message=error[1] if error else None,
             started_at=self._started_at,
-            stream_closed_at=self._stream_closed_at,
+            stream_closed_at=self._calls.stream_closed_at,
             ended_at=time.monotonic(),
         )
 
@@ -325,7 +321,7 @@ class Session:
             self._ending.end(Outcome.REJECTED, refusal)
             return
         self.admitted = True
-        self.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self.request_id = self._calls.request_id = f"video_stream-{uuid.uuid4().hex}"
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
         early: list[_Early] = []
@@ -340,7 +336,7 @@ class Session:
         video_start = protocol.VideoStart(
             self.request_id,
             start.format,
-            config_echo(start, getattr(self._stream, "seed", None)),
+            config_echo(start, getattr(self._calls.stream, "seed", None)),
             **taps.video_start_fields,
         )
         await self._sender.send(video_start)
@@ -422,14 +418,14 @@ class Session:
                     ) from exc
             try:
                 async with self._res.image_limiter:
-                    image = await self._in_thread(decode_image, source.data)
+                    image = await self._calls.in_thread(decode_image, source.data)
             except EncodingError as exc:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
                 ) from exc
         options = start.codec_options
         try:
-            self._encoder = await self._in_thread(
+            self._encoder = await self._calls.in_thread(
                 lambda: FragmentedMP4Encoder(
                     width=video.width, height=video.height, fps=video.fps, codec_options=options
                 )
@@ -442,10 +438,9 @@ class Session:
         assert self.request_id is not None
         request = generation_request(start, self.request_id, image)
         # The stall guard starts with the video; until then, this is the engine's deadline.
-        opening = EngineCall(self._res.engine.open_stream, request)
         with trio.move_on_after(self._config.stall_timeout) as too_slow:
             try:
-                self._stream = await self._call_engine(opening, _close_opened_stream)
+                await self._calls.open_stream(self._res.engine, request)
             except InvalidRequestError as exc:
                 raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
             except Exception as exc:
@@ -460,7 +455,6 @@ class Session:
             error = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
             self._ending.end(Outcome.STALLED, error)
             raise _Failure(*error)
-        self._res.stats.streams_open += 1
         return request
 
     # --------------------------------------------------------- receive loop
@@ -552,11 +546,12 @@ class Session:
             return ErrorCode.INTERACTION_FAILED, (
                 f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}"
             )
-        if self._stream is None:  # generation is over; nothing can take the change
+        stream = self._calls.stream
+        if stream is None:  # generation is over; nothing can take the change
             return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
         self._event_ids.add(event_id)
         try:
-            self._stream.interact(change)
+            stream.interact(change)
         except Exception as exc:
             self._event_ids.discard(event_id)
             if isinstance(exc, EngineError):  # the engine refuses it and says why
@@ -599,8 +594,8 @@ class Session:
             await self._deliver(receive_chunks)
 
     async def _produce(self, send_chunks: trio.MemorySendChannel[Chunk]) -> None:
-        assert self._stream is not None
-        stream = self._stream
+        stream = self._calls.stream
+        assert stream is not None
         async with send_chunks:
             try:
                 with self._producer_scope:
@@ -609,12 +604,11 @@ class Session:
                 # a step, and closes the stream as it returns: wait for that, so the
                 # stream is closed before the terminal message. An engine stuck outside a
                 # checkpoint is not waited for past the stall guard's abort.
-                for call in self._detached:
-                    await call.returned.wait()
+                await self._calls.wait_detached()
             finally:
                 # The engine is done with this session: free the model's memory now,
                 # not after the last chunk has been encoded and sent.
-                await self._close_stream()
+                await self._calls.close_stream()
 
     async def _generate_chunks(
         self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
@@ -626,7 +620,7 @@ class Session:
                 # The scripts' entries for this chunk, queued at its boundary.
                 for change in self._scripts.before_chunk(index):
                     stream.interact(change)
-                chunk = await self._next_chunk(stream)
+                chunk = await self._calls.next_chunk(stream, self._checkpoint)
             except trio.Cancelled:
                 raise
             except Exception as exc:
@@ -643,28 +637,6 @@ class Session:
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
             await send_chunks.send(chunk)
-
-    async def _next_chunk(self, stream: EngineStream) -> Chunk | None:
-        """The engine's next chunk. Cancelled while the engine still runs, the call keeps
-        the stream and the step slot: it closes the one and gives back the other when it
-        returns (the engine's step limit holds even for a stuck step)."""
-        call = EngineCall(stream.next_chunk, self._checkpoint)
-        try:
-            return await self._call_engine(
-                call,
-                lambda _result: self._close_in_thread(stream),
-                self._detached_stream_closed,
-            )
-        finally:
-            if call.detached:
-                self._stream = None  # the call's now
-                self._checkpoint.cancel()  # its waits for a slot or a batch end now
-            else:
-                self._checkpoint.release()
-
-    def _detached_stream_closed(self) -> None:
-        self._checkpoint.release()
-        self._stream_closed()
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None
@@ -688,7 +660,7 @@ class Session:
                     _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                 )
                 try:
-                    frames, data = await self._call_engine(
+                    frames, data = await self._calls.call(
                         encoding, lambda _result: _close_quietly(encoder)
                     )
                 except EncodingAbandoned:
@@ -830,159 +802,11 @@ class Session:
         if encoder is None:
             return b""
         try:
-            return await self._in_thread(encoder.close)
+            return await self._calls.in_thread(encoder.close)
         except Exception as exc:
             logger.exception("session %s: encoder failed to finish", self.request_id)
             self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
             return None
-
-    async def _close_stream(self) -> None:
-        """Close the engine stream, whatever happened, and wait for the close.
-
-        The close starts at once, cancelled or not (``close`` is called exactly once per
-        stream); a cancelled wait leaves it to finish in its thread, like any engine call
-        the session stops waiting for.
-        """
-        call = self._start_close()
-        if call is None:
-            return
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            await call.returned.wait()
-        except trio.Cancelled:
-            if not self._detach(call, in_trio=self._stream_closed):
-                self._stream_closed()  # it returned just now
-            raise
-        finally:
-            stats.worker_threads -= 1
-        self._stream_closed()
-
-    def _close_stream_soon(self) -> None:
-        """Start closing the engine stream if the session still owns it; don't wait."""
-        call = self._start_close()
-        if call is not None and not self._detach(call, in_trio=self._stream_closed):
-            self._stream_closed()
-
-    def _start_close(self) -> EngineCall[None] | None:
-        stream, self._stream = self._stream, None
-        if stream is None:
-            return None
-        call = EngineCall(self._close_in_thread, stream)
-        call.start()
-        return call
-
-    def _close_in_thread(self, stream: EngineStream) -> None:
-        """A stream's ``close``, in a worker thread: a failure is logged, never raised."""
-        try:
-            stream.close()
-        except Exception:
-            logger.exception("session %s: engine stream close failed", self.request_id)
-
-    def _stream_closed(self) -> None:
-        """Bookkeeping of a stream's close, in the Trio thread, whichever thread closed it."""
-        self._res.stats.streams_open -= 1
-        self._stream_closed_at = time.monotonic()
-        logger.info("session %s: engine stream closed", self.request_id)
-
-    async def _wait_detached(self) -> None:
-        """After the last message and the close: a close timeout for the calls the session
-        stopped waiting for to return (an engine that was only between checkpoints does,
-        within a step), so that their streams are closed before the session ends.
-
-        Not shielded: a server that stops now (the end of a drain) does not wait.
-        """
-        with trio.move_on_after(self._config.close_timeout):
-            for call in self._detached:
-                await call.returned.wait()
-
-    def _abandon_detached(self) -> None:
-        """The session ends: the calls still running are abandoned to their threads.
-
-        Counted, and logged, until they return (``/metrics``, and ``/health`` says
-        degraded meanwhile): a thread stuck outside a checkpoint is the engine's, and
-        an operator should know the GPU may be wedged.
-        """
-        abandoned = self._res.abandoned_calls
-        for call in self._detached:
-            if call.returned.is_set():
-                continue
-            abandoned.add(call, partial(self._abandoned_call_returned, call))
-            self._metrics.engine_call_abandoned()
-            logger.warning(
-                "session %s: %s still running as the session ends; left to finish in its "
-                "thread (%d engine call(s) outstanding)",
-                self.request_id,
-                call.name,
-                len(abandoned.running),
-            )
-        self._detached.clear()
-
-    def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
-        self._metrics.engine_call_returned()
-        logger.info(
-            "session %s: abandoned %s returned (%d engine call(s) outstanding)",
-            self.request_id,
-            call.name,
-            len(self._res.abandoned_calls.running),
-        )
-
-    # -------------------------------------------------------------- threads
-
-    async def _call_engine(
-        self,
-        call: EngineCall[T],
-        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
-        in_trio: Callable[[], None] | None = None,
-    ) -> T:
-        """Run a blocking call that may never return (engine work, or a copy of its
-        frames from the GPU) in a worker thread; cancelled, stop waiting at once.
-
-        The call goes on in its thread and sees the cancellation at its next
-        checkpoint, if it ever reaches one: it is detached, with what needs it to
-        have returned (``in_thread``: close its stream, say; then ``in_trio``). A stop
-        waits for it after the producer is cancelled (`_produce`), the session's end
-        for a close timeout (`_wait_detached`); past that it is abandoned. So a call
-        stuck outside a checkpoint holds neither the terminal message (sent at the
-        stall deadline) nor the drain.
-        """
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            return await call.run(self._res.thread_limiter)
-        except trio.Cancelled:
-            self._detach(call, in_thread, in_trio)
-            raise
-        finally:
-            stats.worker_threads -= 1
-
-    def _detach(
-        self,
-        call: EngineCall[T],
-        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
-        in_trio: Callable[[], None] | None = None,
-    ) -> bool:
-        """`EngineCall.detach`, remembering the call; False if it is not running."""
-        if not call.detach(in_thread, in_trio):
-            return False
-        self._detached.append(call)
-        logger.debug("session %s: stopped waiting for %s", self.request_id, call.name)
-        return True
-
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking work of the server's own (encoder set-up, image decoding) off
-        the event loop.
-
-        Never abandoned: if the session is cancelled, this waits for the thread to
-        return. The engine's calls, which may block for good, go through
-        `_call_engine` instead.
-        """
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._res.thread_limiter)
-        finally:
-            stats.worker_threads -= 1
 
 
 def _encode_chunk(
@@ -995,15 +819,6 @@ def _encode_chunk(
     """Worker-thread part of delivery: tensor to array, then H.264 into fMP4."""
     frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
     return frames.shape[0], encoder.encode(frames, abandon=abandon)
-
-
-def _close_opened_stream(opened: outcome.Outcome[EngineStream]) -> None:
-    """After an ``open_stream`` the session stopped waiting for: close what it opened."""
-    if isinstance(opened, outcome.Value):
-        try:
-            opened.value.close()
-        except Exception:
-            logger.exception("engine stream close failed (opened after its session left)")
 
 
 def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
