@@ -60,6 +60,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
+from trio_vstream.early_messages import EarlyMessages
 from trio_vstream.encoding import (
     EncodingAbandoned,
     EncodingError,
@@ -113,14 +114,6 @@ __all__ = [  # what the server and its tests use, whichever module holds it
 ]
 
 logger = get_logger(__name__)
-
-_EARLY_MESSAGES = 16
-"""Control messages kept while a session prepares, before ``video.start``. In bytes,
-what is kept is bounded too: see `Session._hold_early_messages`."""
-
-_Early = str | bytes | protocol.ProtocolError
-"""A message received while the session prepared: as received, or, over the control
-message limit, only the refusal the receive loop will send for it."""
 
 _ROUTINE_CLOSE_ERRORS = (
     ConnectionClosed,
@@ -324,7 +317,7 @@ class Session:
         self.request_id = self._calls.request_id = f"video_stream-{uuid.uuid4().hex}"
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
-        early: list[_Early] = []
+        early = EarlyMessages(self._config.limits)
         async with trio.open_nursery() as preparing:
             preparing.start_soon(self._hold_early_messages, early)
             request = await self._prepare(start)
@@ -459,37 +452,22 @@ class Session:
 
     # --------------------------------------------------------- receive loop
 
-    async def _hold_early_messages(self, early: list[_Early]) -> None:
+    async def _hold_early_messages(self, early: EarlyMessages) -> None:
         """Read while the session prepares: a close is a disconnect now, not after the
-        preparation; messages wait for the receive loop, in order.
-
-        At most a few, and few bytes: `_EARLY_MESSAGES` messages, and reading stops once
-        those kept reach the control message limit in bytes (``--max-control-bytes``),
-        so at most twice that is held (the last one read may bring up to the limit
-        again). A message over the limit, which the receive loop would only refuse, is
-        kept as its refusal (``message_too_large``), without its bytes: sixteen 8 MiB
-        messages once held 128 MiB per session. A client that sends more waits, like
-        any client the server does not read, and is read again after ``video.start``.
-        """
-        limit = self._config.limits.max_control_bytes
-        held = 0
-        while len(early) < _EARLY_MESSAGES and held < limit:
+        preparation; messages wait for the receive loop, in order, as many as
+        `EarlyMessages` keeps (a few, and few bytes)."""
+        while not early.full:
             try:
                 raw = await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
-            size = _size_up_to(raw, limit)
-            if size > limit:
-                early.append(_refusal(raw, self._config.limits))
-            else:
-                early.append(raw)
-                held += size
+            early.keep(raw)
 
-    async def _receive_loop(self, early: list[_Early]) -> None:
+    async def _receive_loop(self, early: EarlyMessages) -> None:
         while True:
             try:
-                raw = early.pop(0) if early else await self._ws.get_message()
+                raw = early.pop() if early else await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
@@ -826,24 +804,6 @@ def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
-
-
-def _size_up_to(raw: str | bytes, limit: int) -> int:
-    """The message's size in bytes (UTF-8 for text), or any number over ``limit`` once
-    it is clearly over: an 8 MiB text is not encoded only to be refused."""
-    if isinstance(raw, bytes) or len(raw) > limit:
-        return len(raw)
-    return len(raw.encode("utf-8", "surrogatepass"))
-
-
-def _refusal(raw: str | bytes, limits: protocol.Limits) -> protocol.ProtocolError:
-    """What the receive loop answers to a message over the control limit, from the
-    protocol itself (so the code and the words are the ones any such message gets)."""
-    try:
-        protocol.parse_control(raw, limits=limits)
-    except protocol.ProtocolError as exc:
-        return exc.with_traceback(None)  # its frames would keep the message alive
-    raise AssertionError("a message over the control limit was accepted")
 
 
 def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
