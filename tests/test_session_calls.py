@@ -69,6 +69,17 @@ def resources(stream: Stream, step_limiter: trio.CapacityLimiter | None = None) 
     )
 
 
+async def opened(
+    stream: Stream, step_limiter: trio.CapacityLimiter | None = None
+) -> tuple[ServerResources, SessionCalls]:
+    """The resources and calls of a session that has opened ``stream``."""
+    res = resources(stream, step_limiter)
+    calls = SessionCalls(res)
+    assert await calls.open_stream(res.engine, REQUEST) is stream
+    assert calls.stream is stream and res.stats.streams_open == 1
+    return res, calls
+
+
 async def wait_in_thread(event: threading.Event) -> None:
     assert await trio.to_thread.run_sync(event.wait, WAIT)
 
@@ -95,10 +106,7 @@ async def leave_behind(
 
 async def test_a_stream_is_closed_exactly_once_whoever_closes_it() -> None:
     stream = Stream()
-    res = resources(stream)
-    calls = SessionCalls(res)
-    assert await calls.open_stream(res.engine, REQUEST) is stream
-    assert calls.stream is stream and res.stats.streams_open == 1
+    res, calls = await opened(stream)
     await calls.close_stream()
     calls.close_stream_soon()
     await calls.close_stream()
@@ -132,10 +140,8 @@ async def test_a_cancelled_engine_call_is_left_running_and_cleans_up_as_it_retur
 
 async def test_a_chunk_left_behind_takes_the_stream_and_the_step_slot_with_it() -> None:
     stream = Stream()
-    res = resources(stream, step_limiter=trio.CapacityLimiter(1))
+    res, calls = await opened(stream, trio.CapacityLimiter(1))
     assert res.step_limiter is not None
-    calls = SessionCalls(res)
-    await calls.open_stream(res.engine, REQUEST)
     checkpoint = SessionCheckpoint(res.step_limiter, EngineProgress(), lambda: None)
     async with trio.open_nursery() as nursery:
         producer = trio.CancelScope()
@@ -162,9 +168,7 @@ async def test_a_chunk_left_behind_takes_the_stream_and_the_step_slot_with_it() 
 
 async def test_a_close_that_blocks_holds_nobody_and_is_counted_when_it_returns() -> None:
     stream = Stream()
-    res = resources(stream)
-    calls = SessionCalls(res)
-    await calls.open_stream(res.engine, REQUEST)
+    res, calls = await opened(stream)
     closing = threading.Event()
 
     def slow_close() -> None:

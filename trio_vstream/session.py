@@ -26,25 +26,31 @@ checkpoint, within one step); the deliverer finishes the chunk it is sending,
 so the socket stays usable for the terminal message. A
 disconnect or a stall aborts everything, including a send stuck on a client
 that does not read, and stops waiting for an engine call stuck outside a
-checkpoint (it is left to finish in its thread: `_call_engine`). Sends are
+checkpoint (it is left to finish in its thread: `session_calls`). Sends are
 otherwise shielded: a cancelled half-written WebSocket frame would corrupt the
 stream, so a send is only ever interrupted on purpose, and then the socket is
-marked broken and left alone.
+marked broken and left alone (`sending`).
 
 The outcome is decided when it happens, and the first reason wins: once the
 engine has produced the last chunk the video is complete, and a stop or a
 shutdown after that changes nothing; a client that goes away is a disconnect
-whichever task notices it first.
+whichever task notices it first (the rules: `outcomes`).
 
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-One module, over the house's 800 lines (about 950), on purpose: the tasks of a
-session share its state (the outcome, the sends, the cancel scopes), and how a
-session ends reads best in one place. What is not about that state lives
-elsewhere: how sessions share the engine's steps in ``steps``, scripted
-interactions in ``scripts``, the session's followers (viewers, recordings) in
-``taps``, fetching an image URL in ``image_fetch``.
+This module keeps the nursery and the outcome (about 800 lines): the tasks of a
+session share that state (the outcome, the cancel scopes, the counts), and how a
+session ends reads best in one place. The parts that need none of it live beside
+it, each tested alone: how a session ends and what the client is told
+(``outcomes``), the send discipline (``sending``), the engine's request made from a
+``session.start`` (``session_request``), pacing to media time (``pacing``), what is
+kept of the messages sent while a session prepares (``early_messages``), its
+blocking calls and engine stream (``session_calls``) and what it borrows from the
+server (``session_resources``). Further off: how sessions share the engine's steps
+in ``steps``, engine calls left to finish in their threads in ``engine_calls``,
+scripted interactions in ``scripts``, the session's followers (viewers, recordings)
+in ``taps``, fetching an image URL in ``image_fetch``.
 """
 
 from __future__ import annotations
