@@ -381,7 +381,7 @@ async def test_a_stop_after_the_last_chunk_was_generated_keeps_the_video_complet
         await ws.held.wait()  # the pong holds the socket; the engine goes on
         await trio.to_thread.run_sync(engine.finished.wait, 30)
         with trio.fail_after(10):
-            while not session._generated_all:  # the engine's answer is on its way back
+            while not session._ending.generated_all:  # the engine's answer is on its way back
                 await trio.testing.wait_all_tasks_blocked()
         session.stop() if ending == "stop" else session.shutdown()
         ws.release()

@@ -26,81 +26,100 @@ checkpoint, within one step); the deliverer finishes the chunk it is sending,
 so the socket stays usable for the terminal message. A
 disconnect or a stall aborts everything, including a send stuck on a client
 that does not read, and stops waiting for an engine call stuck outside a
-checkpoint (it is left to finish in its thread: `_call_engine`). Sends are
+checkpoint (it is left to finish in its thread: `session_calls`). Sends are
 otherwise shielded: a cancelled half-written WebSocket frame would corrupt the
 stream, so a send is only ever interrupted on purpose, and then the socket is
-marked broken and left alone.
+marked broken and left alone (`sending`).
 
 The outcome is decided when it happens, and the first reason wins: once the
 engine has produced the last chunk the video is complete, and a stop or a
 shutdown after that changes nothing; a client that goes away is a disconnect
-whichever task notices it first.
+whichever task notices it first (the rules: `outcomes`).
 
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-One module, over the house's 800 lines (about 950), on purpose: the tasks of a
-session share its state (the outcome, the sends, the cancel scopes), and how a
-session ends reads best in one place. What is not about that state lives
-elsewhere: how sessions share the engine's steps in ``steps``, scripted
-interactions in ``scripts``, the session's followers (viewers, recordings) in
-``taps``, fetching an image URL in ``image_fetch``.
+This module keeps the nursery and the outcome (about 800 lines): the tasks of a
+session share that state (the outcome, the cancel scopes, the counts), and how a
+session ends reads best in one place. The parts that need none of it live beside
+it, each tested alone: how a session ends and what the client is told
+(``outcomes``), the send discipline (``sending``), the engine's request made from a
+``session.start`` (``session_request``), pacing to media time (``pacing``), what is
+kept of the messages sent while a session prepares (``early_messages``), its
+blocking calls and engine stream (``session_calls``) and what it borrows from the
+server (``session_resources``). Further off: how sessions share the engine's steps
+in ``steps``, engine calls left to finish in their threads in ``engine_calls``,
+scripted interactions in ``scripts``, the session's followers (viewers, recordings)
+in ``taps``, fetching an image URL in ``image_fetch``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
-from typing import Any, NoReturn, TypeVar
 
-import attrs
 import numpy as np
-import outcome
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
+from trio_vstream.early_messages import EarlyMessages
 from trio_vstream.encoding import (
     EncodingAbandoned,
     EncodingError,
     FragmentedMP4Encoder,
     decode_image,
 )
-from trio_vstream.engine_calls import AbandonedCalls, EngineCall
+from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import (
     Chunk,
-    Engine,
     EngineError,
     EngineStream,
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
-    SamplingSettings,
 )
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
-from trio_vstream.image_fetch import ImageFetchConfig, ImageFetchError, fetch_image
+from trio_vstream.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
-from trio_vstream.metrics import ServerMetrics
+from trio_vstream.outcomes import (
+    Ending,
+    Outcome,
+    SessionError,
+    SessionSummary,
+    describe,
+    engine_failure,
+)
+from trio_vstream.pacing import Pacer
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
-from trio_vstream.taps import SessionTaps, TapFactory, TapSet
+from trio_vstream.sending import Sender, SocketBroken
+from trio_vstream.session_calls import SessionCalls
+from trio_vstream.session_request import config_echo, generation_request
+from trio_vstream.session_resources import (
+    IMAGE_DECODES_AT_ONCE,
+    ServerCounters,
+    ServerResources,
+    SessionConfig,
+)
+from trio_vstream.steps import SessionCheckpoint
+from trio_vstream.taps import SessionTaps, TapSet
+
+__all__ = [  # what the server and its tests use, whichever module holds it
+    "IMAGE_DECODES_AT_ONCE",
+    "Outcome",
+    "ServerCounters",
+    "ServerResources",
+    "Session",
+    "SessionConfig",
+    "SessionSummary",
+]
 
 logger = get_logger(__name__)
-
-_EARLY_MESSAGES = 16
-"""Control messages kept while a session prepares, before ``video.start``. In bytes,
-what is kept is bounded too: see `Session._hold_early_messages`."""
-
-_Early = str | bytes | protocol.ProtocolError
-"""A message received while the session prepared: as received, or, over the control
-message limit, only the refusal the receive loop will send for it."""
 
 _ROUTINE_CLOSE_ERRORS = (
     ConnectionClosed,
@@ -112,75 +131,6 @@ _ROUTINE_CLOSE_ERRORS = (
 the end of a session, not a failure of the server (``http.ReplayStream`` removes the
 cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
 
-IMAGE_DECODES_AT_ONCE = 2
-"""Conditioning images decoded at once, server-wide: each may take a few hundred MB
-(an 8K picture, its RGB copy), so sixteen sessions starting together must not decode
-sixteen at once. The header check (`trio_vstream.image_header`) bounds each one."""
-
-T = TypeVar("T")
-
-
-@attrs.frozen(kw_only=True)
-class SessionConfig:
-    """Per-session timeouts and limits (the reference's defaults)."""
-
-    start_timeout: float = 10.0
-    stall_timeout: float = 60.0
-    close_timeout: float = 5.0
-    """How long to wait for a last message to go out and for the client's close reply."""
-    limits: protocol.Limits = protocol.DEFAULT_LIMITS
-    served_model: str | None = None
-    image_urls: ImageFetchConfig = attrs.field(factory=ImageFetchConfig)
-    """Whether (off by default), from where and how ``image_reference`` https URLs are fetched."""
-
-
-class Outcome(enum.Enum):
-    """How a session ended; decides its terminal message."""
-
-    COMPLETED = "completed"
-    STOPPED = "stopped"
-    SHUTDOWN = "shutdown"
-    STALLED = "stalled"
-    FAILED = "failed"
-    DISCONNECTED = "disconnected"
-    REJECTED = "rejected"
-    """Never started streaming: bad or missing session.start, or no session slot free
-    for it (``server_busy``)."""
-
-
-@attrs.define
-class ServerCounters:
-    """The server's counters (every session adds to them), read by `GET /stats`, tests and
-    benchmarks."""
-
-    sessions_active: int = 0
-    streams_open: int = 0
-    worker_threads: int = 0
-    sessions_total: int = 0
-    chunks_sent: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class SessionSummary:
-    """What one finished session did; handed to the server's ``on_session_end`` hook."""
-
-    request_id: str | None
-    outcome: Outcome
-    chunks_sent: int
-    frames_generated: int
-    error_code: str | None
-    error_message: str | None = None
-    """What went wrong, in words (also when no message could reach the client)."""
-    started_at: float
-    """``time.monotonic()`` when the connection's session began."""
-    stream_closed_at: float | None
-    """When the engine stream was closed (None: the session never opened one)."""
-    ended_at: float
-
-
-class _SocketBroken(Exception):
-    """A send was interrupted mid-frame; nothing more can be written."""
-
 
 class _Failure(Exception):
     """Ends the session with an ``error`` message (a request or engine problem)."""
@@ -191,34 +141,6 @@ class _Failure(Exception):
         self.message = message
 
 
-@attrs.frozen
-class ServerResources:
-    """What a session borrows from the server."""
-
-    engine: Engine
-    config: SessionConfig
-    stats: ServerCounters
-    step_limiter: trio.CapacityLimiter | None
-    thread_limiter: trio.CapacityLimiter
-    encode_limiter: trio.CapacityLimiter
-    engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
-    metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
-    batcher: StepBatcher | None = None
-    """Runs the engine's batched steps, when it batches (its task belongs to the server)."""
-    taps: TapFactory | None = None
-    """Who follows each session's output (viewers, a recording); see `trio_vstream.taps`."""
-    admit: Callable[[], tuple[ErrorCode, str] | None] | None = None
-    """Asked when a valid ``session.start`` arrives: None gives the session a slot
-    (``--max-sessions``), else the refusal it ends with (``server_busy``). Unset, every
-    session is admitted."""
-    image_limiter: trio.CapacityLimiter = attrs.field(
-        factory=lambda: trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)
-    )
-    """Bounds the image decodes of all sessions together (one per server)."""
-    abandoned_calls: AbandonedCalls = attrs.field(factory=AbandonedCalls)
-    """Engine calls still running after their sessions ended (``/health`` reads it)."""
-
-
 class Session:
     """One WebSocket connection's session. ``await Session(...).run()``, once."""
 
@@ -227,17 +149,18 @@ class Session:
         self._res = resources
         self._config = resources.config
         self.request_id: str | None = None
-        self.outcome: Outcome | None = None
-        self._error: tuple[ErrorCode, str] | None = None
-        self._send_lock = trio.Lock()
-        self._active_sends: set[trio.CancelScope] = set()
-        self._broken = False
+        self._ending = Ending()
+        """How the session ends (`trio_vstream.outcomes`): decided when it happens."""
+        self._sender = Sender(
+            ws,
+            timeout=self._config.stall_timeout,
+            on_closed=self._disconnected,
+            on_stuck=self._client_stopped_reading,
+        )
+        """Every write to the socket (`trio_vstream.sending`)."""
         self._disconnect_logged = False
         self._session_scope = trio.CancelScope()
         self._streaming = False
-        self._generated_all = False
-        self._deliver_generated = False
-        """The engine failed: what it made before is still sent, then the error."""
         self.admitted = False
         """True from the ``session.start`` that took a session slot: an upgrade still
         waiting for its ``session.start`` never counts against the server's limit."""
@@ -249,12 +172,9 @@ class Session:
         self._stopping = threading.Event()
         """Set when the session stops or aborts: read by the encoder's thread between frames."""
         self._progress = trio.Event()
-        self._stream: EngineStream | None = None
-        """The engine stream while the session owns it (None once closed, or handed to a
-        call left running, which closes it when it returns)."""
+        self._calls = SessionCalls(resources)
+        """Its worker-thread calls and its engine stream (`trio_vstream.session_calls`)."""
         self._encoder: FragmentedMP4Encoder | None = None
-        self._detached: list[EngineCall[Any]] = []
-        """Blocking calls the session stopped waiting for (see `_call_engine`)."""
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
@@ -264,18 +184,16 @@ class Session:
         self._started_at = time.monotonic()
         self._size = (0, 0)
         self._fps = 1
-        self._stream_closed_at: float | None = None
         self._metrics = resources.metrics
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
-        self._pacing: protocol.Pacing | None = None
+        self._pacer: Pacer | None = None
+        """Set when the client asked for pacing (`trio_vstream.pacing`)."""
         self._taps = TapSet("", ())
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
         self._scripts = Scripts()
         """The request's scripted interactions, handed to the engine before their chunks."""
-        self._media_clock: float | None = None
-        """Trio time at which the video's media time 0 was (or would have been) sent."""
 
     # ----------------------------------------------------------------- entry
 
@@ -296,65 +214,67 @@ class Session:
                     self._disconnected()
                 except* _Failure as failures:  # a failure before streaming began
                     failure = _first_leaf(failures)
-                    self._end(Outcome.FAILED, (failure.code, failure.message))
+                    self._ending.end(Outcome.FAILED, (failure.code, failure.message))
                 except* Exception as errors:
                     logger.error("session %s: internal error", self.request_id, exc_info=errors)
-                    self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error"))
+                    self._ending.end(
+                        Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error")
+                    )
             # Closed already, unless the producer never ran: then the close goes on while
             # the terminal message is sent (a stuck close must not hold it), and the
             # session's end waits for it like for any call it left running.
-            self._close_stream_soon()
+            self._calls.close_stream_soon()
             await self._finish()
-            await self._wait_detached()
+            # A close timeout for the calls the session stopped waiting for to return, so
+            # that their streams are closed before it ends. Not shielded: a server that
+            # stops now (the end of a drain) does not wait.
+            with trio.move_on_after(self._config.close_timeout):
+                await self._calls.wait_detached()
         finally:
-            self._close_stream_soon()
+            self._calls.close_stream_soon()
             with trio.CancelScope(shield=True):
                 encoder, self._encoder = self._encoder, None
                 if encoder is not None:
-                    await self._in_thread(_close_quietly, encoder)
-            self._abandon_detached()
+                    await self._calls.in_thread(_close_quietly, encoder)
+            self._calls.abandon_detached()
             stats.sessions_active -= 1
-            self._metrics.session_ended((self.outcome or Outcome.FAILED).value)
+            self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
         return self.summary()
 
     def summary(self) -> SessionSummary:
-        outcome = self.outcome or Outcome.FAILED
+        outcome = self._ending.outcome or Outcome.FAILED
+        error = self._ending.error
         return SessionSummary(
             request_id=self.request_id,
             outcome=outcome,
             chunks_sent=self._chunks_sent,
             frames_generated=self._frames_generated,
-            error_code=self._error[0].value if self._error else None,
-            error_message=self._error[1] if self._error else None,
+            error_code=error[0].value if error else None,
+            error_message=error[1] if error else None,
             started_at=self._started_at,
-            stream_closed_at=self._stream_closed_at,
+            stream_closed_at=self._calls.stream_closed_at,
             ended_at=time.monotonic(),
         )
 
-    def stop(
-        self, outcome: Outcome = Outcome.STOPPED, error: tuple[ErrorCode, str] | None = None
-    ) -> None:
+    def stop(self, outcome: Outcome = Outcome.STOPPED, error: SessionError | None = None) -> None:
         """End the session gracefully: the engine stops at its next checkpoint, the
         chunk being sent is finished, and the stream is closed properly.
 
         Once the engine has made the last chunk, the video is complete: a stop or a
         shutdown then changes nothing, and the chunks still on their way are sent.
         """
-        if self._generated_all and outcome in (Outcome.STOPPED, Outcome.SHUTDOWN):
-            return
-        if self._end(outcome, error):
+        if self._ending.stop(outcome, error):
             self._producer_scope.cancel()
             self._encode_wait.cancel()
             self._stopping.set()
 
-    def abort(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> None:
+    def abort(self, outcome: Outcome, error: SessionError | None = None) -> None:
         """End the session now, interrupting even a send stuck on the socket."""
-        self._end(outcome, error)
+        self._ending.end(outcome, error)
         self._stopping.set()
         self._producer_scope.cancel()
         self._session_scope.cancel()
-        for scope in self._active_sends:
-            scope.cancel()
+        self._sender.interrupt()
 
     def shutdown(self) -> None:
         """The server is going away: streaming sessions wind down, others end at once.
@@ -365,17 +285,9 @@ class Session:
         error = (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
         if self._streaming:
             self.stop(Outcome.SHUTDOWN, error)
-        elif self._end(Outcome.SHUTDOWN, error):
+        elif self._ending.end(Outcome.SHUTDOWN, error):
             self._producer_scope.cancel()
             self._session_scope.cancel()
-
-    def _end(self, outcome: Outcome, error: tuple[ErrorCode, str] | None = None) -> bool:
-        """Record the first reason the session ends; later ones change nothing."""
-        if self.outcome is not None:
-            return False
-        self.outcome = outcome
-        self._error = error
-        return True
 
     def _disconnected(self) -> None:
         """The client closed the connection: whichever task noticed, one line, no traceback.
@@ -388,6 +300,13 @@ class Session:
             logger.info("session %s: client disconnected", self.request_id)
         self.abort(Outcome.DISCONNECTED)
 
+    def _client_stopped_reading(self) -> None:
+        """A send ran out of time: the client stopped reading. A no-op for the outcome
+        when the session already ended some other way."""
+        self.abort(
+            Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, "Stall timeout: the client stopped reading")
+        )
+
     # ----------------------------------------------------------- the session
 
     async def _run(self) -> None:
@@ -398,13 +317,13 @@ class Session:
         # server's count and this flag, so two starts can never take one slot.
         refusal = self._res.admit() if self._res.admit is not None else None
         if refusal is not None:
-            self._end(Outcome.REJECTED, refusal)
+            self._ending.end(Outcome.REJECTED, refusal)
             return
         self.admitted = True
-        self.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self.request_id = self._calls.request_id = f"video_stream-{uuid.uuid4().hex}"
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
-        early: list[_Early] = []
+        early = EarlyMessages(self._config.limits)
         async with trio.open_nursery() as preparing:
             preparing.start_soon(self._hold_early_messages, early)
             request = await self._prepare(start)
@@ -413,10 +332,14 @@ class Session:
         # cutting the video.start about to be sent.
         self._streaming = True
         taps = self._open_taps(start)
+        stream = self._calls.stream
         video_start = protocol.VideoStart(
-            self.request_id, start.format, self._config_echo(start), **taps.video_start_fields
+            self.request_id,
+            start.format,
+            config_echo(start, stream.seed if supports_seed(stream) else None),
+            **taps.video_start_fields,
         )
-        await self._send(video_start)
+        await self._sender.send(video_start)
         self._taps = TapSet(self.request_id, taps.taps)
         self._taps.call("started", video_start, start)
         self._metrics.video_started(trio.current_time() - self._start_received_at)
@@ -434,8 +357,8 @@ class Session:
             nursery.start_soon(self._stall_guard)
             await self._generate()
             nursery.cancel_scope.cancel()
-        if self.outcome is None:
-            self._end(Outcome.COMPLETED)
+        if self._ending.outcome is None:
+            self._ending.end(Outcome.COMPLETED)
 
     def _open_taps(self, start: protocol.SessionStart) -> SessionTaps:
         """The session's followers, from the server; none if that fails (logged): a
@@ -455,7 +378,7 @@ class Session:
             try:
                 raw = await self._ws.get_message()
             except ConnectionClosed:
-                self._end(Outcome.DISCONNECTED)
+                self._ending.end(Outcome.DISCONNECTED)
                 return None
             self._start_received_at = trio.current_time()
         if timeout.cancelled_caught:
@@ -468,30 +391,16 @@ class Session:
                 defaults=self._res.engine.video_defaults,
             )
         except protocol.ProtocolError as exc:
-            self._end(Outcome.REJECTED, (exc.code, exc.message))
+            self._ending.end(Outcome.REJECTED, (exc.code, exc.message))
             return None
         return start
 
-    def _config_echo(self, start: protocol.SessionStart) -> dict[str, Any]:
-        """The request as used: with the engine's seed when the client chose none."""
-        seed = self._stream.seed if supports_seed(self._stream) else None
-        if "seed" in start.config or not isinstance(seed, int) or isinstance(seed, bool):
-            return start.config
-        return {**start.config, "seed": seed}
-
     async def _prepare(self, start: protocol.SessionStart) -> GenerationRequest:
         """Decode inputs, open the encoder and the engine stream: every check before video.start."""
-        request = start.request
         video = start.video
         self._size = (video.width, video.height)
         self._fps = video.fps
-        self._pacing = start.pacing
-        extra = dict(request.extra_params or {})
-        extra.pop(protocol.CODEC_OPTIONS_PARAM, None)  # checked: start.codec_options
-        for key in protocol.PACING_PARAMS:  # the server paces, never the engine
-            extra.pop(key, None)
-        extra.pop(protocol.CAMERA_SCRIPT_PARAM, None)  # the server feeds it, chunk by chunk
-        extra.pop(protocol.INTERACTION_SCRIPT_PARAM, None)  # and this one
+        self._pacer = Pacer(start.pacing) if start.pacing is not None else None
         try:
             self._scripts = Scripts.from_start(start, interaction_kinds(self._res.engine))
         except ScriptRefused as exc:
@@ -509,14 +418,14 @@ class Session:
                     ) from exc
             try:
                 async with self._res.image_limiter:
-                    image = await self._in_thread(decode_image, source.data)
+                    image = await self._calls.in_thread(decode_image, source.data)
             except EncodingError as exc:
                 raise _Failure(
                     ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
                 ) from exc
         options = start.codec_options
         try:
-            self._encoder = await self._in_thread(
+            self._encoder = await self._calls.in_thread(
                 lambda: FragmentedMP4Encoder(
                     width=video.width, height=video.height, fps=video.fps, codec_options=options
                 )
@@ -527,38 +436,16 @@ class Session:
                 f"Invalid session.start: extra_params.video_codec_options: {exc}",
             ) from exc
         assert self.request_id is not None
-        generation_request = GenerationRequest(
-            request_id=self.request_id,
-            prompt=request.prompt,
-            width=video.width,
-            height=video.height,
-            fps=video.fps,
-            num_frames=video.num_frames,
-            negative_prompt=request.negative_prompt,
-            num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            sampling=SamplingSettings(
-                guidance_scale_2=request.guidance_scale_2,
-                true_cfg_scale=request.true_cfg_scale,
-                boundary_ratio=request.boundary_ratio,
-                flow_shift=request.flow_shift,
-            ),
-            seed=request.seed,
-            quality=request.quality,
-            image=image,
-            lora=request.lora,
-            extra_params=extra,
-        )
+        request = generation_request(start, self.request_id, image)
         # The stall guard starts with the video; until then, this is the engine's deadline.
-        opening = EngineCall(self._res.engine.open_stream, generation_request)
         with trio.move_on_after(self._config.stall_timeout) as too_slow:
             try:
-                self._stream = await self._call_engine(opening, _close_opened_stream)
+                await self._calls.open_stream(self._res.engine, request)
             except InvalidRequestError as exc:
                 raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
             except Exception as exc:
                 logger.exception("session %s: engine could not open a stream", self.request_id)
-                raise _Failure(*self._engine_failure(exc, "opening the stream")) from exc
+                raise _Failure(*engine_failure(exc, "opening the stream", self.request_id)) from exc
         if too_slow.cancelled_caught:
             logger.warning(
                 "session %s: the engine did not open a stream within %.1f s, aborting",
@@ -566,59 +453,28 @@ class Session:
                 self._config.stall_timeout,
             )
             error = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
-            self._end(Outcome.STALLED, error)
+            self._ending.end(Outcome.STALLED, error)
             raise _Failure(*error)
-        self._res.stats.streams_open += 1
-        return generation_request
-
-    def _engine_failure(self, exc: Exception, doing: str) -> tuple[ErrorCode, str]:
-        """What a client (and its viewers) are told of an engine's exception.
-
-        An `EngineError`'s message is written for clients (see its docstring), so it is
-        shown. Anything else (a ``RuntimeError`` of a library, an ``OSError`` naming a
-        model file) may carry paths and internals: the client gets a coded error
-        naming the request, and the text and traceback go to the server log (the caller
-        logs them).
-        """
-        if isinstance(exc, EngineError):
-            return ErrorCode.GENERATION_FAILED, _describe(exc)
-        return ErrorCode.GENERATION_FAILED, (
-            f"engine failed while {doing} (see the server log, request {self.request_id})"
-        )
+        return request
 
     # --------------------------------------------------------- receive loop
 
-    async def _hold_early_messages(self, early: list[_Early]) -> None:
+    async def _hold_early_messages(self, early: EarlyMessages) -> None:
         """Read while the session prepares: a close is a disconnect now, not after the
-        preparation; messages wait for the receive loop, in order.
-
-        At most a few, and few bytes: `_EARLY_MESSAGES` messages, and reading stops once
-        those kept reach the control message limit in bytes (``--max-control-bytes``),
-        so at most twice that is held (the last one read may bring up to the limit
-        again). A message over the limit, which the receive loop would only refuse, is
-        kept as its refusal (``message_too_large``), without its bytes: sixteen 8 MiB
-        messages once held 128 MiB per session. A client that sends more waits, like
-        any client the server does not read, and is read again after ``video.start``.
-        """
-        limit = self._config.limits.max_control_bytes
-        held = 0
-        while len(early) < _EARLY_MESSAGES and held < limit:
+        preparation; messages wait for the receive loop, in order, as many as
+        `EarlyMessages` keeps (a few, and few bytes)."""
+        while not early.full:
             try:
                 raw = await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
-            size = _size_up_to(raw, limit)
-            if size > limit:
-                early.append(_refusal(raw, self._config.limits))
-            else:
-                early.append(raw)
-                held += size
+            early.keep(raw)
 
-    async def _receive_loop(self, early: list[_Early]) -> None:
+    async def _receive_loop(self, early: EarlyMessages) -> None:
         while True:
             try:
-                raw = early.pop(0) if early else await self._ws.get_message()
+                raw = early.pop() if early else await self._ws.get_message()
             except ConnectionClosed:
                 self._disconnected()
                 return
@@ -627,7 +483,7 @@ class Session:
                     raise raw  # refused while the session prepared
                 message = protocol.parse_control(raw, limits=self._config.limits)
             except protocol.ProtocolError as exc:
-                await self._send_error(exc.code, exc.message, event_id=exc.event_id)
+                await self._sender.send(protocol.Error.from_protocol_error(exc, self.request_id))
                 continue
             if isinstance(message, protocol.Stop):
                 logger.info("session %s: stop requested", self.request_id)
@@ -637,7 +493,7 @@ class Session:
                 # Keep reading: a client may still ping while the stream winds down.
             elif isinstance(message, protocol.Ping):
                 self._touch()
-                await self._send(protocol.Pong())
+                await self._sender.send(protocol.Pong())
             else:
                 await self._interact(message)
 
@@ -648,11 +504,11 @@ class Session:
         refusal = self._apply_interaction(event_id, message)
         if refusal is None:
             self._taps.call("interaction", event_id, message, None)
-            await self._send(protocol.InteractionQueued(self.request_id, event_id))
+            await self._sender.send(protocol.InteractionQueued(self.request_id, event_id))
             return
         error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
         self._taps.call("interaction", event_id, message, error)
-        await self._send(error)
+        await self._sender.send(error)
 
     def _apply_interaction(
         self, event_id: str, message: protocol.Interaction
@@ -675,11 +531,12 @@ class Session:
             return ErrorCode.INTERACTION_FAILED, (
                 f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}"
             )
-        if self._stream is None:  # generation is over; nothing can take the change
+        stream = self._calls.stream
+        if stream is None:  # generation is over; nothing can take the change
             return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
         self._event_ids.add(event_id)
         try:
-            self._stream.interact(change)
+            stream.interact(change)
         except Exception as exc:
             self._event_ids.discard(event_id)
             if isinstance(exc, EngineError):  # the engine refuses it and says why
@@ -702,7 +559,7 @@ class Session:
             with trio.move_on_after(timeout):
                 await progress.wait()
                 continue
-            if self._active_sends:
+            if self._sender.sending:
                 # Nothing moved because a send is stuck: the engine waits for the channel.
                 reason = "Stall timeout: the client stopped reading"
             else:
@@ -722,8 +579,8 @@ class Session:
             await self._deliver(receive_chunks)
 
     async def _produce(self, send_chunks: trio.MemorySendChannel[Chunk]) -> None:
-        assert self._stream is not None
-        stream = self._stream
+        stream = self._calls.stream
+        assert stream is not None
         async with send_chunks:
             try:
                 with self._producer_scope:
@@ -732,12 +589,11 @@ class Session:
                 # a step, and closes the stream as it returns: wait for that, so the
                 # stream is closed before the terminal message. An engine stuck outside a
                 # checkpoint is not waited for past the stall guard's abort.
-                for call in self._detached:
-                    await call.returned.wait()
+                await self._calls.wait_detached()
             finally:
                 # The engine is done with this session: free the model's memory now,
                 # not after the last chunk has been encoded and sent.
-                await self._close_stream()
+                await self._calls.close_stream()
 
     async def _generate_chunks(
         self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
@@ -749,7 +605,7 @@ class Session:
                 # The scripts' entries for this chunk, queued at its boundary.
                 for change in self._scripts.before_chunk(index):
                     stream.interact(change)
-                chunk = await self._next_chunk(stream)
+                chunk = await self._calls.next_chunk(stream, self._checkpoint)
             except trio.Cancelled:
                 raise
             except Exception as exc:
@@ -757,41 +613,18 @@ class Session:
                 # The chunks the engine made before it failed are the user's video so far:
                 # they are still sent (at most the one waiting and the one being sent),
                 # then the error. The producer ends here, so nothing needs cancelling.
-                if self._end(Outcome.FAILED, self._engine_failure(exc, "generating")):
-                    self._deliver_generated = True
+                self._ending.engine_failed(engine_failure(exc, "generating", self.request_id))
                 return
             if chunk is None:
                 # The video is complete: what is left is delivery, which a stop or a
                 # shutdown no longer interrupts.
-                self._generated_all = True
+                self._ending.generated_all = True
                 return
             index += 1
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
             await send_chunks.send(chunk)
-
-    async def _next_chunk(self, stream: EngineStream) -> Chunk | None:
-        """The engine's next chunk. Cancelled while the engine still runs, the call keeps
-        the stream and the step slot: it closes the one and gives back the other when it
-        returns (the engine's step limit holds even for a stuck step)."""
-        call = EngineCall(stream.next_chunk, self._checkpoint)
-        try:
-            return await self._call_engine(
-                call,
-                lambda _result: self._close_in_thread(stream),
-                self._detached_stream_closed,
-            )
-        finally:
-            if call.detached:
-                self._stream = None  # the call's now
-                self._checkpoint.cancel()  # its waits for a slot or a batch end now
-            else:
-                self._checkpoint.release()
-
-    def _detached_stream_closed(self) -> None:
-        self._checkpoint.release()
-        self._stream_closed()
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None
@@ -805,7 +638,7 @@ class Session:
                         "session %s: dropping generated chunk %d after %s",
                         self.request_id,
                         chunk.index,
-                        self.outcome.value if self.outcome else "the end",
+                        self._ending.outcome.value if self._ending.outcome else "the end",
                     )
                     continue
                 encoding_since = trio.current_time()
@@ -815,7 +648,7 @@ class Session:
                     _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                 )
                 try:
-                    frames, data = await self._call_engine(
+                    frames, data = await self._calls.call(
                         encoding, lambda _result: _close_quietly(encoder)
                     )
                 except EncodingAbandoned:
@@ -823,15 +656,15 @@ class Session:
                         "session %s: dropped chunk %d mid-encode after %s",
                         self.request_id,
                         chunk.index,
-                        self.outcome.value if self.outcome else "the end",
+                        self._ending.outcome.value if self._ending.outcome else "the end",
                     )
                     continue
                 except Exception as exc:
                     logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
                     if isinstance(exc, EncodingError):
-                        error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+                        error = (ErrorCode.ENCODING_FAILED, describe(exc))
                     else:
-                        error = self._engine_failure(exc, "converting its frames")
+                        error = engine_failure(exc, "converting its frames", self.request_id)
                     self.stop(Outcome.FAILED, error)
                     continue
                 finally:
@@ -853,37 +686,21 @@ class Session:
         first waits for its chunk's media time. A stop ends either wait, so a chunk
         whose encoding has not started is dropped at once.
         """
-        if self.outcome is not None and not self._deliver_generated:
+        if self._ending.drops_chunks:
             return False
         limiter = self._res.encode_limiter
         with trio.CancelScope() as self._encode_wait:
-            await self._pace(first_frame)
+            if self._pacer is not None:  # its wait is progress for the stall guard
+                await self._pacer.wait(
+                    first_frame / self._fps, self._touch, self._config.stall_timeout / 2
+                )
             await limiter.acquire_on_behalf_of(self)
         if self._encode_wait.cancelled_caught:
             return False
-        if self.outcome is not None and not self._deliver_generated:  # stopped just then
+        if self._ending.drops_chunks:  # stopped just as the slot came
             limiter.release_on_behalf_of(self)
             return False
         return True
-
-    async def _pace(self, first_frame: int) -> None:
-        """With pacing, hold a chunk until its media time (from the first chunk) less the
-        lead. The wait is deliberate, so it counts as progress for the stall guard."""
-        pacing = self._pacing
-        if pacing is None:
-            return
-        now = trio.current_time()
-        media_time = first_frame / self._fps
-        if self._media_clock is None or now > self._media_clock + media_time + (
-            pacing.max_lag_seconds
-        ):
-            self._media_clock = now - media_time  # the first chunk, or fallen too far behind
-            return
-        due = self._media_clock + media_time - pacing.lead_seconds
-        while (now := trio.current_time()) < due:
-            self._touch()
-            await trio.sleep_until(min(due, now + self._config.stall_timeout / 2))
-        self._touch()
 
     async def _send_chunk(
         self,
@@ -906,7 +723,7 @@ class Session:
             completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
             transport_chunk_index=self._chunks_sent,
         )
-        await self._send(metadata, data, deadline=deadline)
+        await self._sender.send(metadata, data, deadline=deadline)
         if self._taps:
             if not self._init_segment and self._encoder is not None:
                 self._init_segment = self._encoder.init_segment or b""
@@ -928,26 +745,21 @@ class Session:
         """
         self.finishing = True
         trailer: bytes | None = b""
-        if self.outcome is None:  # defensive: _run returned without deciding
-            self._end(Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "session ended unexpectedly"))
-        if self.outcome is Outcome.COMPLETED:
+        if self._ending.settle() is Outcome.COMPLETED:
             # Like the reference, only a completed stream gets the encoder's trailer: after
             # a stop it would be an extra message, and it carries no frames (an index box).
-            trailer = await self._close_encoder()
-            if trailer is None:
-                self.outcome = Outcome.FAILED  # the error is recorded: the video is broken
-        outcome = self.outcome
-        assert outcome is not None
-        if outcome is not Outcome.DISCONNECTED and not self._broken:
+            trailer = await self._close_encoder()  # None: the video is broken, a failure
+        outcome = self._ending.settle()
+        if self._ending.says_goodbye and not self._sender.broken:
             deadline = trio.current_time() + self._config.close_timeout
-            with contextlib.suppress(ConnectionClosed, _SocketBroken):
+            with contextlib.suppress(ConnectionClosed, SocketBroken):
                 if outcome is Outcome.COMPLETED and trailer:
                     await self._send_chunk("trailer", 0, trailer, None, deadline=deadline)
                 await self._send_terminal(outcome, deadline)
-            if self._broken:
+            if self._sender.broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
-        self._taps.call("ended", outcome.value, self._terminal(outcome))
-        if not self._broken:
+        self._taps.call("ended", outcome.value, self._terminal())
+        if not self._sender.broken:
             with trio.move_on_after(self._config.close_timeout):
                 try:
                     await self._ws.aclose()
@@ -955,246 +767,34 @@ class Session:
                     # The peer went or closed first: the close is done all the same. A
                     # client can cause this at will, so it is a line, never a traceback.
                     logger.debug("session %s: close: %r", self.request_id, exc)
+        error = self._ending.error
         logger.info(
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
             outcome.value,
             self._chunks_sent,
-            f" ({self._error[0].value}: {self._error[1]})" if self._error else "",
+            f" ({error[0].value}: {error[1]})" if error else "",
         )
 
-    def _terminal(self, outcome: Outcome) -> protocol.SessionDone | protocol.Error:
-        if outcome in (Outcome.COMPLETED, Outcome.STOPPED):
-            assert self.request_id is not None
-            return protocol.SessionDone(
-                self.request_id, self._chunks_sent, outcome is Outcome.STOPPED
-            )
-        code, message = self._error or (ErrorCode.INTERNAL_ERROR, "internal error")
-        return protocol.Error(code, message, request_id=self.request_id)
+    def _terminal(self) -> protocol.SessionDone | protocol.Error:
+        return self._ending.terminal(self.request_id, self._chunks_sent)
 
     async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
-        await self._send(self._terminal(outcome), deadline=deadline)
+        await self._sender.send(self._terminal(), deadline=deadline)
         if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
             self._metrics.stopped(trio.current_time() - self._stop_requested_at)
 
     async def _close_encoder(self) -> bytes | None:
-        """The encoder's final bytes, or None (and an error recorded) if it fails."""
+        """The encoder's final bytes, or None if it fails: the session then failed."""
         encoder, self._encoder = self._encoder, None
         if encoder is None:
             return b""
         try:
-            return await self._in_thread(encoder.close)
+            return await self._calls.in_thread(encoder.close)
         except Exception as exc:
             logger.exception("session %s: encoder failed to finish", self.request_id)
-            self._error = (ErrorCode.ENCODING_FAILED, _describe(exc))
+            self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
             return None
-
-    async def _close_stream(self) -> None:
-        """Close the engine stream, whatever happened, and wait for the close.
-
-        The close starts at once, cancelled or not (``close`` is called exactly once per
-        stream); a cancelled wait leaves it to finish in its thread, like any engine call
-        the session stops waiting for.
-        """
-        call = self._start_close()
-        if call is None:
-            return
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            await call.returned.wait()
-        except trio.Cancelled:
-            if not self._detach(call, in_trio=self._stream_closed):
-                self._stream_closed()  # it returned just now
-            raise
-        finally:
-            stats.worker_threads -= 1
-        self._stream_closed()
-
-    def _close_stream_soon(self) -> None:
-        """Start closing the engine stream if the session still owns it; don't wait."""
-        call = self._start_close()
-        if call is not None and not self._detach(call, in_trio=self._stream_closed):
-            self._stream_closed()
-
-    def _start_close(self) -> EngineCall[None] | None:
-        stream, self._stream = self._stream, None
-        if stream is None:
-            return None
-        call = EngineCall(self._close_in_thread, stream)
-        call.start()
-        return call
-
-    def _close_in_thread(self, stream: EngineStream) -> None:
-        """A stream's ``close``, in a worker thread: a failure is logged, never raised."""
-        try:
-            stream.close()
-        except Exception:
-            logger.exception("session %s: engine stream close failed", self.request_id)
-
-    def _stream_closed(self) -> None:
-        """Bookkeeping of a stream's close, in the Trio thread, whichever thread closed it."""
-        self._res.stats.streams_open -= 1
-        self._stream_closed_at = time.monotonic()
-        logger.info("session %s: engine stream closed", self.request_id)
-
-    async def _wait_detached(self) -> None:
-        """After the last message and the close: a close timeout for the calls the session
-        stopped waiting for to return (an engine that was only between checkpoints does,
-        within a step), so that their streams are closed before the session ends.
-
-        Not shielded: a server that stops now (the end of a drain) does not wait.
-        """
-        with trio.move_on_after(self._config.close_timeout):
-            for call in self._detached:
-                await call.returned.wait()
-
-    def _abandon_detached(self) -> None:
-        """The session ends: the calls still running are abandoned to their threads.
-
-        Counted, and logged, until they return (``/metrics``, and ``/health`` says
-        degraded meanwhile): a thread stuck outside a checkpoint is the engine's, and
-        an operator should know the GPU may be wedged.
-        """
-        abandoned = self._res.abandoned_calls
-        for call in self._detached:
-            if call.returned.is_set():
-                continue
-            abandoned.add(call, partial(self._abandoned_call_returned, call))
-            self._metrics.engine_call_abandoned()
-            logger.warning(
-                "session %s: %s still running as the session ends; left to finish in its "
-                "thread (%d engine call(s) outstanding)",
-                self.request_id,
-                call.name,
-                len(abandoned.running),
-            )
-        self._detached.clear()
-
-    def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
-        self._metrics.engine_call_returned()
-        logger.info(
-            "session %s: abandoned %s returned (%d engine call(s) outstanding)",
-            self.request_id,
-            call.name,
-            len(self._res.abandoned_calls.running),
-        )
-
-    # ---------------------------------------------------------------- sends
-
-    async def _send_error(
-        self,
-        code: ErrorCode,
-        message: str,
-        *,
-        event_id: str | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        error = protocol.Error(code, message, request_id=self.request_id, event_id=event_id)
-        await self._send(error, deadline=deadline)
-
-    async def _send(self, *messages: Any, deadline: float | None = None) -> None:
-        """Send messages back to back, never interleaved with another task's.
-
-        The write is shielded so that ordinary cancellation (a stop, the end
-        of the receive loop) never cuts a frame in half; only ``abort`` cancels
-        it, and then the socket is marked broken. The shield's own deadline (an
-        absolute Trio time; by default the stall timeout from now) is the last
-        resort against a peer that never reads. A closed connection is a
-        disconnect, whichever send finds it.
-        """
-        async with self._send_lock:
-            if self._broken:
-                await self._leave()
-            if deadline is None:
-                deadline = trio.current_time() + self._config.stall_timeout
-            closed = False
-            with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                self._active_sends.add(scope)
-                try:
-                    for message in messages:
-                        data = message if isinstance(message, bytes) else message.to_json()
-                        await self._ws.send_message(data)
-                except ConnectionClosed:
-                    closed = True
-                finally:
-                    self._active_sends.discard(scope)
-            if closed:
-                self._disconnected()
-                await self._leave()
-            if scope.cancelled_caught:
-                self._broken = True
-                if trio.current_time() >= deadline:
-                    self.abort(
-                        Outcome.STALLED,
-                        (
-                            ErrorCode.STALL_TIMEOUT,
-                            "Stall timeout: the client stopped reading",
-                        ),
-                    )  # a no-op for the outcome when the session already ended some other way
-                await self._leave()
-
-    async def _leave(self) -> NoReturn:
-        """After a send that cannot go on: the session is aborted; leave quietly."""
-        await trio.lowlevel.checkpoint()  # raises Cancelled inside the session scope
-        raise _SocketBroken  # outside it (while finishing), the caller gives up quietly
-
-    # -------------------------------------------------------------- threads
-
-    async def _call_engine(
-        self,
-        call: EngineCall[T],
-        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
-        in_trio: Callable[[], None] | None = None,
-    ) -> T:
-        """Run a blocking call that may never return (engine work, or a copy of its
-        frames from the GPU) in a worker thread; cancelled, stop waiting at once.
-
-        The call goes on in its thread and sees the cancellation at its next
-        checkpoint, if it ever reaches one: it is detached, with what needs it to
-        have returned (``in_thread``: close its stream, say; then ``in_trio``). A stop
-        waits for it after the producer is cancelled (`_produce`), the session's end
-        for a close timeout (`_wait_detached`); past that it is abandoned. So a call
-        stuck outside a checkpoint holds neither the terminal message (sent at the
-        stall deadline) nor the drain.
-        """
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            return await call.run(self._res.thread_limiter)
-        except trio.Cancelled:
-            self._detach(call, in_thread, in_trio)
-            raise
-        finally:
-            stats.worker_threads -= 1
-
-    def _detach(
-        self,
-        call: EngineCall[T],
-        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
-        in_trio: Callable[[], None] | None = None,
-    ) -> bool:
-        """`EngineCall.detach`, remembering the call; False if it is not running."""
-        if not call.detach(in_thread, in_trio):
-            return False
-        self._detached.append(call)
-        logger.debug("session %s: stopped waiting for %s", self.request_id, call.name)
-        return True
-
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking work of the server's own (encoder set-up, image decoding) off
-        the event loop.
-
-        Never abandoned: if the session is cancelled, this waits for the thread to
-        return. The engine's calls, which may block for good, go through
-        `_call_engine` instead.
-        """
-        stats = self._res.stats
-        stats.worker_threads += 1
-        try:
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._res.thread_limiter)
-        finally:
-            stats.worker_threads -= 1
 
 
 def _encode_chunk(
@@ -1209,38 +809,11 @@ def _encode_chunk(
     return frames.shape[0], encoder.encode(frames, abandon=abandon)
 
 
-def _close_opened_stream(opened: outcome.Outcome[EngineStream]) -> None:
-    """After an ``open_stream`` the session stopped waiting for: close what it opened."""
-    if isinstance(opened, outcome.Value):
-        try:
-            opened.value.close()
-        except Exception:
-            logger.exception("engine stream close failed (opened after its session left)")
-
-
 def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
     try:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
-
-
-def _size_up_to(raw: str | bytes, limit: int) -> int:
-    """The message's size in bytes (UTF-8 for text), or any number over ``limit`` once
-    it is clearly over: an 8 MiB text is not encoded only to be refused."""
-    if isinstance(raw, bytes) or len(raw) > limit:
-        return len(raw)
-    return len(raw.encode("utf-8", "surrogatepass"))
-
-
-def _refusal(raw: str | bytes, limits: protocol.Limits) -> protocol.ProtocolError:
-    """What the receive loop answers to a message over the control limit, from the
-    protocol itself (so the code and the words are the ones any such message gets)."""
-    try:
-        protocol.parse_control(raw, limits=limits)
-    except protocol.ProtocolError as exc:
-        return exc.with_traceback(None)  # its frames would keep the message alive
-    raise AssertionError("a message over the control limit was accepted")
 
 
 def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
@@ -1250,8 +823,3 @@ def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
         first = first.exceptions[0]
     assert isinstance(first, _Failure)
     return first
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return text if text else type(exc).__name__

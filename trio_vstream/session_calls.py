@@ -1,0 +1,235 @@
+"""One session's blocking calls, and the engine stream it owns until the stream is closed.
+
+A session runs two kinds of blocking work in worker threads:
+
+* **its own** (encoder set-up, image decoding, an encoder's close) always returns:
+  `SessionCalls.in_thread` waits for it, cancelled or not;
+* **the engine's** may never return (a hung CUDA kernel, a stuck VAE decode, a GPU
+  tensor's copy to the host: see `trio_vstream.engine_calls`). `SessionCalls.call`
+  stops waiting when cancelled and leaves the call behind (detached), with what its
+  return must do: close the stream it was using, give back its step slot. The session
+  waits for the calls it left when it can afford to (`wait_detached`: after a stop,
+  within a step; at its end, for a close timeout), and hands those still running to
+  the server's `AbandonedCalls` when it ends (`abandon_detached`), counted and logged
+  until they return. So a call stuck outside a checkpoint holds neither the terminal
+  message nor the drain.
+
+The engine stream is closed exactly once, whoever closes it: the session
+(`close_stream`, `close_stream_soon`), or a call left running, which takes the stream
+with it and closes it as it returns (`next_chunk`). The server's counters
+(``worker_threads``, ``streams_open``) follow each call and each close.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+from trio_vstream.engine_calls import EngineCall
+from trio_vstream.engines.base import Chunk, Engine, EngineStream, GenerationRequest
+from trio_vstream.logsafe import get_logger
+from trio_vstream.session_resources import ServerResources
+from trio_vstream.steps import SessionCheckpoint
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class SessionCalls:
+    """The worker-thread calls of one session, and its engine stream."""
+
+    def __init__(self, resources: ServerResources) -> None:
+        self._res = resources
+        self.request_id: str | None = None
+        """The session's, for the log (set once it has one)."""
+        self.stream: EngineStream | None = None
+        """The engine stream while the session owns it (None once closed, or handed to a
+        call left running, which closes it when it returns)."""
+        self.stream_closed_at: float | None = None
+        """``time.monotonic()`` when the stream was closed (None: not yet, or never opened)."""
+        self._detached: list[EngineCall[Any]] = []
+        """Blocking calls the session stopped waiting for (see `call`)."""
+
+    # ------------------------------------------------------------ the engine
+
+    async def open_stream(self, engine: Engine, request: GenerationRequest) -> EngineStream:
+        """`Engine.open_stream`, as an engine call: the session owns the stream it opens.
+        Cancelled, a stream opened after all is closed as soon as it is."""
+        self.stream = await self.call(EngineCall(engine.open_stream, request), _close_opened)
+        self._res.stats.streams_open += 1
+        return self.stream
+
+    async def next_chunk(self, stream: EngineStream, checkpoint: SessionCheckpoint) -> Chunk | None:
+        """The engine's next chunk. Cancelled while the engine still runs, the call keeps
+        the stream and the step slot: it closes the one and gives back the other when it
+        returns (the engine's step limit holds even for a stuck step)."""
+        call = EngineCall(stream.next_chunk, checkpoint)
+
+        def closed() -> None:
+            checkpoint.release()
+            self._stream_closed()
+
+        try:
+            return await self.call(call, lambda _result: self._close_in_thread(stream), closed)
+        finally:
+            if call.detached:
+                self.stream = None  # the call's now
+                checkpoint.cancel()  # its waits for a slot or a batch end now
+            else:
+                checkpoint.release()
+
+    async def call(
+        self,
+        call: EngineCall[T],
+        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
+        in_trio: Callable[[], None] | None = None,
+    ) -> T:
+        """Run a blocking call that may never return (engine work, or a copy of its
+        frames from the GPU) in a worker thread; cancelled, stop waiting at once.
+
+        The call goes on in its thread and sees the cancellation at its next
+        checkpoint, if it ever reaches one: it is detached, with what needs it to have
+        returned (``in_thread``: close its stream, say; then ``in_trio``).
+        """
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            return await call.run(self._res.thread_limiter)
+        except trio.Cancelled:
+            self._detach(call, in_thread, in_trio)
+            raise
+        finally:
+            stats.worker_threads -= 1
+
+    def _detach(
+        self,
+        call: EngineCall[T],
+        in_thread: Callable[[outcome.Outcome[T]], None] | None = None,
+        in_trio: Callable[[], None] | None = None,
+    ) -> bool:
+        """`EngineCall.detach`, remembering the call; False if it is not running."""
+        if not call.detach(in_thread, in_trio):
+            return False
+        self._detached.append(call)
+        logger.debug("session %s: stopped waiting for %s", self.request_id, call.name)
+        return True
+
+    async def wait_detached(self) -> None:
+        """Wait for the calls the session stopped waiting for to return (an engine that
+        was only between checkpoints does, within a step). Unbounded: the caller bounds
+        it, or cancels the session first (the stall guard does)."""
+        for call in self._detached:
+            await call.returned.wait()
+
+    def abandon_detached(self) -> None:
+        """The session ends: the calls still running are abandoned to their threads.
+
+        Counted, and logged, until they return (``/metrics``, and ``/health`` says
+        degraded meanwhile): a thread stuck outside a checkpoint is the engine's, and
+        an operator should know the GPU may be wedged.
+        """
+        abandoned = self._res.abandoned_calls
+        for call in self._detached:
+            if call.returned.is_set():
+                continue
+            abandoned.add(call, partial(self._abandoned_call_returned, call))
+            self._res.metrics.engine_call_abandoned()
+            logger.warning(
+                "session %s: %s still running as the session ends; left to finish in its "
+                "thread (%d engine call(s) outstanding)",
+                self.request_id,
+                call.name,
+                len(abandoned.running),
+            )
+        self._detached.clear()
+
+    def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
+        self._res.metrics.engine_call_returned()
+        logger.info(
+            "session %s: abandoned %s returned (%d engine call(s) outstanding)",
+            self.request_id,
+            call.name,
+            len(self._res.abandoned_calls.running),
+        )
+
+    # ------------------------------------------------------------- the close
+
+    async def close_stream(self) -> None:
+        """Close the engine stream, whatever happened, and wait for the close.
+
+        The close starts at once, cancelled or not (``close`` is called exactly once per
+        stream); a cancelled wait leaves it to finish in its thread, like any engine call
+        the session stops waiting for.
+        """
+        call = self._start_close()
+        if call is None:
+            return
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            await call.returned.wait()
+        except trio.Cancelled:
+            if not self._detach(call, in_trio=self._stream_closed):
+                self._stream_closed()  # it returned just now
+            raise
+        finally:
+            stats.worker_threads -= 1
+        self._stream_closed()
+
+    def close_stream_soon(self) -> None:
+        """Start closing the engine stream if the session still owns it; don't wait."""
+        call = self._start_close()
+        if call is not None and not self._detach(call, in_trio=self._stream_closed):
+            self._stream_closed()
+
+    def _start_close(self) -> EngineCall[None] | None:
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return None
+        call = EngineCall(self._close_in_thread, stream)
+        call.start()
+        return call
+
+    def _close_in_thread(self, stream: EngineStream) -> None:
+        """A stream's ``close``, in a worker thread: a failure is logged, never raised."""
+        try:
+            stream.close()
+        except Exception:
+            logger.exception("session %s: engine stream close failed", self.request_id)
+
+    def _stream_closed(self) -> None:
+        """Bookkeeping of a stream's close, in the Trio thread, whichever thread closed it."""
+        self._res.stats.streams_open -= 1
+        self.stream_closed_at = time.monotonic()
+        logger.info("session %s: engine stream closed", self.request_id)
+
+    # ----------------------------------------------------- the server's own
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work of the server's own (encoder set-up, image decoding) off
+        the event loop.
+
+        Never abandoned: if the session is cancelled, this waits for the thread to
+        return. The engine's calls, which may block for good, go through `call`.
+        """
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._res.thread_limiter)
+        finally:
+            stats.worker_threads -= 1
+
+
+def _close_opened(opened: outcome.Outcome[EngineStream]) -> None:
+    """After an ``open_stream`` the session stopped waiting for: close what it opened."""
+    if isinstance(opened, outcome.Value):
+        try:
+            opened.value.close()
+        except Exception:
+            logger.exception("engine stream close failed (opened after its session left)")
