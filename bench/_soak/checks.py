@@ -9,7 +9,7 @@ checks cannot fail proves nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -24,6 +24,7 @@ from bench._soak.settings import (
     EOF_WAIT_S,
     SIGNAL_TAKEN_WAIT_S,
     STREAMING_WAIT_S,
+    STUCK_ORDER_MARGIN_S,
     Timing,
 )
 
@@ -336,14 +337,17 @@ def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
                 timing.start_timeout,
                 timing,
             )
-    elif kind in ("engine_fail", "engine_hang"):
+    elif kind in ("engine_fail", "engine_hang", "engine_stuck"):
         code = "generation_failed" if kind == "engine_fail" else "stall_timeout"
         if terminal != f"error:{code}":
             problems.append(f"expected error {code} as the terminal message, got {seen_end}")
         at_chunk = plan.params["at_chunk"]
         if media_chunks > at_chunk:
             problems.append(f"{media_chunks} media chunks, but the engine stopped at {at_chunk}")
-        if kind == "engine_hang" and terminal == f"error:{code}" and last_progress is not None:
+        # A blocked engine takes no checkpoint: the stall guard must answer all the same,
+        # on time (whether before the block ended: check_server_record).
+        stalls = kind in ("engine_hang", "engine_stuck")
+        if stalls and terminal == f"error:{code}" and last_progress is not None:
             _expect_delay(
                 problems,
                 "stall_timeout",
@@ -408,6 +412,7 @@ SERVER_OUTCOMES: Final[dict[str, tuple[frozenset[str], str | None]]] = {
     "stopped_reader": (frozenset({"stalled"}), "stall_timeout"),
     "engine_fail": (frozenset({"failed"}), "generation_failed"),
     "engine_hang": (frozenset({"stalled"}), "stall_timeout"),
+    "engine_stuck": (frozenset({"stalled"}), "stall_timeout"),
 }
 
 
@@ -415,8 +420,9 @@ def check_server_record(
     plan: Plan, tr: Transcript, record: dict[str, Any] | None, timing: Timing
 ) -> list[str]:
     """The server's own account of a session (``recent_sessions`` in /stats), for the
-    sessions whose request id the client learnt: the outcome its kind allows, and for a
-    stopped reader, an abort within about the stall timeout."""
+    sessions whose request id the client learnt: the outcome its kind allows; for a
+    stopped reader, an abort within about the stall timeout; for a stuck engine, the
+    stall error before the blocked call returned (`stuck_record_problems`)."""
     if record is None:
         return ["the server's /stats has no record of this session"]
     problems: list[str] = []
@@ -430,6 +436,8 @@ def check_server_record(
     elif required_code is not None and code != required_code:
         problems.append(f"server recorded error_code {code!r}, expected {required_code!r}")
     closed = record.get("stream_closed_at")
+    if plan.kind == "engine_stuck":
+        problems += stuck_record_problems(plan, tr, record)
     if plan.kind == "stopped_reader" and isinstance(closed, int | float):
         # The stall clock starts when the server's sends stop getting through, which is
         # after the client stopped reading by however long the buffers took to fill.
@@ -446,6 +454,80 @@ def check_server_record(
                 f"{bound:.1f} s (stall timeout + slack)"
             )
     return problems
+
+
+def stuck_record_problems(plan: Plan, tr: Transcript, record: dict[str, Any]) -> list[str]:
+    """An ``engine_stuck`` session, from its server record: the order of its client's
+    ``stall_timeout`` and the blocked call's return.
+
+    The engine's thread closes the stream as soon as the call returns (the session left
+    it that), so ``stream_closed_at`` is when the block ended, if that was before the
+    session's end. ``returns``: the block ends while the session still waits for the call
+    after its close; the stall error must have reached the client at least
+    ``STUCK_ORDER_MARGIN_S`` before, i.e. while the engine was still blocked (a server
+    that waits for a stuck call answers only after it returned). ``abandoned``: the block
+    outlasts the session's wait, so the session ends with the stream still open (the
+    call's thread closes it later); a closed one means the session waited for the call.
+    """
+    messages = read_messages(tr).messages
+    if not messages or messages[-1][1].get("code") != "stall_timeout":
+        return []  # check_transcript says what ended it
+    error_at = messages[-1][0]
+    closed = record.get("stream_closed_at")
+    block_s = plan.params["block_s"]
+    if plan.params["variant"] == "returns":
+        if not isinstance(closed, int | float):
+            return [
+                f"the server recorded no stream close: the engine's call, blocked for "
+                f"{block_s:.1f} s, should have returned while the session waited for it"
+            ]
+        if closed - error_at < STUCK_ORDER_MARGIN_S:
+            return [
+                f"stall_timeout reached the client {closed - error_at:.2f} s before the "
+                f"blocked call returned (its stream closed), expected while it was still "
+                f"blocked, at least {STUCK_ORDER_MARGIN_S:.2f} s before: the server waited "
+                f"for the stuck call"
+            ]
+    elif closed is not None:
+        return [
+            f"the session ended after its stream was closed, although its engine call was "
+            f"blocked for {block_s:.1f} s: it waited for the stuck call past its close "
+            f"timeout instead of leaving it to its thread"
+        ]
+    return []
+
+
+@attrs.frozen
+class HealthSample:
+    """One ``GET /health`` during the run: when it went, when the answer came, the answer."""
+
+    sent_at: float
+    received_at: float
+    status: int | None
+    body: str
+
+
+def check_health(
+    plan: Plan, tr: Transcript, record: dict[str, Any] | None, samples: Sequence[HealthSample]
+) -> list[str]:
+    """An ``abandoned`` ``engine_stuck`` session: from its end (its call left running in
+    its thread) until the earliest its block can end (the block began after the client
+    connected), ``/health`` must not answer 200: the server knows a call is stuck and
+    must say degraded. Only answers wholly inside that window are judged."""
+    if plan.kind != "engine_stuck" or plan.params.get("variant") != "abandoned":
+        return []
+    ended = record.get("ended_at") if record is not None else None
+    if not isinstance(ended, int | float) or tr.connected_at is None:
+        return []
+    until = tr.connected_at + plan.params["block_s"]
+    ok = [s for s in samples if s.status == 200 and ended < s.sent_at and s.received_at < until]
+    if not ok:
+        return []
+    return [
+        f"GET /health answered 200 {ok[0].sent_at - ended:.2f} s after the session ended "
+        f"with its engine call still blocked (for {until - ended:.2f} s more at least): "
+        f"expected 503 degraded"
+    ]
 
 
 def check_server_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,7 +30,10 @@ from bench._soak.settings import (
     ROUND_NUM_FRAMES,
     ROUND_SESSIONS,
     SIGNALS,
+    STUCK_EXTRA_S,
+    STUCK_VARIANTS,
     ZERO_DELAY_SHARE,
+    Timing,
 )
 
 
@@ -52,13 +55,16 @@ class Plan:
 
     @property
     def label(self) -> str:
-        variant = self.params.get("phase") or self.params.get("where")
+        variant = self.params.get("phase") or self.params.get("where") or self.params.get("variant")
         return f"{self.kind}({variant})" if variant else self.kind
 
     def start_text(self) -> str:
         assert self.start is not None
         return json.dumps({"type": "session.start", **self.start})
 
+
+DEFAULT_TIMING: Final = Timing()
+"""The soak's default timeouts (a frozen value: safe as a default argument)."""
 
 GARBAGE: Final[dict[str, tuple[str, str, str]]] = {
     # name: (payload, expected code instead of session.start, expected code mid-session)
@@ -111,8 +117,16 @@ def padded_interaction(size: int, event_id: str) -> str:
     return json.dumps({**stub, "interaction": {"event_id": event_id, "event": {"prompt": prompt}}})
 
 
-def make_plan(rng: random.Random, index: int, kind: str, *, warmup: bool = False) -> Plan:
-    """Draw one session's request and random choices for ``kind``."""
+def make_plan(
+    rng: random.Random,
+    index: int,
+    kind: str,
+    *,
+    warmup: bool = False,
+    timing: Timing = DEFAULT_TIMING,
+) -> Plan:
+    """Draw one session's request and random choices for ``kind`` (``timing``: the
+    server's timeouts, which an ``engine_stuck`` block outlasts)."""
     size = rng.choice((64, 64, 64, 128))
     start: dict[str, Any] | None = {
         "prompt": rng.choice(PROMPTS),
@@ -230,13 +244,27 @@ def make_plan(rng: random.Random, index: int, kind: str, *, warmup: bool = False
         start["num_frames"] = rng.randint(16, 64)
         params["at_chunk"] = rng.randint(0, start["num_frames"] // 4 - 1)
         start["extra_params"] = {"hang_at_chunk": params["at_chunk"]}
+    elif kind == "engine_stuck":
+        # Blocks outside any checkpoint at that chunk, for longer than the stall timeout:
+        # the client must hear of the stall while the engine is still blocked.
+        start["num_frames"] = rng.randint(16, 64)
+        params["at_chunk"] = rng.randint(0, start["num_frames"] // 4 - 1)
+        params["variant"] = rng.choice(STUCK_VARIANTS)
+        params["block_s"] = timing.stuck_block_s(params["variant"], rng.uniform(*STUCK_EXTRA_S))
+        start["extra_params"] = {
+            "block_at_chunk": params["at_chunk"],
+            "block_seconds": params["block_s"],
+        }
     elif kind != "normal":
         raise ValueError(f"unknown session kind {kind!r}")
     return Plan(index=index, kind=kind, warmup=warmup, start=start, params=params)
 
 
-def make_plans(seed: int, sessions: int, warmup: int) -> list[Plan]:
-    """The warm-up sessions, then the measured ones: the same seed gives the same plans.
+def make_plans(
+    seed: int, sessions: int, warmup: int, timing: Timing = DEFAULT_TIMING
+) -> list[Plan]:
+    """The warm-up sessions, then the measured ones: the same seed (and timing) gives the
+    same plans.
 
     Each kind comes at least once among the measured sessions when there are enough of
     them, so a short run still covers every kind; the rest are drawn by weight.
@@ -248,8 +276,8 @@ def make_plans(seed: int, sessions: int, warmup: int) -> list[Plan]:
     kinds = list(names) if sessions >= len(names) else []
     kinds += rng.choices(names, weights, k=sessions - len(kinds))
     rng.shuffle(kinds)
-    plans = [make_plan(rng, i, kind, warmup=True) for i, kind in enumerate(warm)]
-    plans += [make_plan(rng, warmup + i, kind) for i, kind in enumerate(kinds)]
+    plans = [make_plan(rng, i, kind, warmup=True, timing=timing) for i, kind in enumerate(warm)]
+    plans += [make_plan(rng, warmup + i, kind, timing=timing) for i, kind in enumerate(kinds)]
     return plans
 
 

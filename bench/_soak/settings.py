@@ -33,6 +33,7 @@ KINDS: Final[dict[str, int]] = {
     "no_start": 3,
     "engine_fail": 5,
     "engine_hang": 3,
+    "engine_stuck": 3,
 }
 """Session kinds and their weights in the random mix."""
 
@@ -85,6 +86,17 @@ PROMPTS: Final = (
     "a yellow triangle falling on a white background",
 )
 
+
+STUCK_VARIANTS: Final = ("returns", "abandoned")
+"""How an ``engine_stuck`` session's block ends (``Timing.stuck_block_s``): while its
+session still waits for the call it left (``returns``), or after the session has ended
+without it (``abandoned``: ``/health`` says degraded until it returns)."""
+STUCK_EXTRA_S: Final = (0.5, 1.5)
+"""Drawn on top of the shortest block of a variant."""
+STUCK_ORDER_MARGIN_S: Final = 0.25
+"""An ``engine_stuck`` session's ``stall_timeout`` must reach its client at least this long
+before the blocked call returns (at least 0.5 s is left by the block lengths, at the
+largest lateness allowed). A server that waits for the call answers after it returns."""
 
 DEFAULT_STALL_TIMEOUT: Final = 1.5
 DEFAULT_START_TIMEOUT: Final = 1.0
@@ -201,6 +213,23 @@ class Timing:
         longer than the close timeout, so: that, plus 2 x slack (8 s). Measured: 0.03 s
         (synthetic) to 0.4 s (shapes)."""
         return self.close_timeout + 2 * self.slack
+
+    def stuck_block_s(self, variant: str, extra: float) -> float:
+        """How long an ``engine_stuck`` session's engine blocks: ``extra`` seconds more
+        than the shortest block of ``variant`` (``STUCK_VARIANTS``).
+
+        The stall error comes at most ``stall_timeout + slack`` after the block began; a
+        ``returns`` block is longer by ``extra`` (>= 0.5 s, see
+        ``STUCK_ORDER_MARGIN_S``) and shorter than the stall timeout plus the session's
+        close wait (``close_timeout``), so the call returns while the session still waits
+        for it. An ``abandoned`` block lasts that close wait and one slack more (for the
+        close handshake), so the session has ended without the call by then."""
+        shortest = self.stall_timeout + self.slack
+        if variant == "abandoned":
+            shortest += self.close_timeout + self.slack
+        elif variant != "returns":
+            raise ValueError(f"unknown engine_stuck variant {variant!r}")
+        return round(shortest + extra, 3)
 
     @property
     def drain_bound(self) -> float:
