@@ -567,6 +567,9 @@ ROUND_ENDINGS: Final = frozenset({"error:server_shutdown"})
 """The only terminal message a session may get in a shutdown round: its videos outlast
 the round, so nothing else can end it before the server goes (a ``generation_failed``
 is a stop reported as an engine failure, issue 20 item 12)."""
+STUCK_ENDINGS: Final = ROUND_ENDINGS | {"error:stall_timeout"}
+"""A stuck session (``engine_stuck`` rounds) may also end by its stall timeout: in a
+drain it goes on as usual until then, and its call is left to its thread."""
 
 
 def exit_bound(plan: ShutdownPlan, timing: Timing) -> float:
@@ -587,8 +590,8 @@ def check_round_process(plan: ShutdownPlan, rec: RoundRecord, timing: Timing) ->
     problems: list[str] = []
     if rec.streaming_at is None:
         problems.append(
-            f"not every session had a media chunk within {STREAMING_WAIT_S:.0f} s; "
-            "the signals went anyway"
+            f"not every session had a media chunk (or, if stuck, was blocked) within "
+            f"{STREAMING_WAIT_S:.0f} s; the signals went anyway"
         )
     for i, step in enumerate(plan.signals[1:], start=1):
         taken = rec.taken_at[i - 1] if i - 1 < len(rec.taken_at) else None
@@ -630,11 +633,13 @@ def round_ending(tr: Transcript) -> str:
     return terminal + closed
 
 
-def check_round_client(tr: Transcript, rec: RoundRecord) -> list[str]:
+def check_round_client(tr: Transcript, rec: RoundRecord, *, stuck: bool = False) -> list[str]:
     """One session of a shutdown round: well-formed messages from ``video.start`` on; at
     most one terminal message, last, and only ``server_shutdown``; then a close 1000,
     or the connection cut (1006: the process went); never before the first signal, and
-    no later than ``CLOSE_AFTER_EXIT_S`` after the server's exit."""
+    no later than ``CLOSE_AFTER_EXIT_S`` after the server's exit. A ``stuck`` session (its
+    engine blocked) may also end with ``stall_timeout``, and then at any time."""
+    endings = STUCK_ENDINGS if stuck else ROUND_ENDINGS
     received = read_messages(tr)
     problems = list(received.problems)
     messages = received.messages
@@ -653,10 +658,11 @@ def check_round_client(tr: Transcript, rec: RoundRecord) -> list[str]:
         terminal = (
             "done" if message.get("type") == "session.done" else f"error:{message.get('code')}"
         )
-        if terminal not in ROUND_ENDINGS:
+        if terminal not in endings:
+            also = ", stall_timeout (its engine is stuck)" if stuck else ""
             problems.append(
                 f"the session ended with {_describe(message)}: in a shutdown it ends with "
-                "server_shutdown or its connection closes"
+                f"server_shutdown{also} or its connection closes"
             )
     if tr.connected_at is None:
         return problems  # nothing to close (the client error says why)
@@ -668,7 +674,8 @@ def check_round_client(tr: Transcript, rec: RoundRecord) -> list[str]:
         else:
             problems.append("the connection never closed")
         return problems
-    if rec.sent_at and tr.closed_at < rec.sent_at[0]:
+    stalled = stuck and terminal == "error:stall_timeout"
+    if rec.sent_at and tr.closed_at < rec.sent_at[0] and not stalled:
         problems.append(f"the connection closed (code {tr.close_code}) before the first signal")
     if tr.close_code == 1000 and terminal is None:
         problems.append("close 1000 without a terminal message")

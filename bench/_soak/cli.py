@@ -49,6 +49,7 @@ from bench._soak.settings import (
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
+    ROUND_BLOCK_S,
     ROUND_ENGINES,
     ROUND_KINDS,
     ROUND_NUM_FRAMES,
@@ -100,6 +101,7 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
                     variant: [timing.stuck_block_s(variant, extra) for extra in STUCK_EXTRA_S]
                     for variant in STUCK_VARIANTS
                 },
+                "round_block_s": ROUND_BLOCK_S,
             },
             "shutdown_rounds": {
                 "kinds": ROUND_KINDS,

@@ -380,8 +380,9 @@ def round_line(info: dict[str, Any]) -> str:
     if info["exit_status"] is None:
         status = "no exit seen"
     count = info["sessions"]
+    stuck = f", {info['stuck']} stuck" if info.get("stuck") else ""
     return (
         f"shutdown round {info['index']} {info['kind']} ({info['engine']}, {count} "
-        f"session{'' if count == 1 else 's'}): {'; '.join(signals)}: {status} after "
+        f"session{'' if count == 1 else 's'}{stuck}): {'; '.join(signals)}: {status} after "
         f"{info['exit_s']} s; clients: {clients or 'none'}"
     )

@@ -13,6 +13,7 @@ from typing import Final
 import attrs
 
 from bench._harness import synthetic_server_command
+from trio_vstream.engines.synthetic import BLOCK_SECONDS_MAX
 from trio_vstream.session import SessionConfig
 
 KINDS: Final[dict[str, int]] = {
@@ -112,10 +113,13 @@ for a terminal message or a close handshake."""
 
 DEFAULT_SHUTDOWN_ROUNDS: Final = 8
 """After the sessions, this many rounds (``--shutdown-rounds``); each starts a server."""
-ROUND_KINDS: Final[dict[str, int]] = {"double_signal": 1}
+ROUND_KINDS: Final[dict[str, int]] = {"double_signal": 3, "engine_stuck": 1}
 """Kinds of shutdown round and their weights (``plans.make_shutdown_plan`` says what
-each does): ``double_signal`` sends SIGTERM or SIGINT while sessions stream, and a
-second one after it, which must stop the server at once."""
+each does; a run of as many rounds as there are kinds has each once):
+``double_signal`` sends SIGTERM or SIGINT while sessions stream, and a second one after
+it, which must stop the server at once; ``engine_stuck`` does that, or sends one signal
+(a drain), while sessions' engine calls are blocked outside a checkpoint for longer
+than the server may take to exit."""
 SIGNALS: Final = ("SIGTERM", "SIGINT")
 """The signals ``python -m trio_vstream`` takes as "shut down" (cli.py)."""
 
@@ -142,6 +146,22 @@ ROUND_ENGINES: Final[dict[str, RoundEngine]] = {
 """The engines the rounds alternate, shapes first."""
 ROUND_SESSIONS: Final = (1, 8)
 """Sessions streaming in a round: drawn from this range (the server admits 8)."""
+STUCK_ENGINE: Final = "synthetic"
+"""The engine of ``engine_stuck`` rounds (its ``block_at_chunk``); the other rounds
+alternate the engines among themselves."""
+STUCK_SESSIONS: Final = (1, 2)
+"""Sessions of an ``engine_stuck`` round whose engine blocks (the rest stream)."""
+STUCK_AT_CHUNK: Final = (0, 2)
+"""The chunk at which a stuck session's engine blocks, drawn from this range."""
+ROUND_BLOCK_S: Final = BLOCK_SECONDS_MAX
+"""How long a stuck session's engine blocks (the engine's longest): beyond any bound on a
+round's exit, so that a server that waited for the thread would be killed at its bound."""
+STUCK_DRAIN_SHARE: Final = 0.5
+"""``engine_stuck`` rounds with one signal (a drain), and stuck sessions only: healthy
+ones would stream their long videos to the end of the drain's grace."""
+BLOCKED_SILENCE_S: Final = 0.3
+"""A stuck session counts as blocked once it has had its chunks before the block and then
+nothing for this long (a chunk comes every ~10 ms), far below the stall timeout."""
 ROUND_FRAME_SIZE: Final = 64
 ROUND_NUM_FRAMES: Final = 2400
 """The server's largest frame count: a video of 15 s or more (minutes with shapes), so
