@@ -235,6 +235,23 @@ def test_a_wrong_ending_is_flagged() -> None:
     assert _flagged(_problems(garbage, two), "exactly one message")
 
 
+def test_a_control_sent_once_the_engine_was_done_may_go_unanswered() -> None:
+    """The server reads control messages until the last media chunk is delivered: one
+    sent after its engine made the whole video (``stream_closed_at``) may reach it later
+    and get ``session.done`` instead of an answer. One sent before must be answered."""
+    items = [(0.0, _start()), *[(0.1, item) for item in _chunk(0)], (0.5, Out("ping", "pong"))]
+    items += [(0.6, item) for item in [*_chunk(1), *_chunk(2, frames=0, size=30, kind="trailer")]]
+    items.append((0.7, _done(3)))
+    tr, plan = _transcript(items), _plan("chatty")
+    assert check_transcript(plan, tr, TIMING, engine_done_at=0.4).problems == []
+    early = check_transcript(plan, tr, TIMING, engine_done_at=0.55).problems
+    assert _flagged(early, "no answer", "ping")
+    assert _flagged(check_transcript(plan, tr, TIMING).problems, "no answer", "ping")
+    # Only when the session then completed: an error ending it is no excuse.
+    failed = _transcript([*items[:-3], (0.7, _error("generation_failed"))])
+    assert _flagged(check_transcript(plan, failed, TIMING, 0.4).problems, "no answer")
+
+
 def test_server_busy_is_an_admission_violation() -> None:
     tr = _transcript([_error("server_busy")])
     verdict = check_transcript(_plan("normal"), tr, TIMING)

@@ -223,7 +223,9 @@ def read_messages(tr: Transcript) -> Received:
     )
 
 
-def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
+def check_transcript(
+    plan: Plan, tr: Transcript, timing: Timing, engine_done_at: float | None = None
+) -> Verdict:
     """Judge one session's transcript against what its kind must see.
 
     Every session: well-formed messages (JSON objects of known types, every ``error``
@@ -231,6 +233,14 @@ def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
     most one terminal message and nothing after ``session.done``, answers to control
     messages in order. Sessions the client did not abandon: exactly one terminal message
     as the last message, the expected one, then the expected close code.
+
+    ``engine_done_at``: when the server's engine had made the whole video (its record's
+    ``stream_closed_at``, the soak's clock), if known. The server reads control messages
+    until it has delivered the last media chunk, then sends the trailer and
+    ``session.done``: a control message sent after the engine was done may reach it
+    after that and go unanswered, which ``session.done`` tells the client. On a loaded
+    machine the delivery lags the engine enough for a ``chatty`` session's last control
+    to land there (seen once in 1000 sessions at a load of 7 on 2 cores).
     """
     received = read_messages(tr)
     problems = received.problems
@@ -266,7 +276,8 @@ def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
     if plan.kind in ("garbage_start", "oversized_start"):
         body = messages[:-1] if terminal else messages
     got = [_reply_key(m) for _, m in body if m.get("type") in REPLY_TYPES]
-    wanted = [(e.label, e.expect) for e in tr.sent() if e.expect and e.delivered]
+    sent = [e for e in tr.sent() if e.expect and e.delivered]
+    wanted = [(e.label, e.expect) for e in sent]
     for i, (key, (label, expect)) in enumerate(zip(got, wanted, strict=False)):
         if key != expect:
             problems.append(f"answer {i + 1} (to {label}): expected {expect}, got {key}")
@@ -278,8 +289,11 @@ def check_transcript(plan: Plan, tr: Transcript, timing: Timing) -> Verdict:
         )
     finished = tr.abandoned is None and not tr.cut_by_deadline
     strict = plan.kind not in ("pings_to_close", "stop") and finished
-    if strict and len(got) < len(wanted):
-        missing = ", ".join(f"{label} ({expect})" for label, expect in wanted[len(got) :])
+    unanswered = sent[len(got) :]
+    if unanswered and engine_done_at is not None and terminal == "done":
+        unanswered = [e for e in unanswered if e.t < engine_done_at]  # see the docstring
+    if strict and unanswered:
+        missing = ", ".join(f"{e.label} ({e.expect})" for e in unanswered)
         problems.append(f"no answer before the session ended to: {missing}")
 
     if trailer_at is not None and terminal != "done" and finished:

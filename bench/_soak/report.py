@@ -152,9 +152,11 @@ def judge_sessions(
     timings: dict[str, list[float]] = {}
     for result in soak.results:
         plan, tr = result.plan, result.tr
-        verdict = check_transcript(plan, tr, timing)
-        problems = list(verdict.problems)
         record = soak.record_of(result.request_id) if result.request_id else None
+        done_at = record.get("stream_closed_at") if record is not None else None
+        done_at = done_at if isinstance(done_at, int | float) else None
+        verdict = check_transcript(plan, tr, timing, engine_done_at=done_at)
+        problems = list(verdict.problems)
         known = record is not None or soak.metrics_failures == 0
         judged = verdict.outcome not in ("refused", "incomplete") and not tr.cut_by_deadline
         if result.request_id is not None and judged and known:
