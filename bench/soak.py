@@ -7,7 +7,8 @@ seeded random mix of session kinds against it over real loopback sockets, and ch
 every session's transcript, the server's own record of it (``GET /stats``, the JSON
 figures), its log, and at the end whether the process is back where it started (threads,
 file descriptors, memory) and stops cleanly on SIGTERM; then, in shutdown rounds, that a
-second signal stops a server at once. Exit status 1 if anything was violated.
+second signal stops a server at once, and that a server exits while engine calls are
+stuck. Exit status 1 if anything was violated.
 
 Why a soak, next to the unit and server tests: each guarantee (G1-G5 in docs/architecture.md) has
 its own test, but the bugs that matter in production live where they meet: a client
@@ -53,7 +54,16 @@ least the number of kinds):
   close 1000;
 * ``engine_fail`` / ``engine_hang``: ``extra_params.fail_at_chunk`` /
   ``hang_at_chunk`` of the synthetic engine: ``generation_failed``, or ``stall_timeout``
-  about ``--stall-timeout`` after the last chunk, then close 1000.
+  about ``--stall-timeout`` after the last chunk, then close 1000;
+* ``engine_stuck``: ``block_at_chunk`` with ``block_seconds``: the engine blocks outside
+  any checkpoint (a hung CUDA kernel) for longer than the stall timeout, so that nothing
+  can interrupt it: ``stall_timeout`` on time as for a hang, then close 1000, while the
+  engine is still blocked. Half the blocks end while the session still waits for its call
+  after the close (``returns``: the blocked call must return at least 0.25 s after the
+  client had its error; the server's record tells when, as its thread closes the stream
+  then), the others after the session ended without it (``abandoned``: the session's
+  record shows the stream still open; ``/health``, polled with /stats, must not answer
+  200 until the block can have ended, and says ``degraded``).
 
 Admission: the server runs with ``--max-sessions`` equal to ``--concurrency``, and the
 soak counts a connection against that from connect until the server has closed its
@@ -70,11 +80,14 @@ Where the client learnt the request id, the server's record of the session
 allows; no record may say ``internal_error``.
 
 Timing checks allow ``Timing.slack`` (1.5 s) of lateness and 0.2 s of earliness: a
-start timeout must fire after 1.0 s (0.8-2.5 s), a hang's stall after 1.5 s (1.3-3.0 s).
+start timeout must fire after 1.0 s (0.8-2.5 s), a hang's or a stuck engine's stall
+after 1.5 s (1.3-3.0 s). A stuck engine blocks for 3.5-4.5 s (``returns``) or 10-11 s
+(``abandoned``: the stall timeout, the server's 5 s close wait and 2 x slack, and more).
 The report lists the measured reaction times (``timings_s``), so the margins can be judged.
 
-At the end, with no sessions running: ``/stats`` must show ``sessions_active``,
-``streams_open`` and ``worker_threads`` at 0; the process's threads and open file
+At the end, with no sessions running and every stuck engine call returned: ``/stats``
+must show ``sessions_active``, ``streams_open`` and ``worker_threads`` at 0, ``/health``
+answer 200; the process's threads and open file
 descriptors must be back to the baseline taken after the warm-up (waiting out the server's
 10 s idle trim and Trio's 10 s idle-thread timeout, bounded), and its RSS within
 ``RSS_GROWTH_LIMIT_MIB`` of it; SIGTERM must end it with status 0 within
@@ -107,6 +120,18 @@ of 8 shapes sessions against the old batcher did not); ``tests/test_batching_can
 forces it. The rounds check the whole promise from outside, against real processes, as
 an operator's double Ctrl-C meets it. Their plans come from a generator of their own, so
 the session mix of a seed is the same with or without them.
+
+Those are ``double_signal`` rounds; one in four (each kind once when there are as many
+rounds as kinds) is ``engine_stuck`` instead: the synthetic engine, 1-2 sessions whose
+engine blocks outside a checkpoint at chunk 0-2 for 60 s (longer than any bound), the
+others streaming. The signals come once those are blocked (their chunks, then 0.3 s of
+silence): two as above, or in half of these rounds one, a drain, with stuck sessions only
+(each ends by its stall timeout, ``stall_timeout`` then close 1000, which a stuck session
+may also get in the other rounds). The process must exit within its bound all the same
+(for the drain: ``--shutdown-grace`` plus twice the close timeout and slack, 41.5 s), and
+its log must show each stuck call left running as its session ended: the threads were
+still blocked when it went (issue 20, item 10: "the drain keeps its bound with a stuck
+thread"). The engine's close, as the process ends, releases them.
 
 This file is only the entry point that ``python bench/soak.py`` runs; the code is in
 ``bench/_soak/`` (one module per concern, listed in its docstring). The package is not

@@ -1,9 +1,10 @@
 """The soak test (``bench/soak.py``): its short form against a real server, and the
 server it starts.
 
-The short form (200 randomized sessions of every kind, then 3 shutdown rounds that stop
-a server with two signals, ~50 s) runs in CI like the benchmark's ``--quick``: as a
-subprocess, judged from its JSON report. It must find no violation. The checks that
+The short form (200 randomized sessions of every kind, a stuck engine's among them, then
+3 shutdown rounds that stop a server with two signals, one of them with an engine call
+stuck, ~60 s) runs in CI like the benchmark's ``--quick``: as a subprocess, judged from
+its JSON report. It must find no violation. The checks that
 decide that are unit-tested module by module, with bad input that proves each can fail
 (``test_soak_checks.py``, ``test_soak_serverlog.py``, ``test_soak_resources.py``,
 ``test_soak_plans.py``, ``test_soak_shutdown.py``), since a soak that never fails
@@ -20,9 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from bench._soak.plans import make_plans
 from bench._soak.settings import (
     KINDS,
+    ROUND_KINDS,
     ROUND_SHUTDOWN_GRACE,
+    STUCK_VARIANTS,
     Settings,
     Timing,
     round_server_command,
@@ -62,13 +66,28 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     assert report["kinds"]["oversized_frame"]["outcomes"] == {
         "close:1009": report["kinds"]["oversized_frame"]["count"]
     }
+    # A stuck engine: the stall error on time, while blocked (the server's record is
+    # checked too); /health back to ok once the abandoned calls have returned.
+    stuck = report["kinds"]["engine_stuck"]
+    assert stuck["outcomes"] == {"error:stall_timeout": stuck["count"]}
+    assert stuck["server_outcomes"] == {"stalled:stall_timeout": stuck["count"]}
+    assert report["health"]["at_the_end"] == "200 ok"
+    # Seed 1's short form has both variants: calls that return while their session waits,
+    # and calls abandoned, during which /health must say degraded (and did, when polled).
+    plans = make_plans(1, 200, Settings(concurrency=8).warmup_sessions)
+    variants = {p.params["variant"] for p in plans if p.kind == "engine_stuck" and not p.warmup}
+    assert variants == set(STUCK_VARIANTS)
+    assert report["health"]["answers"].get("503 degraded", 0) > 0
     resources = report["resources"]
     assert resources["final"]["threads"] <= resources["baseline"]["threads"]
     assert resources["final"]["fds"] <= resources["baseline"]["fds"]
     assert report["server"]["exit_status"] == 0
-    # The shutdown rounds: both engines, each server out at once after its second signal.
+    # The shutdown rounds: every kind, both engines, each server out at once after its
+    # second signal, a stuck engine's too.
     rounds = report["shutdown_rounds"]
-    assert [r["engine"] for r in rounds] == ["shapes", "synthetic", "shapes"]
+    assert {r["kind"] for r in rounds} == set(ROUND_KINDS)
+    assert {r["engine"] for r in rounds} == {"shapes", "synthetic"}
+    assert all(r["stuck"] > 0 for r in rounds if r["kind"] == "engine_stuck")
     for info in rounds:
         assert info["problems"] == [] and info["exit_status"] == 0 and not info["killed"]
         assert info["exit_s"] <= report["thresholds"]["second_signal_exit_s"]

@@ -14,7 +14,9 @@ import attrs
 
 from bench._soak.checks import (
     Event,
+    HealthSample,
     Transcript,
+    check_health,
     check_server_record,
     check_server_records,
     check_transcript,
@@ -233,6 +235,23 @@ def test_a_wrong_ending_is_flagged() -> None:
     assert _flagged(_problems(garbage, two), "exactly one message")
 
 
+def test_a_control_sent_once_the_engine_was_done_may_go_unanswered() -> None:
+    """The server reads control messages until the last media chunk is delivered: one
+    sent after its engine made the whole video (``stream_closed_at``) may reach it later
+    and get ``session.done`` instead of an answer. One sent before must be answered."""
+    items = [(0.0, _start()), *[(0.1, item) for item in _chunk(0)], (0.5, Out("ping", "pong"))]
+    items += [(0.6, item) for item in [*_chunk(1), *_chunk(2, frames=0, size=30, kind="trailer")]]
+    items.append((0.7, _done(3)))
+    tr, plan = _transcript(items), _plan("chatty")
+    assert check_transcript(plan, tr, TIMING, engine_done_at=0.4).problems == []
+    early = check_transcript(plan, tr, TIMING, engine_done_at=0.55).problems
+    assert _flagged(early, "no answer", "ping")
+    assert _flagged(check_transcript(plan, tr, TIMING).problems, "no answer", "ping")
+    # Only when the session then completed: an error ending it is no excuse.
+    failed = _transcript([*items[:-3], (0.7, _error("generation_failed"))])
+    assert _flagged(check_transcript(plan, failed, TIMING, 0.4).problems, "no answer")
+
+
 def test_server_busy_is_an_admission_violation() -> None:
     tr = _transcript([_error("server_busy")])
     verdict = check_transcript(_plan("normal"), tr, TIMING)
@@ -265,3 +284,82 @@ def test_the_server_record_must_match_the_kind() -> None:
     assert _flagged(
         check_server_record(_plan("stopped_reader"), reader, stalled, TIMING), "8.00 s after"
     )
+
+
+# --------------------------------------------------------------------------------------
+# A stuck engine: the stall error while the engine is still blocked, /health degraded
+# --------------------------------------------------------------------------------------
+
+
+def _stuck(variant: str, block_s: float = 4.0) -> Plan:
+    return _plan("engine_stuck", num_frames=16, at_chunk=1, variant=variant, block_s=block_s)
+
+
+def _stalled_at(error_at: float) -> Transcript:
+    """Chunk 0 at 0.11 s (the last progress), then the stall error at ``error_at``."""
+    items = [(0.0, _start()), (0.1, _chunk(0)[0]), (0.11, 100), (error_at, _error("stall_timeout"))]
+    return _transcript(items)
+
+
+def _stalled_record(closed: float | None, ended: float = 7.0) -> dict[str, Any]:
+    return {
+        "request_id": "video_stream-1",
+        "outcome": "stalled",
+        "error_code": "stall_timeout",
+        "stream_closed_at": closed,
+        "ended_at": ended,
+    }
+
+
+def test_a_stuck_engine_must_end_in_a_timely_stall_error() -> None:
+    plan = _stuck("returns")
+    assert _problems(plan, _stalled_at(1.65)) == []
+    assert _flagged(_problems(plan, _stalled_at(0.5)), "stall_timeout after 0.39 s")
+    # What a server that waits for the blocked call does with a long block: answers late.
+    assert _flagged(_problems(plan, _stalled_at(4.2)), "stall_timeout after 4.09 s")
+    done = _transcript(_video(16))
+    assert _flagged(_problems(plan, done), "expected error stall_timeout", "got done")
+    assert _flagged(_problems(plan, done), "4 media chunks, but the engine stopped at 1")
+
+
+def test_a_stall_error_must_come_while_the_engine_is_still_blocked() -> None:
+    tr = _stalled_at(1.65)
+    returns = _stuck("returns")
+    # The blocked call returned (and its thread closed the stream) 2.4 s after the error.
+    assert check_server_record(returns, tr, _stalled_record(closed=4.05), TIMING) == []
+    # The error came only as the call returned: the server waited for the stuck call.
+    waited = check_server_record(returns, tr, _stalled_record(closed=1.7), TIMING)
+    assert _flagged(waited, "0.05 s before the blocked call returned", "waited for the stuck call")
+    late = check_server_record(returns, tr, _stalled_record(closed=1.5), TIMING)
+    assert _flagged(late, "-0.15 s before")
+    never = check_server_record(returns, tr, _stalled_record(closed=None), TIMING)
+    assert _flagged(never, "no stream close", "should have returned")
+    # Abandoned: the session ends with the stream still open (the call's thread closes
+    # it later); a closed one means the session waited for the call past its close wait.
+    abandoned = _stuck("abandoned", block_s=10.5)
+    assert check_server_record(abandoned, tr, _stalled_record(closed=None), TIMING) == []
+    kept = check_server_record(abandoned, tr, _stalled_record(closed=10.6), TIMING)
+    assert _flagged(kept, "waited for the stuck call past its close timeout")
+    other = check_server_record(
+        abandoned, tr, {**_stalled_record(None), "outcome": "failed"}, TIMING
+    )
+    assert _flagged(other, "'failed'", "expected stalled")
+
+
+def _health(at: float, status: int, body: str = "") -> HealthSample:
+    return HealthSample(sent_at=at, received_at=at + 0.01, status=status, body=body)
+
+
+def test_health_must_say_degraded_while_an_abandoned_call_is_blocked() -> None:
+    """The window: from the session's end (7.0) to the earliest its block can end (the
+    client connected at 0, the block lasts 10.5 s)."""
+    plan, tr = _stuck("abandoned", block_s=10.5), _stalled_at(1.65)
+    record = _stalled_record(closed=None, ended=7.0)
+    degraded = "degraded: 1 engine call(s) stuck after their sessions ended"
+    fine = [_health(6.5, 200, "ok"), _health(7.5, 503, degraded), _health(10.6, 200, "ok")]
+    assert check_health(plan, tr, record, fine) == []
+    lying = [*fine, _health(9.0, 200, "ok")]
+    assert _flagged(check_health(plan, tr, record, lying), "/health answered 200 2.00 s after")
+    # Only the abandoned variant is judged: a returning call is never abandoned.
+    assert check_health(_stuck("returns"), tr, record, lying) == []
+    assert check_health(_plan("normal"), tr, record, lying) == []

@@ -5,9 +5,13 @@ the sizes they claim.
 from __future__ import annotations
 
 import json
+import random
 
-from bench._soak.plans import make_plans, padded_interaction, padded_start
-from bench._soak.settings import KINDS, MAX_START_BYTES
+import pytest
+
+from bench._soak.plans import make_plan, make_plans, padded_interaction, padded_start
+from bench._soak.settings import KINDS, MAX_START_BYTES, STUCK_ORDER_MARGIN_S, Timing
+from trio_vstream.engines.synthetic import BLOCK_SECONDS_MAX
 
 
 def test_plans_are_seeded_and_cover_every_kind() -> None:
@@ -19,7 +23,7 @@ def test_plans_are_seeded_and_cover_every_kind() -> None:
     assert {p.kind for p in measured} == set(KINDS)
     for plan in first:
         json.dumps(plan.params)  # reported as they are
-        if plan.kind in ("engine_fail", "engine_hang"):
+        if plan.kind in ("engine_fail", "engine_hang", "engine_stuck"):
             assert plan.params["at_chunk"] < plan.num_frames // 4  # the fault is reached
         if plan.kind == "oversized_start":
             assert len(plan.params["text"]) > MAX_START_BYTES
@@ -30,3 +34,36 @@ def test_oversized_payloads_have_the_sizes_they_claim() -> None:
     assert len(padded_start(start, 40_000)) == 40_000
     assert len(padded_interaction(9_000, "big")) == 9_000
     json.loads(padded_interaction(9_000, "big"))
+
+
+@pytest.mark.parametrize("timing", [Timing(), Timing(stall_timeout=3.0, slack=0.5)])
+def test_stuck_engines_block_longer_than_the_stall_timeout_as_their_variant_needs(
+    timing: Timing,
+) -> None:
+    """``returns``: the stall error (at most stall + slack after the block began) comes
+    at least the order margin (and 0.5 s) before the block ends, which is before the
+    session's close wait ends; ``abandoned``: the block outlasts that wait by a slack."""
+    rng = random.Random(5)
+    seen = set()
+    for i in range(200):
+        plan = make_plan(rng, i, "engine_stuck", timing=timing)
+        block_s, variant = plan.params["block_s"], plan.params["variant"]
+        seen.add(variant)
+        assert plan.start is not None
+        assert plan.start["extra_params"] == {
+            "block_at_chunk": plan.params["at_chunk"],
+            "block_seconds": block_s,
+        }
+        assert plan.params["at_chunk"] < plan.num_frames // 4
+        assert 0 < block_s <= BLOCK_SECONDS_MAX
+        latest_error = timing.stall_timeout + timing.slack
+        close_wait_ends = timing.stall_timeout - timing.early + timing.close_timeout
+        if variant == "returns":
+            assert block_s - latest_error >= max(0.5, STUCK_ORDER_MARGIN_S)
+            assert block_s < close_wait_ends
+        else:
+            assert block_s >= latest_error + timing.close_timeout + timing.slack + 0.5
+        assert plan.label == f"engine_stuck({variant})"
+    assert seen == {"returns", "abandoned"}
+    with pytest.raises(ValueError, match="unknown engine_stuck variant"):
+        timing.stuck_block_s("sometimes", 1.0)

@@ -27,14 +27,24 @@ from bench._soak.checks import (
     check_round_process,
     round_ending,
 )
-from bench._soak.plans import ShutdownPlan, SignalStep, make_shutdown_plan, make_shutdown_plans
+from bench._soak.plans import (
+    ShutdownPlan,
+    SignalStep,
+    make_shutdown_plan,
+    make_shutdown_plans,
+    stuck_at,
+)
 from bench._soak.report import round_line
-from bench._soak.serverlog import signal_problems
+from bench._soak.serverlog import LEFT_RUNNING, signal_problems, stuck_problems
 from bench._soak.settings import (
+    ROUND_BLOCK_S,
     ROUND_ENGINES,
+    ROUND_KINDS,
     ROUND_NUM_FRAMES,
     ROUND_SESSIONS,
     SIGNALS,
+    STUCK_AT_CHUNK,
+    STUCK_SESSIONS,
     Timing,
 )
 
@@ -115,12 +125,14 @@ def test_rounds_are_seeded_alternate_engines_and_draw_every_case() -> None:
     plans = make_shutdown_plans(seed=3, rounds=200)
     assert plans == make_shutdown_plans(seed=3, rounds=200)
     assert plans != make_shutdown_plans(seed=4, rounds=200)
-    assert [p.engine for p in plans[:4]] == ["shapes", "synthetic", "shapes", "synthetic"]
+    doubles = [p for p in plans if p.kind == "double_signal"]
+    assert [p.engine for p in doubles[:4]] == ["shapes", "synthetic", "shapes", "synthetic"]
     seen: set[tuple[str, str, str, bool]] = set()
-    for plan in plans:
+    for plan in doubles:
         json.dumps(plan.to_json())  # reported as it is
         assert ROUND_SESSIONS[0] <= len(plan.starts) <= ROUND_SESSIONS[1]
         assert all(start["num_frames"] == ROUND_NUM_FRAMES for start in plan.starts)
+        assert plan.stuck == 0
         first, second = plan.signals
         assert first.after == "streaming" and 0.0 <= first.delay_s <= 0.3
         if second.after == "sent":  # back to back: never one signal twice (Trio merges it)
@@ -138,6 +150,33 @@ def test_rounds_are_seeded_alternate_engines_and_draw_every_case() -> None:
     }
     with pytest.raises(ValueError, match="unknown shutdown round kind"):
         make_shutdown_plan(random.Random(0), 0, "nope", "shapes")
+
+
+def test_stuck_rounds_block_for_longer_than_any_bound_and_drain_or_stop() -> None:
+    """``engine_stuck``: the synthetic engine, 1-2 sessions blocked outside a checkpoint
+    for longer than the exit may take, a drain (one signal, stuck sessions only) or two
+    signals; every kind comes once in a run of as many rounds as kinds."""
+    plans = [p for p in make_shutdown_plans(seed=3, rounds=200) if p.kind == "engine_stuck"]
+    assert 20 <= len(plans) <= 80  # a weight of 1 in 4
+    signal_counts = set()
+    for plan in plans:
+        json.dumps(plan.to_json())
+        assert plan.engine == "synthetic" and plan.to_json()["stuck"] == plan.stuck
+        assert STUCK_SESSIONS[0] <= plan.stuck <= STUCK_SESSIONS[1]
+        assert len(plan.starts) <= ROUND_SESSIONS[1]
+        for start in plan.starts[: plan.stuck]:
+            assert STUCK_AT_CHUNK[0] <= stuck_at(start) <= STUCK_AT_CHUNK[1]  # type: ignore[operator]
+            assert start["extra_params"]["block_seconds"] == ROUND_BLOCK_S
+        assert all(stuck_at(start) is None for start in plan.starts[plan.stuck :])
+        assert ROUND_BLOCK_S > TIMING.drain_bound > TIMING.stop_bound
+        signal_counts.add(len(plan.signals))
+        if len(plan.signals) == 1:  # a drain: stuck sessions only
+            assert plan.stuck == len(plan.starts)
+    assert signal_counts == {1, 2}
+    for seed in range(20):
+        assert {p.kind for p in make_shutdown_plans(seed, rounds=2)} == set(ROUND_KINDS)
+    with pytest.raises(ValueError, match="run the synthetic engine"):
+        make_shutdown_plan(random.Random(0), 0, "engine_stuck", "shapes")
 
 
 # --------------------------------------------------------------------------------------
@@ -228,6 +267,19 @@ def test_a_client_left_open_or_closed_oddly_is_flagged() -> None:
     ]
 
 
+def test_a_stuck_client_may_also_end_by_its_stall_timeout_at_any_time() -> None:
+    rec = _record()
+    stalled = _client([START, *CHUNK, _error("stall_timeout")], close=1000, closed_at=1.05)
+    assert check_round_client(stalled, rec, stuck=True) == []
+    assert _flagged(check_round_client(stalled, rec), "ended with error stall_timeout")
+    assert _flagged(check_round_client(stalled, rec), "before the first signal")
+    # Anything else still counts: a stuck session's engine failure, or an early close.
+    failed = _client([START, _error("generation_failed")], close=1000)
+    assert _flagged(check_round_client(failed, rec, stuck=True), "generation_failed")
+    cut = _client([START], close=1006, closed_at=1.05)
+    assert _flagged(check_round_client(cut, rec, stuck=True), "before the first signal")
+
+
 # --------------------------------------------------------------------------------------
 # The log: each signal taken, no error
 # --------------------------------------------------------------------------------------
@@ -248,6 +300,30 @@ def test_the_log_must_show_both_signals_taken_in_order() -> None:
     assert _flagged(signal_problems(plan, parse_log("")), "0 drain(s)", "taken: none")
 
 
+def _stuck_plan() -> ShutdownPlan:
+    """A drain with two stuck sessions (seed 1's rounds have some)."""
+    plans = make_shutdown_plans(seed=1, rounds=8)
+    return next(p for p in plans if p.kind == "engine_stuck" and len(p.signals) == 1)
+
+
+def test_a_stuck_round_must_show_its_calls_left_running_in_the_log() -> None:
+    plan = _stuck_plan()
+    transcripts = [_client([{**START, "request_id": f"r{i}"}]) for i in range(len(plan.starts))]
+    left = [
+        f"session r{i}: SyntheticStream.next_chunk {LEFT_RUNNING} (1 engine call(s) outstanding)"
+        for i in range(plan.stuck)
+    ]
+    assert stuck_problems(plan, transcripts, parse_log(_log(*left))) == []
+    # The process exited, but not with a stuck thread: the round proved nothing.
+    missing = stuck_problems(plan, transcripts, parse_log(_log(*left[1:])))
+    assert _flagged(missing, "session 0 (stuck)", "does not show its blocked engine call")
+    assert len(missing) == 1
+    silent = [_client([]), *transcripts[1:]]
+    assert _flagged(stuck_problems(plan, silent, parse_log(_log(*left))), "no request id")
+    # Other rounds have nothing to show.
+    assert stuck_problems(_plan(), [_client([START])] * len(_plan().starts), []) == []
+
+
 def test_a_round_is_one_line_in_the_summary() -> None:
     rec = _record(transcripts=[_client([START, *CHUNK]), _client([START, *CHUNK])])
     plan = attrs.evolve(_plan(), starts=_plan().starts[:2])
@@ -256,6 +332,14 @@ def test_a_round_is_one_line_in_the_summary() -> None:
         "shutdown round 0 double_signal (shapes, 2 sessions): SIGTERM 0.1 s after streaming; "
         "SIGINT 0.05 s after the last was logged: exit 0 after 0.2 s; clients: close 1006 x2"
     )
+    stuck = _stuck_plan()
+    drained = _record(sent_at=[1.1], taken_at=[None], exited_at=8.0)
+    drained.transcripts = [_client([START, _error("stall_timeout")], close=1000)] * stuck.stuck
+    line = round_line(shutdown.round_summary(stuck, drained, []))
+    assert line.startswith(
+        f"shutdown round {stuck.index} engine_stuck (synthetic, 2 sessions, 2 stuck): "
+    )
+    assert line.endswith("exit 0 after 6.9 s; clients: error:stall_timeout, close 1000 x2")
 
 
 # --------------------------------------------------------------------------------------
@@ -307,3 +391,19 @@ async def test_a_real_round_passes(tmp_path: Path) -> None:
     assert problems == [], log.read_text()[-3000:]
     assert rec.exit_status == 0 and not rec.killed
     assert all(tr.closed_at is not None for tr in rec.transcripts)
+
+
+@pytest.mark.timeout(60)
+async def test_a_real_drain_with_stuck_engines_exits(tmp_path: Path) -> None:
+    """A drain (one signal) against ``python -m trio_vstream`` while two sessions' engines
+    are blocked for 60 s: each ends by its stall timeout (0.5 s here), its call is left
+    to its thread, and the process exits with status 0 well within its bound, the
+    threads still blocked."""
+    plan = _stuck_plan()
+    timing = Timing(stall_timeout=0.5)
+    log = tmp_path / "round.log"
+    rec = await shutdown.run_round(plan, timing, log)
+    problems = shutdown.judge_round(plan, rec, log.read_text(), timing)
+    assert problems == [], log.read_text()[-3000:]
+    assert rec.exit_status == 0 and not rec.killed
+    assert [round_ending(tr) for tr in rec.transcripts] == ["error:stall_timeout, close 1000"] * 2

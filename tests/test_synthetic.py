@@ -16,7 +16,13 @@ from trio_vstream.engines.base import (
     PromptChange,
     checkpoint_calling,
 )
-from trio_vstream.engines.synthetic import SyntheticEngine, create_engine, parse_settings
+from trio_vstream.engines.synthetic import (
+    SyntheticEngine,
+    SyntheticSettings,
+    create_engine,
+    parse_settings,
+    session_settings,
+)
 
 
 def request(**overrides: object) -> GenerationRequest:
@@ -121,6 +127,56 @@ def test_block_at_chunk_blocks_without_a_checkpoint_until_the_engine_closes() ->
     assert not thread.is_alive() and made[0] is not None
     assert engine.blocks.waiting == 0
     assert stream.next_chunk(checkpoint) is None  # the video goes on to its end
+
+
+def test_block_seconds_ends_a_block_by_itself() -> None:
+    """A timed block returns without any release: nothing closes the engine while the
+    thread runs, yet it goes on and the video reaches its end."""
+    engine = SyntheticEngine(parse_settings({"chunk_frames": "5"}))
+    extra = {"block_at_chunk": 0, "block_seconds": 0.01}
+    stream = engine.open_stream(request(extra_params=extra))
+    made: list[list[object]] = []
+    thread = threading.Thread(target=lambda: made.append(drain(stream)), daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout=30)  # a bound for a broken engine, never reached by a working one
+        assert not thread.is_alive(), "the block did not end by itself"
+    finally:
+        engine.close()  # a failed test leaves no thread behind
+    assert len(made[0]) == 2  # both chunks: the block delayed the first, nothing more
+    assert engine.blocks.waiting == 0
+
+
+def test_a_timed_block_still_ends_at_the_engines_close() -> None:
+    """The longest block (60 s) is released at once by the engine's close, as an
+    untimed one is: a server that stops never waits for it."""
+    engine = SyntheticEngine(parse_settings({"block_at_chunk": "0", "block_seconds": "60"}))
+    stream = engine.open_stream(request())
+    made: list[object] = []
+    thread = threading.Thread(target=lambda: made.append(stream.next_chunk(Checkpoint())))
+    thread.start()
+    assert engine.blocks.wait_blocked(1, timeout=10)
+    engine.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and made[0] is not None
+
+
+@pytest.mark.parametrize("value", [0, -1, 60.5, True, "1", [1], float("nan"), float("inf")])
+def test_block_seconds_is_a_bounded_number(value: object) -> None:
+    engine = SyntheticEngine()
+    with pytest.raises(
+        InvalidRequestError, match=r"extra_params.block_seconds must be a number > 0 and <= 60"
+    ):
+        engine.open_stream(request(extra_params={"block_at_chunk": 0, "block_seconds": value}))
+
+
+def test_block_seconds_is_also_an_engine_arg_and_bounded() -> None:
+    assert parse_settings({"block_seconds": "2.5"}).block_seconds == 2.5
+    timed = session_settings(SyntheticSettings(), request(extra_params={"block_seconds": 60}))
+    assert timed.block_seconds == 60.0
+    for raw, why in (("0", "must be > 0"), ("61", "must be <= 60"), ("-1", "must be >= 0")):
+        with pytest.raises(EngineConfigError, match=f"block_seconds {why}"):
+            parse_settings({"block_seconds": raw})
 
 
 @pytest.mark.parametrize("fault", ["fail_at_chunk", "hang_at_chunk", "block_at_chunk"])

@@ -46,7 +46,6 @@ from bench._fuzz.wire import (
     Wire,
     wire_size,
 )
-from bench._server import Endpoint
 from trio_vstream import protocol
 
 
@@ -229,31 +228,6 @@ async def end_session(session: ControlSession, limit: int) -> tuple[str, list[Pr
     if outcome not in ("stopped", "completed") and not problems:
         problems.append(Problem("stop-not-done", outcome))
     return outcome, problems, result
-
-
-async def http_get(endpoint: Endpoint, path: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
-    """A plain ``GET`` on the server's port; (None, why) when there is no answer."""
-    with trio.move_on_after(timeout):
-        try:
-            stream = await endpoint.open_stream()
-        except OSError as exc:
-            return None, str(exc).encode()
-        data = b""
-        try:
-            request = (
-                f"GET {path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\nConnection: close\r\n\r\n"
-            )
-            await stream.send_all(request.encode())
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
-        finally:
-            await stream.aclose()
-        head, _, body = data.partition(b"\r\n\r\n")
-        status = head.split(b"\r\n", 1)[0].split()
-        return (int(status[1]) if len(status) > 1 and status[1].isdigit() else None), body
-    return None, b"timed out"
 
 
 def request_id_of(messages: Sequence[Wire]) -> str | None:

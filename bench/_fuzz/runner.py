@@ -23,7 +23,6 @@ from bench._fuzz.client import (
     control_alone,
     end_session,
     exchange,
-    http_get,
     open_session,
     request_id_of,
     run_start,
@@ -50,7 +49,7 @@ from bench._fuzz.wire import (
     wire_size,
 )
 from bench._harness import log_size, read_log
-from bench._server import Endpoint, ServerProcess, fetch_stats
+from bench._server import Endpoint, ServerProcess, fetch_stats, http_get
 from trio_vstream import protocol
 
 

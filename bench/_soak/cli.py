@@ -29,6 +29,7 @@ from bench._soak.plans import (
 )
 from bench._soak.report import (
     Violation,
+    health_summary,
     judge_sessions,
     render_summary,
 )
@@ -48,12 +49,15 @@ from bench._soak.settings import (
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
+    ROUND_BLOCK_S,
     ROUND_ENGINES,
     ROUND_KINDS,
     ROUND_NUM_FRAMES,
     ROUND_SHUTDOWN_GRACE,
     RSS_GROWTH_LIMIT_MIB,
     SETTLE_EXTRA_S,
+    STUCK_EXTRA_S,
+    STUCK_VARIANTS,
     THREAD_GROWTH_LIMIT,
     Settings,
     Timing,
@@ -74,7 +78,7 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
     # shutdown rounds.
     reserve = IDLE_BEFORE_TRIM + SETTLE_EXTRA_S + timing.shutdown_grace + 10.0
     reserve += s.rounds_reserve_s
-    plans = make_plans(s.seed, s.sessions, s.warmup_sessions)
+    plans = make_plans(s.seed, s.sessions, s.warmup_sessions, timing)
     warm, measured = plans[: s.warmup_sessions], plans[s.warmup_sessions :]
     violations: list[Violation] = []
     command = server_command(s)
@@ -91,6 +95,14 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
             "max_start_bytes": MAX_START_BYTES,
             "max_control_bytes": MAX_CONTROL_BYTES,
             "weights": KINDS,
+            "engine_stuck": {
+                "variants": list(STUCK_VARIANTS),
+                "block_s": {
+                    variant: [timing.stuck_block_s(variant, extra) for extra in STUCK_EXTRA_S]
+                    for variant in STUCK_VARIANTS
+                },
+                "round_block_s": ROUND_BLOCK_S,
+            },
             "shutdown_rounds": {
                 "kinds": ROUND_KINDS,
                 "engines": {name: dict(engine.args) for name, engine in ROUND_ENGINES.items()},
@@ -161,6 +173,11 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
                 violations.append(Violation(f"at the end: {problem}"))
         else:
             violations += [Violation(f"at the end: {p}") for p in idle_problems(final.metrics)]
+        health = soak.settled_health
+        if health is None or health.status != 200:
+            answer = f"{health.status}: {health.body[:200]}" if health else "nothing"
+            violations.append(Violation(f"at the end: GET /health answered {answer}"))
+        report["health"] = health_summary(soak)
         report["resources"] = {
             "fresh": fresh.to_json(),
             "baseline": baseline.to_json() if baseline else None,

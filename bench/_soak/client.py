@@ -251,4 +251,5 @@ DRIVERS: Final[dict[str, Driver]] = {
     "no_start": drive_no_start,
     "engine_fail": drive_normal,
     "engine_hang": drive_normal,
+    "engine_stuck": drive_normal,
 }

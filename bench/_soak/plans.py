@@ -24,13 +24,21 @@ from bench._soak.settings import (
     MAX_START_BYTES,
     OVERSIZED_FRAME_FACTOR,
     PROMPTS,
+    ROUND_BLOCK_S,
     ROUND_ENGINES,
     ROUND_FRAME_SIZE,
     ROUND_KINDS,
     ROUND_NUM_FRAMES,
     ROUND_SESSIONS,
     SIGNALS,
+    STUCK_AT_CHUNK,
+    STUCK_DRAIN_SHARE,
+    STUCK_ENGINE,
+    STUCK_EXTRA_S,
+    STUCK_SESSIONS,
+    STUCK_VARIANTS,
     ZERO_DELAY_SHARE,
+    Timing,
 )
 
 
@@ -52,13 +60,16 @@ class Plan:
 
     @property
     def label(self) -> str:
-        variant = self.params.get("phase") or self.params.get("where")
+        variant = self.params.get("phase") or self.params.get("where") or self.params.get("variant")
         return f"{self.kind}({variant})" if variant else self.kind
 
     def start_text(self) -> str:
         assert self.start is not None
         return json.dumps({"type": "session.start", **self.start})
 
+
+DEFAULT_TIMING: Final = Timing()
+"""The soak's default timeouts (a frozen value: safe as a default argument)."""
 
 GARBAGE: Final[dict[str, tuple[str, str, str]]] = {
     # name: (payload, expected code instead of session.start, expected code mid-session)
@@ -111,8 +122,16 @@ def padded_interaction(size: int, event_id: str) -> str:
     return json.dumps({**stub, "interaction": {"event_id": event_id, "event": {"prompt": prompt}}})
 
 
-def make_plan(rng: random.Random, index: int, kind: str, *, warmup: bool = False) -> Plan:
-    """Draw one session's request and random choices for ``kind``."""
+def make_plan(
+    rng: random.Random,
+    index: int,
+    kind: str,
+    *,
+    warmup: bool = False,
+    timing: Timing = DEFAULT_TIMING,
+) -> Plan:
+    """Draw one session's request and random choices for ``kind`` (``timing``: the
+    server's timeouts, which an ``engine_stuck`` block outlasts)."""
     size = rng.choice((64, 64, 64, 128))
     start: dict[str, Any] | None = {
         "prompt": rng.choice(PROMPTS),
@@ -230,13 +249,27 @@ def make_plan(rng: random.Random, index: int, kind: str, *, warmup: bool = False
         start["num_frames"] = rng.randint(16, 64)
         params["at_chunk"] = rng.randint(0, start["num_frames"] // 4 - 1)
         start["extra_params"] = {"hang_at_chunk": params["at_chunk"]}
+    elif kind == "engine_stuck":
+        # Blocks outside any checkpoint at that chunk, for longer than the stall timeout:
+        # the client must hear of the stall while the engine is still blocked.
+        start["num_frames"] = rng.randint(16, 64)
+        params["at_chunk"] = rng.randint(0, start["num_frames"] // 4 - 1)
+        params["variant"] = rng.choice(STUCK_VARIANTS)
+        params["block_s"] = timing.stuck_block_s(params["variant"], rng.uniform(*STUCK_EXTRA_S))
+        start["extra_params"] = {
+            "block_at_chunk": params["at_chunk"],
+            "block_seconds": params["block_s"],
+        }
     elif kind != "normal":
         raise ValueError(f"unknown session kind {kind!r}")
     return Plan(index=index, kind=kind, warmup=warmup, start=start, params=params)
 
 
-def make_plans(seed: int, sessions: int, warmup: int) -> list[Plan]:
-    """The warm-up sessions, then the measured ones: the same seed gives the same plans.
+def make_plans(
+    seed: int, sessions: int, warmup: int, timing: Timing = DEFAULT_TIMING
+) -> list[Plan]:
+    """The warm-up sessions, then the measured ones: the same seed (and timing) gives the
+    same plans.
 
     Each kind comes at least once among the measured sessions when there are enough of
     them, so a short run still covers every kind; the rest are drawn by weight.
@@ -248,8 +281,8 @@ def make_plans(seed: int, sessions: int, warmup: int) -> list[Plan]:
     kinds = list(names) if sessions >= len(names) else []
     kinds += rng.choices(names, weights, k=sessions - len(kinds))
     rng.shuffle(kinds)
-    plans = [make_plan(rng, i, kind, warmup=True) for i, kind in enumerate(warm)]
-    plans += [make_plan(rng, warmup + i, kind) for i, kind in enumerate(kinds)]
+    plans = [make_plan(rng, i, kind, warmup=True, timing=timing) for i, kind in enumerate(warm)]
+    plans += [make_plan(rng, warmup + i, kind, timing=timing) for i, kind in enumerate(kinds)]
     return plans
 
 
@@ -286,9 +319,15 @@ class ShutdownPlan:
     signals: tuple[SignalStep, ...]
 
     @property
+    def stuck(self) -> int:
+        """Sessions whose engine blocks (``stuck_at``)."""
+        return sum(1 for start in self.starts if stuck_at(start) is not None)
+
+    @property
     def label(self) -> str:
         count = len(self.starts)
-        return f"{self.kind}({self.engine}, {count} session{'' if count == 1 else 's'})"
+        stuck = f", {self.stuck} stuck" if self.stuck else ""
+        return f"{self.kind}({self.engine}, {count} session{'' if count == 1 else 's'}{stuck})"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -296,9 +335,17 @@ class ShutdownPlan:
             "kind": self.kind,
             "engine": self.engine,
             "sessions": len(self.starts),
+            "stuck": self.stuck,
             "starts": list(self.starts),
             "signals": [step.to_json() for step in self.signals],
         }
+
+
+def stuck_at(start: dict[str, Any]) -> int | None:
+    """The chunk at which a round's session's engine blocks (None: it streams)."""
+    extra = start.get("extra_params")
+    value = extra.get("block_at_chunk") if isinstance(extra, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def make_shutdown_plan(rng: random.Random, index: int, kind: str, engine: str) -> ShutdownPlan:
@@ -310,9 +357,22 @@ def make_shutdown_plan(rng: random.Random, index: int, kind: str, engine: str) -
     has logged the first (``taken``): at once in a quarter of those, else after a delay
     drawn over two of the engine's steps, so that some land while a step (a batch, for
     shapes) is in flight.
+
+    ``engine_stuck`` (the synthetic engine): 1-2 sessions whose engine blocks outside a
+    checkpoint at chunk 0-2 for ``ROUND_BLOCK_S``, the rest (0-6) stream. The first
+    signal comes 0-0.3 s after every session streams and every stuck one is blocked
+    (``BLOCKED_SILENCE_S``). Half the rounds are a drain: that one signal, stuck sessions
+    only (each ends by its stall timeout, then its call is left behind); the others send
+    a second signal, drawn as for ``double_signal``. Either way the process must exit
+    within its bound while the threads are still blocked.
     """
-    starts = tuple(
-        {
+    if kind not in ROUND_KINDS:
+        raise ValueError(f"unknown shutdown round kind {kind!r}")
+    if kind == "engine_stuck" and engine != STUCK_ENGINE:
+        raise ValueError(f"engine_stuck rounds run the {STUCK_ENGINE} engine, not {engine!r}")
+
+    def start() -> dict[str, Any]:
+        return {
             "prompt": rng.choice(PROMPTS),
             "width": ROUND_FRAME_SIZE,
             "height": ROUND_FRAME_SIZE,
@@ -320,29 +380,46 @@ def make_shutdown_plan(rng: random.Random, index: int, kind: str, engine: str) -
             "num_frames": ROUND_NUM_FRAMES,
             "seed": rng.randint(0, 2**31),
         }
-        for _ in range(rng.randint(*ROUND_SESSIONS))
-    )
-    if kind != "double_signal":
-        raise ValueError(f"unknown shutdown round kind {kind!r}")
+
+    drain = False
+    if kind == "double_signal":
+        starts = tuple(start() for _ in range(rng.randint(*ROUND_SESSIONS)))
+    else:
+        drain = rng.random() < STUCK_DRAIN_SHARE
+        stuck = rng.randint(*STUCK_SESSIONS)
+        healthy = 0 if drain else rng.randint(0, ROUND_SESSIONS[1] - stuck)
+        blocked = [
+            {
+                **start(),
+                "extra_params": {
+                    "block_at_chunk": rng.randint(*STUCK_AT_CHUNK),
+                    "block_seconds": ROUND_BLOCK_S,
+                },
+            }
+            for _ in range(stuck)
+        ]
+        starts = (*blocked, *(start() for _ in range(healthy)))
     first_name = rng.choice(SIGNALS)
     first = SignalStep(
         name=first_name, after="streaming", delay_s=round(rng.uniform(*FIRST_SIGNAL_AFTER_S), 4)
     )
-    if rng.random() < BACK_TO_BACK_SHARE:
+    if drain:
+        signals: tuple[SignalStep, ...] = (first,)
+    elif rng.random() < BACK_TO_BACK_SHARE:
         other = next(name for name in SIGNALS if name != first_name)
-        second = SignalStep(name=other, after="sent", delay_s=0.0)
+        signals = (first, SignalStep(name=other, after="sent", delay_s=0.0))
     else:
         delay = 0.0
         if rng.random() >= ZERO_DELAY_SHARE:
             delay = round(rng.uniform(0.0, 2 * ROUND_ENGINES[engine].step_s), 4)
-        second = SignalStep(name=rng.choice(SIGNALS), after="taken", delay_s=delay)
-    return ShutdownPlan(
-        index=index, kind=kind, engine=engine, starts=starts, signals=(first, second)
-    )
+        signals = (first, SignalStep(name=rng.choice(SIGNALS), after="taken", delay_s=delay))
+    return ShutdownPlan(index=index, kind=kind, engine=engine, starts=starts, signals=signals)
 
 
 def make_shutdown_plans(seed: int, rounds: int) -> list[ShutdownPlan]:
-    """The shutdown rounds of a seed, the engines alternating (shapes first).
+    """The shutdown rounds of a seed: each kind at least once when there are as many
+    rounds as kinds, the rest drawn by weight, shuffled; ``engine_stuck`` rounds run
+    ``STUCK_ENGINE``, the others alternate the engines (shapes first).
 
     Drawn from a generator of their own, so that the number of rounds never changes the
     sessions' plans: a seed names the same session mix with or without them.
@@ -350,8 +427,16 @@ def make_shutdown_plans(seed: int, rounds: int) -> list[ShutdownPlan]:
     rng = random.Random(f"soak-shutdown-rounds-{seed}")
     names = list(ROUND_KINDS)
     weights = [ROUND_KINDS[name] for name in names]
+    kinds = list(names) if rounds >= len(names) else []
+    kinds += rng.choices(names, weights, k=rounds - len(kinds))
+    rng.shuffle(kinds)
     engines = list(ROUND_ENGINES)
-    return [
-        make_shutdown_plan(rng, i, rng.choices(names, weights)[0], engines[i % len(engines)])
-        for i in range(rounds)
-    ]
+    plans: list[ShutdownPlan] = []
+    turn = 0
+    for i, kind in enumerate(kinds):
+        if kind == "engine_stuck":
+            engine = STUCK_ENGINE
+        else:
+            engine, turn = engines[turn % len(engines)], turn + 1
+        plans.append(make_shutdown_plan(rng, i, kind, engine))
+    return plans

@@ -18,9 +18,11 @@ from bench._output import now
 from bench._soak.checks import (
     Transcript,
     Verdict,
+    check_health,
     check_server_record,
     check_server_records,
     check_transcript,
+    read_messages,
 )
 from bench._soak.runner import SessionResult, Soak
 from bench._soak.serverlog import log_excerpt, log_problems
@@ -150,13 +152,16 @@ def judge_sessions(
     timings: dict[str, list[float]] = {}
     for result in soak.results:
         plan, tr = result.plan, result.tr
-        verdict = check_transcript(plan, tr, timing)
-        problems = list(verdict.problems)
         record = soak.record_of(result.request_id) if result.request_id else None
+        done_at = record.get("stream_closed_at") if record is not None else None
+        done_at = done_at if isinstance(done_at, int | float) else None
+        verdict = check_transcript(plan, tr, timing, engine_done_at=done_at)
+        problems = list(verdict.problems)
         known = record is not None or soak.metrics_failures == 0
         judged = verdict.outcome not in ("refused", "incomplete") and not tr.cut_by_deadline
         if result.request_id is not None and judged and known:
             problems += check_server_record(plan, tr, record, timing)
+            problems += check_health(plan, tr, record, soak.health)
         result.verdict = Verdict(verdict.outcome, problems)
         (warmup if plan.warmup else kinds)[plan.kind][verdict.outcome] += 1
         if record is not None and not plan.warmup:
@@ -224,6 +229,14 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
         progress = [e.t for e in received[:-1] if e.text is None or '"video.start"' in e.text]
         if progress:
             out["hang_stall_error"] = last - progress[-1]
+    if plan.kind == "engine_stuck":
+        messages = read_messages(tr)
+        if messages.messages and messages.last_progress is not None:
+            error_at = messages.messages[-1][0]
+            out["stuck_stall_error"] = error_at - messages.last_progress
+            closed = record.get("stream_closed_at") if record is not None else None
+            if isinstance(closed, int | float):
+                out["stuck_error_before_return"] = closed - error_at
     if plan.kind == "stop" and last is not None:
         stops = [e.t for e in tr.sent() if e.label == "session.stop" and e.delivered]
         if stops and last >= stops[0]:
@@ -239,6 +252,22 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
         if isinstance(closed, int | float):
             out[f"{plan.kind}_to_stream_closed"] = closed - tr.abandoned_at
     return out
+
+
+def health_summary(soak: Soak) -> dict[str, Any]:
+    """The ``GET /health`` answers of the run, counted (``degraded``: while an engine call
+    abandoned by an ``engine_stuck`` session was still blocked), and the last one."""
+    counts: Counter[str] = Counter()
+    for sample in soak.health:
+        if sample.status is None:
+            counts["no answer"] += 1
+        else:
+            counts[f"{sample.status} {sample.body.split(':', 1)[0].strip()}"] += 1
+    last = soak.settled_health
+    return {
+        "answers": dict(counts.most_common()),
+        "at_the_end": None if last is None else f"{last.status} {last.body}",
+    }
 
 
 def _session_violation(
@@ -313,6 +342,10 @@ def render_summary(report: dict[str, Any]) -> str:
             f"  server: threads {base['threads']} -> {final['threads']}, fds {base['fds']} -> "
             f"{final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
         )
+    health = report.get("health")
+    if health:
+        answers = ", ".join(f"{k} x{v}" for k, v in health["answers"].items())
+        lines.append(f"  /health: {answers}; at the end {health['at_the_end']}")
     server = report.get("server") or {}
     lines.append(
         f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"
@@ -349,8 +382,9 @@ def round_line(info: dict[str, Any]) -> str:
     if info["exit_status"] is None:
         status = "no exit seen"
     count = info["sessions"]
+    stuck = f", {info['stuck']} stuck" if info.get("stuck") else ""
     return (
         f"shutdown round {info['index']} {info['kind']} ({info['engine']}, {count} "
-        f"session{'' if count == 1 else 's'}): {'; '.join(signals)}: {status} after "
+        f"session{'' if count == 1 else 's'}{stuck}): {'; '.join(signals)}: {status} after "
         f"{info['exit_s']} s; clients: {clients or 'none'}"
     )

@@ -28,8 +28,9 @@ from trio_websocket import (
 from bench._client import CLIENT_MAX_MESSAGE as BENCH_CLIENT_MAX_MESSAGE
 from bench._client import RECEIVE_BUFFER
 from bench._output import now, progress
-from bench._server import Endpoint, ServerProcess, fetch_stats
+from bench._server import Endpoint, ServerProcess, fetch_stats, http_get
 from bench._soak.checks import (
+    HealthSample,
     Transcript,
     Verdict,
     check_transcript,
@@ -91,6 +92,10 @@ class Soak:
         self.records: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.by_id: dict[str, dict[str, Any]] = {}
         self.metrics_failures = 0
+        self.health: list[HealthSample] = []
+        """Every ``GET /health`` answer, polled with /stats (see ``checks.check_health``)."""
+        self.settled_health: HealthSample | None = None
+        """The last answer while settling: 200 once no engine call is stuck."""
         self.metrics_lock = trio.Lock()
         """Held while a /stats connection is open: a snapshot of the server's open file
         descriptors must not count it."""
@@ -103,10 +108,20 @@ class Soak:
     # ------------------------------------------------------------------ metrics
 
     async def poll_metrics(self) -> None:
-        """Collect ``recent_sessions`` before the server's ring of 256 forgets them."""
+        """Collect ``recent_sessions`` before the server's ring of 256 forgets them, and
+        ask ``/health`` each time (degraded while an engine call is stuck)."""
         while True:
-            await self.fetch_stats()
+            async with self.metrics_lock:
+                await self._fetch_stats()
+                await self._fetch_health()
             await trio.sleep(METRICS_PERIOD_S)
+
+    async def _fetch_health(self) -> HealthSample:
+        sent_at = now()
+        status, body = await http_get(self.endpoint, "/health")
+        sample = HealthSample(sent_at, now(), status, body.decode(errors="replace").strip())
+        self.health.append(sample)
+        return sample
 
     async def fetch_stats(self) -> dict[str, Any] | None:
         async with self.metrics_lock:
@@ -319,17 +334,35 @@ class Soak:
         client_end = max((r.tr.ended_at or 0.0 for r in self.results), default=0.0)
         return max(server_end, client_end)
 
+    def last_block_end(self) -> float:
+        """The latest an ``engine_stuck`` session's engine may still be blocked: its
+        client's end plus the block's length (the block began before that end). Its
+        thread returns then, and Trio's idle worker threads exit 10 s later."""
+        return max(
+            (
+                r.tr.ended_at + r.plan.params["block_s"]
+                for r in self.results
+                if r.plan.kind == "engine_stuck" and r.tr.ended_at is not None
+            ),
+            default=0.0,
+        )
+
     async def settle(self, baseline: Snapshot | None) -> tuple[Snapshot, list[str], float]:
-        """Wait until the server is idle and past its idle trim (and, with a baseline,
-        back to it), bounded; returns the snapshot, what never settled, and the wait."""
+        """Wait until the server is idle and past its idle trim, ``/health`` answers 200
+        (no engine call stuck), and, with a baseline, back to it, bounded; returns the
+        snapshot, what never settled, and the wait. The bound counts from the last
+        session's end, or a stuck engine's, whichever is later."""
         started = now()
-        deadline = self.last_session_end() + IDLE_BEFORE_TRIM + SETTLE_EXTRA_S
-        deadline = max(deadline, started + 2.0)
+        last = max(self.last_session_end(), self.last_block_end())
+        deadline = max(last + IDLE_BEFORE_TRIM + SETTLE_EXTRA_S, started + 2.0)
         while True:
             async with self.metrics_lock:
                 metrics = await self._fetch_stats()
                 snapshot = Snapshot.take(self.pid, metrics)
+                health = self.settled_health = await self._fetch_health()
             pending = idle_problems(metrics)
+            if health.status != 200:
+                pending.append(f"GET /health answered {health.status}: {health.body[:200]}")
             idle_for = now() - self.last_session_end()
             if idle_for < IDLE_BEFORE_TRIM + 0.5:
                 pending.append(f"idle for {idle_for:.1f} s only (trim after {IDLE_BEFORE_TRIM} s)")

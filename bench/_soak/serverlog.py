@@ -17,7 +17,7 @@ from bench._harness import REQUEST_ID, LogRecord
 from bench._soak.checks import (
     Transcript,
 )
-from bench._soak.plans import ShutdownPlan
+from bench._soak.plans import ShutdownPlan, stuck_at
 
 AT_EXIT_TROUBLE: Final = ("Fatal Python error", "Exception ignored in")
 """What Python prints, outside logging, when something fails as the process ends (a
@@ -102,4 +102,30 @@ def signal_problems(plan: ShutdownPlan, records: Sequence[LogRecord]) -> list[st
         problems.append(
             f"sent {', '.join(sent)} in this order; the server's log shows taken: {shown}"
         )
+    return problems
+
+
+LEFT_RUNNING: Final = "still running as the session ends; left to finish in its thread"
+"""What the server logs (a warning) when a session ends without an engine call it left."""
+
+
+def stuck_problems(
+    plan: ShutdownPlan, transcripts: Sequence[Transcript], records: Sequence[LogRecord]
+) -> list[str]:
+    """An ``engine_stuck`` round: each stuck session's engine call must still have been
+    blocked when its session ended, as the server's log says (`LEFT_RUNNING`), or the
+    process did not exit with a stuck thread and the round proved nothing."""
+    problems: list[str] = []
+    for i, (start, tr) in enumerate(zip(plan.starts, transcripts, strict=True)):
+        if stuck_at(start) is None:
+            continue
+        request_id = tr.request_id()
+        if request_id is None:
+            problems.append(f"session {i} (stuck): no video.start, so no request id to follow")
+        elif not any(request_id in r.text and LEFT_RUNNING in r.text for r in records):
+            problems.append(
+                f"session {i} (stuck): the server's log does not show its blocked engine call "
+                "left running as the session ended: the process did not exit with a stuck "
+                "thread"
+            )
     return problems

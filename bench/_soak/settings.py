@@ -13,6 +13,7 @@ from typing import Final
 import attrs
 
 from bench._harness import synthetic_server_command
+from trio_vstream.engines.synthetic import BLOCK_SECONDS_MAX
 from trio_vstream.session import SessionConfig
 
 KINDS: Final[dict[str, int]] = {
@@ -33,6 +34,7 @@ KINDS: Final[dict[str, int]] = {
     "no_start": 3,
     "engine_fail": 5,
     "engine_hang": 3,
+    "engine_stuck": 3,
 }
 """Session kinds and their weights in the random mix."""
 
@@ -86,6 +88,17 @@ PROMPTS: Final = (
 )
 
 
+STUCK_VARIANTS: Final = ("returns", "abandoned")
+"""How an ``engine_stuck`` session's block ends (``Timing.stuck_block_s``): while its
+session still waits for the call it left (``returns``), or after the session has ended
+without it (``abandoned``: ``/health`` says degraded until it returns)."""
+STUCK_EXTRA_S: Final = (0.5, 1.5)
+"""Drawn on top of the shortest block of a variant."""
+STUCK_ORDER_MARGIN_S: Final = 0.25
+"""An ``engine_stuck`` session's ``stall_timeout`` must reach its client at least this long
+before the blocked call returns (at least 0.5 s is left by the block lengths, at the
+largest lateness allowed). A server that waits for the call answers after it returns."""
+
 DEFAULT_STALL_TIMEOUT: Final = 1.5
 DEFAULT_START_TIMEOUT: Final = 1.0
 """Short, so that the kinds that wait for them (hangs, stopped readers, silent clients)
@@ -100,10 +113,13 @@ for a terminal message or a close handshake."""
 
 DEFAULT_SHUTDOWN_ROUNDS: Final = 8
 """After the sessions, this many rounds (``--shutdown-rounds``); each starts a server."""
-ROUND_KINDS: Final[dict[str, int]] = {"double_signal": 1}
+ROUND_KINDS: Final[dict[str, int]] = {"double_signal": 3, "engine_stuck": 1}
 """Kinds of shutdown round and their weights (``plans.make_shutdown_plan`` says what
-each does): ``double_signal`` sends SIGTERM or SIGINT while sessions stream, and a
-second one after it, which must stop the server at once."""
+each does; a run of as many rounds as there are kinds has each once):
+``double_signal`` sends SIGTERM or SIGINT while sessions stream, and a second one after
+it, which must stop the server at once; ``engine_stuck`` does that, or sends one signal
+(a drain), while sessions' engine calls are blocked outside a checkpoint for longer
+than the server may take to exit."""
 SIGNALS: Final = ("SIGTERM", "SIGINT")
 """The signals ``python -m trio_vstream`` takes as "shut down" (cli.py)."""
 
@@ -130,6 +146,22 @@ ROUND_ENGINES: Final[dict[str, RoundEngine]] = {
 """The engines the rounds alternate, shapes first."""
 ROUND_SESSIONS: Final = (1, 8)
 """Sessions streaming in a round: drawn from this range (the server admits 8)."""
+STUCK_ENGINE: Final = "synthetic"
+"""The engine of ``engine_stuck`` rounds (its ``block_at_chunk``); the other rounds
+alternate the engines among themselves."""
+STUCK_SESSIONS: Final = (1, 2)
+"""Sessions of an ``engine_stuck`` round whose engine blocks (the rest stream)."""
+STUCK_AT_CHUNK: Final = (0, 2)
+"""The chunk at which a stuck session's engine blocks, drawn from this range."""
+ROUND_BLOCK_S: Final = BLOCK_SECONDS_MAX
+"""How long a stuck session's engine blocks (the engine's longest): beyond any bound on a
+round's exit, so that a server that waited for the thread would be killed at its bound."""
+STUCK_DRAIN_SHARE: Final = 0.5
+"""``engine_stuck`` rounds with one signal (a drain), and stuck sessions only: healthy
+ones would stream their long videos to the end of the drain's grace."""
+BLOCKED_SILENCE_S: Final = 0.3
+"""A stuck session counts as blocked once it has had its chunks before the block and then
+nothing for this long (a chunk comes every ~10 ms), far below the stall timeout."""
 ROUND_FRAME_SIZE: Final = 64
 ROUND_NUM_FRAMES: Final = 2400
 """The server's largest frame count: a video of 15 s or more (minutes with shapes), so
@@ -201,6 +233,23 @@ class Timing:
         longer than the close timeout, so: that, plus 2 x slack (8 s). Measured: 0.03 s
         (synthetic) to 0.4 s (shapes)."""
         return self.close_timeout + 2 * self.slack
+
+    def stuck_block_s(self, variant: str, extra: float) -> float:
+        """How long an ``engine_stuck`` session's engine blocks: ``extra`` seconds more
+        than the shortest block of ``variant`` (``STUCK_VARIANTS``).
+
+        The stall error comes at most ``stall_timeout + slack`` after the block began; a
+        ``returns`` block is longer by ``extra`` (>= 0.5 s, see
+        ``STUCK_ORDER_MARGIN_S``) and shorter than the stall timeout plus the session's
+        close wait (``close_timeout``), so the call returns while the session still waits
+        for it. An ``abandoned`` block lasts that close wait and one slack more (for the
+        close handshake), so the session has ended without the call by then."""
+        shortest = self.stall_timeout + self.slack
+        if variant == "abandoned":
+            shortest += self.close_timeout + self.slack
+        elif variant != "returns":
+            raise ValueError(f"unknown engine_stuck variant {variant!r}")
+        return round(shortest + extra, 3)
 
     @property
     def drain_bound(self) -> float:

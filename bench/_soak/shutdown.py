@@ -7,7 +7,11 @@ process exits within ``Timing.stop_bound``, with status 0, every client's connec
 ends (with ``server_shutdown`` or cut, nothing else), and the log has no error. A
 second signal once deadlocked the shapes engine's step batcher: rows in flight were
 never finished when the cancel came before the batch's thread started, so the process
-never exited (issue 20, item 11). Rounds alternate shapes (its batcher) and synthetic.
+never exited (issue 20, item 11). ``double_signal`` rounds alternate shapes (its batcher)
+and synthetic. ``engine_stuck`` rounds (synthetic) send the signals, or one (a drain),
+while sessions' engine calls are blocked outside a checkpoint for longer than any bound:
+the process must still exit within its bound (issue 20, item 10), and its log must show
+the calls left running (the threads were stuck when it went).
 
 Every choice is in the round's plan (``plans.make_shutdown_plan``); the round records
 what it saw (``checks.RoundRecord``) and is judged afterwards by pure checks.
@@ -38,10 +42,11 @@ from bench._soak.checks import (
     round_ending,
 )
 from bench._soak.client import Conn
-from bench._soak.plans import ShutdownPlan, make_shutdown_plans
+from bench._soak.plans import ShutdownPlan, make_shutdown_plans, stuck_at
 from bench._soak.report import Violation
-from bench._soak.serverlog import log_problems, signal_problems, taken_line
+from bench._soak.serverlog import log_problems, signal_problems, stuck_problems, taken_line
 from bench._soak.settings import (
+    BLOCKED_SILENCE_S,
     CLOSE_AFTER_EXIT_S,
     ROUND_START_TIMEOUT_S,
     SIGNAL_TAKEN_WAIT_S,
@@ -93,7 +98,8 @@ async def _client(
     endpoint: Endpoint, start: dict[str, Any], tr: Transcript, streaming: trio.Event
 ) -> None:
     """One session: start, read everything until the connection ends (Conn records it),
-    and say when its first media chunk has arrived."""
+    and say when its first media chunk has arrived, or for a stuck one (``stuck_at``),
+    when it is blocked (`_blocked`)."""
     tr.t0, tr.wall0 = now(), time.time()
     stream: trio.SocketStream | None = None
     try:
@@ -116,7 +122,11 @@ async def _client(
             conn = Conn(ws, tr)
             nursery.start_soon(conn.read_loop)
             await conn.send(json.dumps({"type": "session.start", **start}), "session.start")
-            if await conn.wait_for(
+            at_chunk = stuck_at(start)
+            if at_chunk is not None:
+                if await _blocked(conn, at_chunk):
+                    streaming.set()
+            elif await conn.wait_for(
                 lambda: any(e.text is None for e in tr.received()), STREAMING_WAIT_S
             ):
                 streaming.set()
@@ -130,6 +140,28 @@ async def _client(
         if stream is not None:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+
+async def _blocked(conn: Conn, at_chunk: int) -> bool:
+    """Whether a stuck session got blocked within ``STREAMING_WAIT_S``: ``video.start``
+    and its ``at_chunk`` media chunks, then nothing for ``BLOCKED_SILENCE_S`` while its
+    connection stayed open. Its engine asks for the next chunk as soon as it has made one,
+    so that silence is the block (the stall guard would speak only after a stall timeout)."""
+
+    def media() -> int:
+        return sum(1 for e in conn.tr.received() if e.text is None)
+
+    with trio.move_on_after(STREAMING_WAIT_S):
+        if not await conn.wait_for(
+            lambda: conn.video_started and media() >= at_chunk, STREAMING_WAIT_S
+        ):
+            return False
+        while not conn.closed.is_set():
+            seen = len(conn.tr.events)
+            await trio.sleep(BLOCKED_SILENCE_S)
+            if len(conn.tr.events) == seen and not conn.closed.is_set():
+                return True
+    return False
 
 
 async def _send_signals(
@@ -180,10 +212,12 @@ def judge_round(plan: ShutdownPlan, rec: RoundRecord, log_text: str, timing: Tim
     problems = check_round_process(plan, rec, timing)
     if rec.error is not None:
         return problems
-    for i, tr in enumerate(rec.transcripts):
-        problems += [f"session {i}: {p}" for p in check_round_client(tr, rec)]
+    for i, (start, tr) in enumerate(zip(plan.starts, rec.transcripts, strict=True)):
+        stuck = stuck_at(start) is not None
+        problems += [f"session {i}: {p}" for p in check_round_client(tr, rec, stuck=stuck)]
     records = parse_log(log_text)
     problems += signal_problems(plan, records)
+    problems += stuck_problems(plan, rec.transcripts, records)
     for record in log_problems(records, expected_ids=set()):
         problems.append(f"server log: {record.level} {record.lines[0].split(': ', 1)[-1][:200]}")
     return problems

@@ -9,9 +9,12 @@ the server: ``fail_at_chunk`` raises while generating that chunk,
 ``hang_at_chunk`` stops making progress there (while still honouring
 cancellation), and ``block_at_chunk`` blocks there without a checkpoint, as a
 hung CUDA kernel would: nothing reaches it until the engine releases it (`Blocks`,
-at the engine's close, or a test's ``engine.blocks.release()``). All three are
-engine args (every session) and ``extra_params`` of a ``session.start`` (that
-session alone), so a soak can mix faulty sessions with healthy ones on one server.
+at the engine's close, or a test's ``engine.blocks.release()``), or, with
+``block_seconds``, until that long has passed: a kernel that hangs for a while, then
+returns, so that a long run (the soak) can block many sessions without piling up
+threads that never end. All four are engine args (every session) and
+``extra_params`` of a ``session.start`` (that session alone), so a soak can mix
+faulty sessions with healthy ones on one server.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from trio_vstream.engines.args import parse_number_arg, reject_unknown_args
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
+    EngineConfigError,
     EngineError,
     GenerationRequest,
     InvalidRequestError,
@@ -40,6 +44,9 @@ from trio_vstream.video import VideoDefaults
 logger = get_logger(__name__)
 
 _HANG_POLL_SECONDS = 0.005
+BLOCK_SECONDS_MAX = 60.0
+"""The longest ``block_seconds``: longer than any stall or close timeout worth testing,
+short enough that a blocked thread of a client's choosing always ends."""
 _PHASE_LEVELS = 256
 """Phase steps per band cycle: finer than 8-bit colour can show."""
 
@@ -57,6 +64,8 @@ class SyntheticSettings:
     fail_at_chunk: int | None = None
     hang_at_chunk: int | None = None
     block_at_chunk: int | None = None
+    block_seconds: float | None = None
+    """How long a ``block_at_chunk`` block lasts (None: until the engine releases it)."""
     concurrency: int | None = None
 
 
@@ -67,6 +76,13 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
     for name, raw in args.items():
         if name == "step_delay":
             values[name] = parse_number_arg("synthetic", name, raw, float, minimum=0)
+        elif name == "block_seconds":
+            value = parse_number_arg(
+                "synthetic", name, raw, float, minimum=0, maximum=BLOCK_SECONDS_MAX
+            )
+            if value == 0:
+                raise EngineConfigError(f"synthetic engine: {name} must be > 0, got {raw}")
+            values[name] = value
         elif name == "concurrency":
             # 0 means no limit, as in "any number of steps at once".
             values[name] = parse_number_arg("synthetic", name, raw, int, minimum=0) or None
@@ -77,16 +93,17 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
 
 
 _FAULTS = ("fail_at_chunk", "hang_at_chunk", "block_at_chunk")
-"""The settings a session may override through ``extra_params``."""
+"""The chunk indices a session may override through ``extra_params``."""
 
 
 def session_settings(settings: SyntheticSettings, request: GenerationRequest) -> SyntheticSettings:
-    """The engine's settings with the request's fault injections applied.
+    """The engine's settings with the request's fault injections applied: the chunk
+    indices, and ``block_seconds``, a number in (0, `BLOCK_SECONDS_MAX`].
 
     Other ``extra_params`` are ignored: this engine stands in for any model, so a
     request meant for another one still streams here.
     """
-    faults: dict[str, int] = {}
+    faults: dict[str, int | float] = {}
     for name in _FAULTS:
         value = request.extra_params.get(name)
         if value is None:
@@ -94,6 +111,15 @@ def session_settings(settings: SyntheticSettings, request: GenerationRequest) ->
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidRequestError(f"extra_params.{name} must be an integer >= 0, got {value!r}")
         faults[name] = value
+    seconds = request.extra_params.get("block_seconds")
+    if seconds is not None:
+        number = not isinstance(seconds, bool) and isinstance(seconds, int | float)
+        if not number or not 0 < seconds <= BLOCK_SECONDS_MAX:  # NaN fails the comparison
+            raise InvalidRequestError(
+                f"extra_params.block_seconds must be a number > 0 and <= {BLOCK_SECONDS_MAX:g}, "
+                f"got {seconds!r}"
+            )
+        faults["block_seconds"] = float(seconds)
     return attrs.evolve(settings, **faults)  # type: ignore[arg-type]
 
 
@@ -111,7 +137,8 @@ def prompt_colour(prompt: str) -> np.ndarray:
 class Blocks:
     """Where ``block_at_chunk`` streams wait: an event the engine owns, so that a test
     releases them when it chooses and the engine's close releases them for good (no
-    thread of a finished test or server is left waiting)."""
+    thread of a finished test or server is left waiting). A block with a timeout
+    (``block_seconds``) also ends by itself."""
 
     def __init__(self) -> None:
         self._released = threading.Event()
@@ -119,13 +146,14 @@ class Blocks:
         self.waiting = 0
         """Streams blocked now."""
 
-    def block(self) -> None:
-        """Wait, in the engine's thread, until released: no checkpoint, no cancellation."""
+    def block(self, timeout: float | None = None) -> None:
+        """Wait, in the engine's thread, until released or ``timeout`` seconds have passed:
+        no checkpoint, no cancellation."""
         with self._changed:
             self.waiting += 1
             self._changed.notify_all()
         try:
-            self._released.wait()
+            self._released.wait(timeout)
         finally:
             with self._changed:
                 self.waiting -= 1
@@ -174,7 +202,8 @@ class SyntheticStream:
         index = self._next_index
         settings = self._settings
         if settings.block_at_chunk == index:
-            self._blocks.block()  # stuck outside any checkpoint until released
+            # Stuck outside any checkpoint until released (or block_seconds have passed).
+            self._blocks.block(settings.block_seconds)
         conditioning = self._schedule.next_conditioning()
         for step in range(settings.steps):
             checkpoint()
