@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from trio_vstream import access, connections, image_fetch, logsafe, memory, protocol
+from trio_vstream import __version__, access, connections, image_fetch, logsafe, memory, protocol
 from trio_vstream.client import (
     add_client_arguments,
     add_replay_arguments,
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trio_vstream",
         description="Stream generated video over WebSockets (/v1/realtime/video).",
     )
+    parser.add_argument("--version", action="version", version=f"trio_vstream {__version__}")
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the server (the default command)")
     add_serve_arguments(serve)
@@ -361,7 +362,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help"):
+    if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         args_list.insert(0, "serve")
     args = build_parser().parse_args(args_list)
     if args.command is None:
