@@ -1,14 +1,18 @@
-"""How the package is built and installed: one version, written once.
+"""How the package is built and installed: one version, one list of dependencies.
 
 The version is ``trio_vstream.__version__``; pyproject.toml declares it dynamic and
-setuptools reads it from the package's ``__init__.py``. Two copies drift (a release
-whose metadata says one version and whose ``--version`` says another), so these tests
-check that there is one, and that the build really takes it from there.
+setuptools reads it from the package's ``__init__.py``. The dependencies are
+pyproject.toml's, which every tox environment installs. Two copies drift (a release
+whose metadata says one version and whose ``--version`` says another; a client
+environment missing a dependency added since), so these tests check that there is one
+of each, and that the build really takes the version from the package.
 """
 
 from __future__ import annotations
 
+import configparser
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -94,3 +98,36 @@ def test_the_command_line_says_its_version() -> None:
     )
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == f"trio_vstream {trio_vstream.__version__}\n"
+
+
+def _tox() -> configparser.ConfigParser:
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    return tox
+
+
+def _name(requirement: str) -> str:
+    """A requirement's project name, normalised (PEP 503)."""
+    match = re.match(r"[A-Za-z0-9._-]+", requirement.strip())
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group(0)).lower()
+
+
+def test_the_client_environment_installs_the_package() -> None:
+    """One list of dependencies, pyproject.toml's: tox's client environment installs the
+    package as the others do, rather than a hand-made copy of its dependencies run from
+    the source tree (tests/test_cli_imports.py keeps the client light instead)."""
+    client = _tox()["testenv:client"]
+    assert client.get("skip_install", "false").strip().lower() == "false"
+    assert "deps" not in client
+    assert "PYTHONPATH" not in client.get("set_env", "")
+    assert client["commands"].split()[:4] == ["python", "-m", "trio_vstream", "client"]
+
+
+def test_tox_pins_only_what_the_package_asks_for() -> None:
+    """tox's own dependencies (torch's pin) are versions of the package's, never a
+    package of their own."""
+    declared = {_name(r) for r in _pyproject()["project"]["dependencies"]}
+    pinned = [line for line in _tox()["testenv"]["deps"].splitlines() if line.strip()]
+    assert pinned
+    assert {_name(r) for r in pinned} <= declared
