@@ -1,4 +1,5 @@
-"""How the package is built and installed: one version, one list of dependencies.
+"""How the package is built and developed: one version, one list of dependencies, and
+a pre-commit config in step with pyproject.toml.
 
 The version is ``trio_vstream.__version__``; pyproject.toml declares it dynamic and
 setuptools reads it from the package's ``__init__.py``. The dependencies are
@@ -11,6 +12,7 @@ of each, and that the build really takes the version from the package.
 from __future__ import annotations
 
 import configparser
+import importlib
 import importlib.metadata
 import re
 import shutil
@@ -21,8 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement  # packaging comes with pytest
+from packaging.version import Version
 
 import trio_vstream
+
+# PyYAML comes with mkdocs (the test extra), which reads mkdocs.yml with it. It ships no
+# type hints: imported by name, it is a plain module to a type checker.
+yaml = importlib.import_module("yaml")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,3 +139,61 @@ def test_tox_pins_only_what_the_package_asks_for() -> None:
     pinned = [line for line in _tox()["testenv"]["deps"].splitlines() if line.strip()]
     assert pinned
     assert {_name(r) for r in pinned} <= declared
+
+
+# .pre-commit-config.yaml: the hook repositories cannot be fetched here (nor in CI, which
+# runs the same tools through tox), so these tests hold the file to pyproject.toml.
+
+
+def _hooks() -> dict[str, dict[str, Any]]:
+    """The pre-commit config's repositories by URL (``local`` for the project's own)."""
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    return {repo["repo"]: repo for repo in config["repos"]}
+
+
+def _test_extra() -> dict[str, Requirement]:
+    extra = _pyproject()["project"]["optional-dependencies"]["test"]
+    return {_name(r): Requirement(r) for r in extra}
+
+
+def test_the_ruff_hooks_run_a_ruff_the_project_admits() -> None:
+    """The hooks' ruff is one the test extra's requirement admits, so pre-commit and tox
+    lint with compatible rules; both hooks of ruff, linter and formatter, are there."""
+    ruff = _hooks()["https://github.com/astral-sh/ruff-pre-commit"]
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", ruff["rev"]), ruff["rev"]
+    assert Version(ruff["rev"].removeprefix("v")) in _test_extra()["ruff"].specifier
+    assert [hook["id"] for hook in ruff["hooks"]] == ["ruff-check", "ruff-format"]
+
+
+def test_every_hook_repository_is_pinned_to_a_release() -> None:
+    remote = [repo for url, repo in _hooks().items() if url != "local"]
+    assert remote
+    for repo in remote:
+        assert re.fullmatch(r"v\d+\.\d+\.\d+", repo["rev"]), repo
+
+
+def test_the_local_hooks_run_the_project_tools_as_tox_does() -> None:
+    """lint-imports and mypy, from the environment, on the whole tree with their
+    configuration in pyproject.toml: no file names, no arguments of their own."""
+    local = {hook["id"]: hook for hook in _hooks()["local"]["hooks"]}
+    assert set(local) == {"lint-imports", "mypy"}
+    for hook_id, hook in local.items():
+        assert (hook["entry"], hook["language"], hook["pass_filenames"]) == (
+            hook_id,
+            "system",
+            False,
+        )
+        assert "args" not in hook
+        assert re.search(hook["files"], "pyproject.toml"), hook
+        assert re.search(hook["files"], "trio_vstream/session.py"), hook
+    assert "import-linter" in _test_extra()
+    assert "importlinter" in _pyproject()["tool"]
+
+
+def test_mypy_is_configured_with_what_to_check() -> None:
+    """The mypy hook passes no file names: pyproject.toml's [tool.mypy] names what mypy
+    checks (``files`` or ``packages``), as for tox."""
+    config = _pyproject()["tool"].get("mypy")
+    if config is None:
+        pytest.skip("no [tool.mypy] in pyproject.toml yet")
+    assert config.get("files") or config.get("packages"), config
