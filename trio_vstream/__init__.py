@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The one place the version is written: pyproject.toml takes it from here
+# ([tool.setuptools.dynamic]), and `python -m trio_vstream --version` prints it. Keep it a
+# plain string literal: setuptools reads it from this file without importing the package.
 __version__ = "0.1.0"
 
 _LAZY = {

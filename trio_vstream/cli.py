@@ -1,4 +1,16 @@
-"""Command line: ``python -m trio_vstream [serve] ...``, ``... client ...``, ``... watch ...``."""
+"""Command line: ``python -m trio_vstream [serve] ...``, ``... client ...``, ``... watch ...``.
+
+Each subcommand imports its own modules only when it runs: ``serve`` the server, the
+session and the engines (and behind them prometheus_client, torch, diffusers);
+``client``, ``watch`` and ``replay`` the client package, which needs none of those (the
+``client`` contract in pyproject.toml). So the client never waits for, nor fails on,
+what only serving needs, and tox's client environment is the package as installed;
+tests/test_cli_imports.py checks what each subcommand loads. Hence the imports inside
+the serve path's functions, `_add_arguments` and `_run`. At the top are only the small
+helpers with which this module checks serve's flags (access, connections, image_fetch,
+memory, protocol): besides themselves and the standard library, they load nothing the
+client does not load anyway.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +24,18 @@ import shutil
 import signal
 import ssl
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
-from trio_vstream import access, connections, image_fetch, logsafe, memory, protocol
-from trio_vstream.client import (
-    add_client_arguments,
-    add_replay_arguments,
-    add_watch_arguments,
-    run_client,
-    run_replay,
-    run_watch,
-)
-from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
-from trio_vstream.engines.base import Engine
-from trio_vstream.engines.interfaces import supports_device
-from trio_vstream.recording import Recorder
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
-from trio_vstream.watch import WatchConfig
+from trio_vstream import __version__, access, connections, image_fetch, logsafe, memory, protocol
+
+if TYPE_CHECKING:
+    from trio_vstream.engines.base import Engine
+    from trio_vstream.recording import Recorder
+    from trio_vstream.server import ServerConfig
 
 DEFAULT_ENGINE = "shapes"
 API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
@@ -91,23 +94,25 @@ def _byte_size(text: str) -> int:
     return int(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] = _COMMANDS) -> argparse.ArgumentParser:
+    """The command line's parser. Every subcommand is listed, but only those in
+    ``commands`` get their arguments, and so import their modules (see the module
+    docstring): `main` passes the one it runs."""
     parser = argparse.ArgumentParser(
         prog="python -m trio_vstream",
         description="Stream generated video over WebSockets (/v1/realtime/video).",
     )
-    commands = parser.add_subparsers(dest="command")
-    serve = commands.add_parser("serve", help="run the server (the default command)")
-    add_serve_arguments(serve)
-    client = commands.add_parser(
+    parser.add_argument("--version", action="version", version=f"trio_vstream {__version__}")
+    subcommands = parser.add_subparsers(dest="command")
+    subcommands.add_parser("serve", help="run the server (the default command)")
+    subcommands.add_parser(
         "client",
         help="stream a video from a server into an MP4 file",
         description="Connect to a /v1/realtime/video server, stream one video and write it "
         "as a progressive MP4 (exit status: 0 done, 1 server error, 2 usage, 3 connection, "
         "4 output not written, 130 interrupted).",
     )
-    add_client_arguments(client)
-    watch = commands.add_parser(
+    subcommands.add_parser(
         "watch",
         help="watch a running session through its watch link, into an MP4 file",
         description="Connect to a session's watch link (video.start's watch_path), receive "
@@ -115,8 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "progressive MP4 (exit status: 0 done, 1 server error such as watch_not_found or "
         "viewer_too_slow, 2 usage, 3 connection, 4 output not written, 130 interrupted).",
     )
-    add_watch_arguments(watch)
-    replay = commands.add_parser(
+    subcommands.add_parser(
         "replay",
         help="repeat a recorded session (--record) against a server, and compare",
         description="Send a recording's request, seed and interactions (each before the "
@@ -125,11 +129,46 @@ def build_parser() -> argparse.ArgumentParser:
         "identical, 1 refused, 2 usage or unreadable recording, 3 connection, 4 output not "
         "written, 5 differs).",
     )
-    add_replay_arguments(replay)
+    for command, subparser in subcommands.choices.items():
+        if command in commands:
+            _add_arguments(command, subparser)
     return parser
 
 
+def _add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    """One subcommand's arguments; this imports the subcommand's modules."""
+    if command == "serve":
+        add_serve_arguments(parser)
+        return
+    # Not at the top: only client, watch and replay load the client (the module docstring).
+    from trio_vstream import client
+
+    adders = {
+        "client": client.add_client_arguments,
+        "watch": client.add_watch_arguments,
+        "replay": client.add_replay_arguments,
+    }
+    adders[command](parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand."""
+    if args.command == "serve":
+        return run_serve(args)
+    # Not at the top: only client, watch and replay load the client (the module docstring).
+    from trio_vstream import client
+
+    runners = {"client": client.run_client, "watch": client.run_watch, "replay": client.run_replay}
+    return runners[args.command](args)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    # Not at the top: only serve loads the server and the engines (the module docstring).
+    from trio_vstream.engines import BUILTIN_ENGINES
+    from trio_vstream.server import ServerConfig
+    from trio_vstream.session import SessionConfig
+    from trio_vstream.watch import WatchConfig
+
     defaults = ServerConfig()
     session = SessionConfig()
     limits = protocol.Limits()
@@ -361,19 +400,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help"):
+    if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         args_list.insert(0, "serve")
-    args = build_parser().parse_args(args_list)
+    # The arguments, and so the modules, of the subcommand that runs alone (of none, for
+    # the top-level --help and --version).
+    args = build_parser(args_list[:1]).parse_args(args_list)
     if args.command is None:
-        build_parser().print_help()
+        build_parser(()).print_help()
         return 0
-    if args.command == "client":
-        return run_client(args)
-    if args.command == "watch":
-        return run_watch(args)
-    if args.command == "replay":
-        return run_replay(args)
-    return run_serve(args)
+    return _run(args)
 
 
 def access_policy(args: argparse.Namespace) -> access.AccessPolicy:
@@ -475,6 +510,12 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    # Not at the top: only serve loads the server and the engines (the module docstring).
+    from trio_vstream.engines import EngineConfigError, load_engine
+    from trio_vstream.server import ServerConfig
+    from trio_vstream.session import SessionConfig
+    from trio_vstream.watch import WatchConfig
+
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -573,6 +614,10 @@ def signals_noted_while_exiting() -> Iterator[None]:
 def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) -> Recorder | None:
     """The ``--record`` recorder (None without it); raises ``OSError`` when the directory
     cannot be made."""
+    # Not at the top: only serve loads the engines and the recorder (the module docstring).
+    from trio_vstream.engines.interfaces import supports_device
+    from trio_vstream.recording import Recorder
+
     if args.record is None:
         return None
     device = engine.device if supports_device(engine) else None
@@ -620,6 +665,9 @@ async def _serve_until_signalled(
     engine: Engine, config: ServerConfig, recorder: Recorder | None = None
 ) -> None:
     """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once."""
+    # Not at the top: only serve loads the server (the module docstring).
+    from trio_vstream.server import VideoServer
+
     server = VideoServer(engine, config, taps=recorder)
     with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:

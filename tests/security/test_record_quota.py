@@ -33,7 +33,7 @@ from trio_vstream.client._replay import load_recording
 from trio_vstream.engines.base import Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.recording import Recorder
-from trio_vstream.server import VideoServer
+from trio_vstream.server import ServerConfig, VideoServer
 
 
 def recording_counts(server: VideoServer) -> dict[str, float | None]:
@@ -225,7 +225,7 @@ def test_record_max_bytes_refuses_what_is_not_a_size(
 def make_recorder(directory: Path, *flags: str) -> Recorder:
     args = cli.build_parser().parse_args(["serve", "--record", str(directory), *flags])
     engine = SyntheticEngine(SyntheticSettings())
-    config = cli.ServerConfig()
+    config = ServerConfig()
     recorder = cli._recorder(args, engine, config)
     assert recorder is not None
     return recorder
