@@ -12,7 +12,7 @@ import shutil
 import signal
 import ssl
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import trio
@@ -57,7 +57,7 @@ def _engine_arg(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def _positive(kind: type[int] | type[float]):  # type: ignore[no-untyped-def]
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
@@ -624,7 +624,7 @@ async def _serve_until_signalled(
     with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def serve(task_status: trio.TaskStatus[None]) -> None:
+            async def serve(task_status: trio.TaskStatus[VideoServer]) -> None:
                 await server.run(task_status=task_status)
                 nursery.cancel_scope.cancel()  # graceful shutdown done: stop watching signals
 
