@@ -264,9 +264,9 @@ class BatchingScenario:
         """Per run, on / off: aggregate fps and median TTFC, level by level."""
         for level in self.preset.levels:
             for figure, name in (("aggregate_fps", "fps_ratio"), ("ttfc_ms", "ttfc_ratio")):
-                values = [self._run_median(run, f"batching.{m}.n{level}.{figure}") for m in MODES]
-                if None not in values and values[1]:
-                    self.figures.add(run, f"batching.n{level}.{name}", [values[0] / values[1]])
+                on, off = (self._run_median(run, f"batching.{m}.n{level}.{figure}") for m in MODES)
+                if on is not None and off:
+                    self.figures.add(run, f"batching.n{level}.{name}", [on / off])
 
     def _run_median(self, run: int, name: str) -> float | None:
         figure = self.figures.get(name)
