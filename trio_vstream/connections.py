@@ -42,7 +42,7 @@ import trio
 try:
     import resource
 except ImportError:  # pragma: no cover - not on Windows
-    # mypy's way for an optional module: the name is the module's type on this platform.
+    # Typed as the module, which this platform has; None only where it is missing.
     resource = None  # type: ignore[assignment]
 
 FD_RESERVE = 64
