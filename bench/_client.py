@@ -94,7 +94,7 @@ class SessionClient:
                 self._stream = await self.endpoint.open_stream()
                 self._ws = await wrap_client_stream(
                     nursery,
-                    self._stream,  # type: ignore[arg-type]
+                    self._stream,
                     self.endpoint.host_header,
                     self.endpoint.resource,
                     max_message_size=CLIENT_MAX_MESSAGE,
@@ -187,7 +187,7 @@ class SessionClient:
     async def _send(self, message: str) -> None:
         async with self._send_lock:
             if self._ws is None:
-                raise ConnectionClosed(None)  # type: ignore[arg-type]
+                raise ConnectionClosed(None)
             await self._ws.send_message(message)
 
     async def stop(self) -> None:
@@ -293,6 +293,13 @@ async def run_one(
     await run_clients([client], body, timeout)
     if not client.finished.is_set():
         client.failure = client.failure or "timed out"
+
+
+def seconds_between(earlier: float | None, later: float | None) -> float:
+    """``later - earlier``: two of a client's times, which the caller's filter of its
+    clients says were taken (the times are None until then)."""
+    assert earlier is not None and later is not None
+    return later - earlier
 
 
 def report_failures(clients: Iterable[SessionClient], context: str) -> int:

@@ -142,7 +142,7 @@ def _fmt(value: Any) -> str:
 
 
 def figure_rows(figures: Figures) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for fig in figures:
         stats = summarize(fig.pooled)
         medians = [summarize(r)["median"] for r in fig.runs if r]
@@ -157,7 +157,7 @@ def compare_rows(a: Figures, b: Figures) -> list[tuple[str, ...]]:
     def ratio(x: float | None, y: float | None) -> float | None:
         return None if x is None or y is None or x == 0 else y / x
 
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for fig in a:
         other = b.get(fig.name)
         if other is None:

@@ -62,7 +62,7 @@ SERVER_START_TIMEOUT = 120.0
 
 
 def decode(data: bytes) -> np.ndarray:
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
@@ -163,6 +163,7 @@ async def interactions(url: str, split: str, trials: int) -> dict[str, Any]:
         start = next(
             m.generation_chunk_index for m in session.media if event_id in m.started_event_ids
         )
+        assert start is not None  # a media message's index, never a trailer's None
         colours = evaluate.chunk_colours(decode(bytes(session.video)))
         ok = evaluate.interaction_passed(colours, start, chunks, new)
         per_n.setdefault(chunks, []).append(ok)

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import attrs
 import numpy as np
@@ -109,7 +110,23 @@ def media_bytes(case: Case, chunks: list[np.ndarray], interval: int) -> list[int
     return sizes
 
 
-def measure(case: Case) -> dict[str, object]:
+class Measured(TypedDict):
+    """One case's figures (`measure`), as ``--json`` writes them."""
+
+    engine: str
+    size: str
+    chunk_frames: int
+    chunks: int
+    fps: int
+    bytes_per_chunk: dict[str, float]
+    """Media bytes per chunk, by IDR interval (0: x264's own choice)."""
+    kbit_per_s: dict[str, float]
+    cost_percent: dict[str, float]
+    """What forced IDR frames cost, by interval, relative to interval 0."""
+    seconds: float
+
+
+def measure(case: Case) -> Measured:
     began = time.monotonic()
     chunks = generate(case)
     frames_per_chunk = chunks[0].shape[0]
@@ -131,16 +148,14 @@ def measure(case: Case) -> dict[str, object]:
     }
 
 
-def table(results: Sequence[dict[str, object]]) -> str:
+def table(results: Sequence[Measured]) -> str:
     head = (
         "| content | frames/chunk | x264 alone: kB/chunk (kbit/s) | IDR every chunk | "
         "every 2nd | every 4th |\n|---|---|---|---|---|---|"
     )
     rows = [head]
     for r in results:
-        per_chunk: dict[str, float] = r["bytes_per_chunk"]  # type: ignore[assignment]
-        rate: dict[str, float] = r["kbit_per_s"]  # type: ignore[assignment]
-        cost: dict[str, float] = r["cost_percent"]  # type: ignore[assignment]
+        per_chunk, rate, cost = r["bytes_per_chunk"], r["kbit_per_s"], r["cost_percent"]
         cells = [f"{per_chunk['0'] / 1000:.1f} ({rate['0']:.0f})"]
         for k in ("1", "2", "4"):
             cells.append(f"{per_chunk[k] / 1000:.1f} (+{cost[k]:.1f}%)")

@@ -6,7 +6,7 @@ import gc
 import io
 import json
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -155,7 +155,7 @@ StartServer = Callable[..., "trio.lowlevel.Task"]
 
 
 @pytest.fixture
-async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
+async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
     """``await start_server(engine_settings..., config=...)`` -> RunningServer on a free port."""
 
     async def start(
@@ -198,4 +198,4 @@ async def start_server(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any
         await nursery.start(server.run)
         return RunningServer(server, engine, ended)
 
-    yield start
+    return start

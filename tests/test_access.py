@@ -8,7 +8,6 @@ import os
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,12 +176,12 @@ async def test_tls_serves_wss_and_https_on_one_port(
 
 
 @pytest.fixture
-def cert_files(tmp_path: Path, authority: trustme.CA) -> Iterator[tuple[Path, Path]]:
+def cert_files(tmp_path: Path, authority: trustme.CA) -> tuple[Path, Path]:
     cert = authority.issue_cert("127.0.0.1")
     certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert.cert_chain_pems[0].write_to_path(certfile)
     cert.private_key_pem.write_to_path(keyfile)
-    yield certfile, keyfile
+    return certfile, keyfile
 
 
 async def test_cli_serves_tls_with_a_key_from_the_environment(

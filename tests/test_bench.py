@@ -302,7 +302,7 @@ def test_endpoint_parsing() -> None:
     )
     assert endpoint.host_header == "127.0.0.1:8000" and endpoint.is_local
     assert bench.Endpoint.parse("wss://example.org/v").port == 443
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not a ws:// or wss:// URL"):
         bench.Endpoint.parse("http://example.org/")
 
 
@@ -496,7 +496,7 @@ def test_diffusers_presets_make_valid_requests() -> None:
         assert fields["size"] == f"{preset.width}x{preset.height}" and fields["seed"] == 7
     assert bench.DiffusersPreset.named("gpu").device == "cuda"
     assert bench.DiffusersPreset.default(quick=True).name == "tiny"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown diffusers preset 'huge'"):
         bench.DiffusersPreset.named("huge")
 
 

@@ -221,7 +221,7 @@ def test_presets() -> None:
     gpu = bench.BatchingPreset.named("gpu")
     assert gpu.device == "cuda" and gpu.max_batch == 32 and max(gpu.levels) > 32
     assert bench.BatchingPreset.default(quick=True).name == "quick"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown batching preset 'huge'"):
         bench.BatchingPreset.named("huge")
     settings = bench.Settings(scenarios=("batching",))
     scenario = bench.BatchingScenario(settings, gpu, ["--server-arg-x"])

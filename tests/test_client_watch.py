@@ -9,6 +9,7 @@ viewer that fell behind, a missing key) are one line and a non-zero status.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ def test_watch_links_are_taken_as_urls_share_links_or_paths() -> None:
     assert watch_link_url(share, base) == f"wss://gpu-box:8443{path}"
     assert watch_link_url(f"http://h:8000/?watch={path}") == f"ws://h:8000{path}"
     for bad in ("tok_en-1", "//evil.example/x", "http://h/?watch=//evil/x", "ftp://h/x", "ws:///x"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
             watch_link_url(bad, base)
 
 

@@ -224,7 +224,8 @@ class Cluster:
         (it writes a WebSocket request's line when its connection closes)."""
         wanted = set(sessions)
         with trio.fail_after(CONDITION):
-            while not wanted <= (entries := self.access_log()).keys():
+            # Polled (ASYNC110): nginx's log file, with no event to wait on.
+            while not wanted <= (entries := self.access_log()).keys():  # noqa: ASYNC110
                 await trio.sleep(0.05)
         return {name: entries[name] for name in sorted(wanted)}
 
@@ -602,7 +603,8 @@ async def test_sigterm_to_a_backend_mid_stream_loses_no_session(tmp_path: Path) 
 
                 victim.process.send_signal(signal.SIGTERM)
                 with trio.fail_after(CONDITION):
-                    while (await http_get(victim.port, "/health"))[0] != 503:
+                    # Polled (ASYNC110): another process, with no event to wait on.
+                    while (await http_get(victim.port, "/health"))[0] != 503:  # noqa: ASYNC110
                         await trio.sleep(0.05)
                 # Enough new sessions that least_conn must offer the draining server one:
                 # after two land elsewhere, it has the fewest connections.
@@ -660,7 +662,8 @@ async def test_sigkill_to_a_backend_drops_its_sessions_and_new_ones_succeed(
                 # video to go). nginx has then let go of the dead server's connections, so
                 # least_conn offers it the next session first: refused, and retried.
                 with trio.fail_after(CONDITION):
-                    while sum(s.ended.is_set() for s in running) < 2:
+                    # Polled (ASYNC110): any two of the sessions' events, one Event each.
+                    while sum(s.ended.is_set() for s in running) < 2:  # noqa: ASYNC110
                         await trio.sleep(0.05)
                 after = await open_one_by_one(
                     nursery, cluster, [f"after-{n}" for n in range(3)], SHORT

@@ -178,8 +178,12 @@ def allow_loopback(address: IPAddress) -> str | None:
     return None if address.is_loopback else public_addresses_only(address)
 
 
+# A helper (__test__ = False below), not a test: its defaults are fine (PT028).
 def test_config(
-    authority: trustme.CA, host: ImageHost, names: Sequence[str] = ("images.test",), **changes: Any
+    authority: trustme.CA,
+    host: ImageHost,
+    names: Sequence[str] = ("images.test",),  # noqa: PT028
+    **changes: Any,
 ) -> ImageFetchConfig:
     """A fetcher config that may reach the image host (every injection point set), on
     its port (not 443: the host must be listed with it)."""

@@ -194,5 +194,5 @@ def test_client_protocol_refuses_an_interaction_with_neither() -> None:
     machine = streaming_client()
     with pytest.raises(ValueError, match="a prompt, a camera, or both"):
         machine.interact()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a prompt, a camera, or both"):
         machine.interact(None, event_id="e1", transition_chunks=1)

@@ -101,7 +101,7 @@ def test_several_frames_average_to_the_motion_per_step() -> None:
     third = key_velocity([{"a"}, set(), set()])
     assert close(third, Camera("velocity", (-0.05 / 3, 0, 0), (0, 0, 0, 1)))
     assert key_velocity([set()]) == STILL
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least one frame"):
         key_velocity([])
 
 

@@ -434,5 +434,5 @@ def test_parse_control_never_crashes() -> None:
         ):
             try:
                 parse_control(json.dumps(body))
-            except ProtocolError as err:
-                assert isinstance(err.code, ErrorCode)
+            except ProtocolError as err:  # parsed or refused (no pytest.raises): both are right
+                assert isinstance(err.code, ErrorCode)  # noqa: PT017

@@ -911,9 +911,9 @@ def test_parse_start_never_crashes(field: str) -> None:
     for value in ODD_VALUES:
         try:
             result = parse_start(start(**{field: value}))
-        except ProtocolError as err:
-            assert isinstance(err.code, ErrorCode)
-            assert "is invalid (" not in err.message  # no unformatted cattrs internals
+        except ProtocolError as err:  # parsed or refused (no pytest.raises): both are right
+            assert isinstance(err.code, ErrorCode)  # noqa: PT017
+            assert "is invalid (" not in err.message  # noqa: PT017  # no unformatted cattrs internals
         else:
             assert isinstance(result, SessionStart)
 

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import attrs
 import numpy as np
+import pytest
 import trio
 import trio_websocket
 from trio_websocket import WebSocketConnection, open_websocket_url
@@ -294,11 +295,10 @@ async def test_with_api_keys_the_token_is_the_capability_unless_keys_are_require
             video_start = await receive_until(ws, owner, is_type("video.start"))
             path = video_start["watch_path"]
             if requires_key:
-                try:
+                with pytest.raises(trio_websocket.HandshakeError) as refused:
                     async with watch(running, path):
                         raise AssertionError("a keyless viewer got in")
-                except trio_websocket.HandshakeError as exc:
-                    assert getattr(exc, "status_code", None) == 401
+                assert getattr(refused.value, "status_code", None) == 401
                 async with watch(running, path, extra_headers=headers) as keyed:
                     await receive_until(keyed, Transcript(), is_type("watch.start"))
             else:

@@ -24,7 +24,7 @@ import shutil
 import signal
 import ssl
 import sys
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +60,7 @@ def _engine_arg(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def _positive(kind: type[int] | type[float]):  # type: ignore[no-untyped-def]
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
@@ -672,7 +672,7 @@ async def _serve_until_signalled(
     with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def serve(task_status: trio.TaskStatus[None]) -> None:
+            async def serve(task_status: trio.TaskStatus[VideoServer]) -> None:
                 await server.run(task_status=task_status)
                 nursery.cancel_scope.cancel()  # graceful shutdown done: stop watching signals
 

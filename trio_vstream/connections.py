@@ -42,6 +42,7 @@ import trio
 try:
     import resource
 except ImportError:  # pragma: no cover - not on Windows
+    # Typed as the module, which this platform has; None only where it is missing.
     resource = None  # type: ignore[assignment]
 
 FD_RESERVE = 64

@@ -93,7 +93,7 @@ class ReplayStream(trio.abc.Stream):
         self._closing = False
         self._closed = trio.Event()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if self._closing:
             await trio.lowlevel.checkpoint()
             raise trio.ClosedResourceError("the connection is being closed")

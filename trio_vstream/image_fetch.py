@@ -42,8 +42,8 @@ import ipaddress
 import re
 import ssl
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Final, TypeAlias
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Final, TypeAlias, cast
 
 import attrs
 import h11
@@ -137,6 +137,10 @@ def allowed_authority(entry: str) -> str:
         ) from None
 
 
+def _allowed_authorities(hosts: Iterable[str]) -> frozenset[str]:
+    return frozenset(map(allowed_authority, hosts))
+
+
 @attrs.frozen(kw_only=True)
 class ImageFetchConfig:
     """Whether, from where and within which limits ``image_reference`` URLs are fetched.
@@ -144,9 +148,7 @@ class ImageFetchConfig:
     The default fetches nothing: ``allowed_hosts`` is empty.
     """
 
-    allowed_hosts: frozenset[str] = attrs.field(
-        default=frozenset(), converter=lambda hosts: frozenset(map(allowed_authority, hosts))
-    )
+    allowed_hosts: frozenset[str] = attrs.field(default=frozenset(), converter=_allowed_authorities)
     """Exact host names (or IP literals) that may be fetched from, redirects included,
     each with ``:PORT`` when its port is not 443 (see `allowed_authority`)."""
     max_bytes: int = DEFAULT_MAX_BYTES
@@ -287,7 +289,9 @@ async def _fetch_once(
     """One GET: the image, or the ``Location`` of a redirect still to be checked."""
     addresses = await _vetted_addresses(url, config, original)
     tcp = await _connect(url, addresses, original)
-    context = config.ssl_context or await trio.to_thread.run_sync(_system_trust)
+    context = config.ssl_context
+    if context is None:
+        context = await trio.to_thread.run_sync(_system_trust)
     # server_hostname is the name, not the address: SNI and certificate checks as usual.
     stream = trio.SSLStream(tcp, context, server_hostname=url.host, https_compatible=True)
     try:
@@ -331,8 +335,10 @@ async def _exchange(
         while True:
             event = connection.next_event()
             if event is not h11.NEED_DATA:
-                return event
-            connection.receive_data(await stream.receive_some(_READ_SIZE))
+                # h11's sentinels are classes, which mypy does not narrow by identity.
+                return cast("h11.Event | type[h11.PAUSED]", event)
+            # bytes() of bytes is the same object; h11 is typed for bytes only.
+            connection.receive_data(bytes(await stream.receive_some(_READ_SIZE)))
 
     event = await next_event()
     while isinstance(event, h11.InformationalResponse):

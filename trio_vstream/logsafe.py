@@ -119,6 +119,8 @@ def _safe_traceback(
             for line in original(**kwargs):
                 yield log_safe(line.removesuffix("\n")) + "\n"
 
+        # Replaced on this one instance, which mypy refuses for a method (and the
+        # wrapper's signature, with its default argument, differs from the method's).
         node.format_exception_only = escaped  # type: ignore[method-assign,assignment]
         pending += [n for n in (node.__cause__, node.__context__) if n is not None]
         pending += node.exceptions or []

@@ -177,7 +177,7 @@ class ServerMetrics:
             self._host_refused,
         ):
             metric.labels(model)
-        for metric in (
+        for hist in (
             self._video_start,
             self._first_chunk,
             self._stop_to_done,
@@ -187,7 +187,7 @@ class ServerMetrics:
             self._engine_wait,
             self._batch_rows,
         ):
-            metric.labels(model)
+            hist.labels(model)
 
     def session_started(self) -> None:
         self._sessions_active.labels(self.model).inc()

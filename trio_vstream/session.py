@@ -60,6 +60,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import trio
@@ -704,7 +705,7 @@ class Session:
 
     async def _send_chunk(
         self,
-        kind: str,
+        kind: Literal["media", "trailer"],
         frames: int,
         data: bytes,
         chunk: Chunk | None,
@@ -714,7 +715,7 @@ class Session:
         assert self.request_id is not None
         metadata = protocol.ChunkMetadata(
             request_id=self.request_id,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             num_frames=frames,
             byte_length=len(data),
             generation_chunk_index=chunk.index if chunk is not None else None,

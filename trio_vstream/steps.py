@@ -123,8 +123,8 @@ class SessionCheckpoint(Checkpoint):
     def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
         batcher = self._batcher
         if batcher is None:  # the engine steps alone: the base class's way
-            with super().batched(run_batch) as step:
-                yield step
+            with super().batched(run_batch) as alone:
+                yield alone
             return
         trio.from_thread.check_cancelled()
         member = trio.from_thread.run_sync(batcher.join, run_batch, self._on_progress)

@@ -55,6 +55,11 @@ def connect(url: str) -> Any:
     )
 
 
+def _close_code(exc: ConnectionClosed) -> int | None:
+    """The close code (trio-websocket types the reason optional; it sets it first)."""
+    return exc.reason.code if exc.reason is not None else None
+
+
 async def _send(ws: WebSocketConnection, wire: Wire) -> None:
     """Send, ignoring a closed connection: what the server said before is still read."""
     with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -87,7 +92,7 @@ async def _read_start(ws: WebSocketConnection, transcript: StartTranscript) -> N
             try:
                 raw = await ws.get_message()
             except ConnectionClosed as exc:
-                transcript.close_code = exc.reason.code
+                transcript.close_code = _close_code(exc)
                 return
         if wait.cancelled_caught:  # no first chunk yet: stop anyway
             stop_sent, stop_at = True, math.inf
@@ -152,7 +157,7 @@ async def open_session(ws: WebSocketConnection) -> ControlSession:
             try:
                 raw = await ws.get_message()
             except ConnectionClosed as exc:
-                raise SessionRefused(f"closed {exc.reason.code}") from None
+                raise SessionRefused(f"closed {_close_code(exc)}") from None
             if isinstance(raw, bytes):
                 continue
             message, _ = check_reply(raw)
@@ -171,7 +176,7 @@ async def _collect(
         try:
             raw = await session.ws.get_message()
         except ConnectionClosed as exc:
-            exchange.close_code = exc.reason.code
+            exchange.close_code = _close_code(exc)
             session.alive = False
             return
         if isinstance(raw, bytes):

@@ -165,9 +165,9 @@ def judge_start(transcript: StartTranscript, limit: int) -> tuple[str, list[Prob
             None,
         )
         expected = ("video.chunk_metadata", "session.pong")
-        for message in rest[: terminal if terminal is not None else len(rest)]:
-            if isinstance(message, dict) and message["type"] not in expected:
-                problems.append(Problem("unexpected-reply", message["type"]))
+        for reply in rest[: terminal if terminal is not None else len(rest)]:
+            if isinstance(reply, dict) and reply["type"] not in expected:
+                problems.append(Problem("unexpected-reply", reply["type"]))
         if terminal is None:
             how = "timed out" if transcript.timed_out else f"closed {transcript.close_code}"
             problems.append(Problem("no-terminal", f"accepted session ended without one: {how}"))

@@ -8,6 +8,7 @@ message is blamed on the interactions queued but not yet applied, each replayed 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ class Violation:
     problem: Problem
     index: int | None = None
     input: FuzzInput | None = None
-    messages: list[Wire] = attrs.field(factory=list)
+    messages: Sequence[Wire] = attrs.field(factory=list)
     close_code: int | None = None
     request_id: str | None = None
     candidates: list[int] = attrs.field(factory=list)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, AnyStr
 
 import trio
 
@@ -141,13 +141,17 @@ async def shrink(
                                 value, improved = candidate, True
                                 break
                     return best, tries
-        await _shrink_text(best, attempt)
+        # Each branch its own type: AnyStr takes str or bytes, not their union.
+        if isinstance(best, str):
+            await _shrink_text(best, attempt)
+        else:
+            await _shrink_text(best, attempt)
     except _OutOfBudget:
         pass
     return best, tries
 
 
-async def _shrink_text(wire: Wire, attempt: Callable[[Wire], Awaitable[bool]]) -> None:
+async def _shrink_text(wire: AnyStr, attempt: Callable[[Wire], Awaitable[bool]]) -> None:
     """Delta debugging, lite: remove ever smaller chunks while the failure persists."""
     parts = 2
     while len(wire) >= 2:

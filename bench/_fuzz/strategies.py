@@ -10,6 +10,7 @@ reads best in one place, and splitting it would only scatter the weights.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import struct
 import zlib
@@ -713,7 +714,7 @@ def _inputs(
 ) -> SearchStrategy[FuzzInput]:
     return weighted(
         *(
-            (weight, strategy.map(lambda wire, kind=kind: FuzzInput(f"{kind_prefix}.{kind}", wire)))
+            (weight, strategy.map(functools.partial(FuzzInput, f"{kind_prefix}.{kind}")))
             for weight, kind, strategy in options
         )
     )

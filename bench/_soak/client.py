@@ -141,9 +141,11 @@ async def _send_controls(c: Conn, steps: Sequence[dict[str, Any]], timing: Timin
         data: str | bytes = bytes.fromhex(step["hex"]) if "hex" in step else step["text"]
         if not await c.send(data, step["label"], step.get("expect")):
             return
-        if step.get("expect") and not await c.wait_for(
-            lambda before=before: c.answers > before, timing.reply_wait
-        ):
+
+        def answered(before: int = before) -> bool:
+            return c.answers > before
+
+        if step.get("expect") and not await c.wait_for(answered, timing.reply_wait):
             return
 
 

@@ -176,11 +176,11 @@ def judge_sessions(
     covered: set[str] = set()
     for record in check_server_records(soak.records.values()):
         request_id = record.get("request_id")
-        result, how = attribute(soak, request_id, record.get("started_at"))
+        attributed, how = attribute(soak, request_id, record.get("started_at"))
         what = f"server recorded an internal_error: {record.get('error_message')}"
         if request_id:
             covered.add(request_id)
-        violations.append(_server_violation(soak, result, how, what, record, log_records))
+        violations.append(_server_violation(soak, attributed, how, what, record, log_records))
     expected_ids = {
         r.request_id for r in soak.results if r.plan.kind == "engine_fail" and r.request_id
     }
@@ -188,11 +188,11 @@ def judge_sessions(
         request_ids = REQUEST_ID.findall(log_record.text)
         if request_ids and set(request_ids) <= covered:
             continue
-        result, how = attribute(soak, request_ids[0] if request_ids else None)
+        attributed, how = attribute(soak, request_ids[0] if request_ids else None)
         what = f"server log: {log_record.level} {log_record.lines[0].split(': ', 1)[-1][:200]}"
-        violation = _server_violation(soak, result, how, what, None, log_records)
+        violation = _server_violation(soak, attributed, how, what, None, log_records)
         violation.details["server_log"] = list(log_record.lines[:40])
-        if result is None and log_record.wall is not None:
+        if attributed is None and log_record.wall is not None:
             violation.details["sessions_open_at_the_time"] = sessions_at(soak, log_record.wall)
         violations.append(violation)
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import trio
 
-from bench._client import SessionClient, report_failures, run_clients, run_one, wait_for
+from bench._client import (
+    SessionClient,
+    report_failures,
+    run_clients,
+    run_one,
+    seconds_between,
+    wait_for,
+)
 from bench._context import RunContext
 from bench._output import progress
 
@@ -78,7 +85,7 @@ async def scenario_abort(ctx: RunContext) -> None:
         stopped = [c for c in stops if c.terminal == "session.done" and c.stopped]
         ctx.add(
             f"abort.{phase}.stop_done_ms",
-            [(c.t_terminal - c.t_stop_sent) * 1000 for c in stopped],  # type: ignore[operator]
+            [seconds_between(c.t_stop_sent, c.t_terminal) * 1000 for c in stopped],
         )
         ctx.add(f"abort.{phase}.stop_not_done", [len(stops) - len(stopped)])
         await ctx.settle()

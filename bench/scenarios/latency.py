@@ -9,7 +9,7 @@ import time
 
 import trio
 
-from bench._client import SessionClient, report_failures, run_clients
+from bench._client import SessionClient, report_failures, run_clients, seconds_between
 from bench._context import RunContext
 from bench._settings import PROMPT, Settings, Target
 from bench._stats import percentile
@@ -76,12 +76,14 @@ async def scenario_latency(ctx: RunContext) -> None:
         clients.append(client)
         await ctx.settle()
     good = [c for c in clients if c.arrivals and c.t_start_sent and not c.problem]
-    ctx.add("latency.connect_ms", [(c.t_connected - c.t_connect) * 1000 for c in good])  # type: ignore[operator]
+    ctx.add(
+        "latency.connect_ms", [seconds_between(c.t_connect, c.t_connected) * 1000 for c in good]
+    )
     ctx.add(
         "latency.video_start_ms",
-        [(c.t_video_start - c.t_start_sent) * 1000 for c in good if c.t_video_start],  # type: ignore[operator]
+        [seconds_between(c.t_start_sent, c.t_video_start) * 1000 for c in good if c.t_video_start],
     )
-    ttfc = [(c.arrivals[0][0] - c.t_start_sent) * 1000 for c in good]  # type: ignore[operator]
+    ttfc = [seconds_between(c.t_start_sent, c.arrivals[0][0]) * 1000 for c in good]
     ctx.add("latency.ttfc_ms", ttfc)
     ctx.add(
         "latency.interarrival_ms",
@@ -93,7 +95,7 @@ async def scenario_latency(ctx: RunContext) -> None:
     )
     ctx.add(
         "latency.rtf",
-        [(c.frames / s.fps) / (c.arrivals[-1][0] - c.t_start_sent) for c in good],  # type: ignore[operator]
+        [(c.frames / s.fps) / seconds_between(c.t_start_sent, c.arrivals[-1][0]) for c in good],
     )
     engine = ctx.figures.get("calib.engine_first_chunk_ms")
     if engine is not None and ttfc and len(engine.runs) > ctx.run:

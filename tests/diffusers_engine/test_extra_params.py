@@ -94,7 +94,8 @@ def test_every_key_of_every_family_has_a_check_or_a_loop_plan() -> None:
         assert set(COMMON) <= set(family.keys)
         for key, check in family.checks.items():
             if check is not by_plan:
-                with pytest.raises(ValueError):  # refused by its check, never unchecked
+                # Refused by its check, never unchecked.
+                with pytest.raises(ValueError, match=rf"^extra_params\.{key} "):
                     check(key, object(), [stub(takes_all)])
 
 

@@ -183,11 +183,12 @@ def _camera(text: str) -> tuple[float, Camera]:
     if mode not in CAMERA_MODES:
         modes = " or ".join(sorted(CAMERA_MODES))
         raise argparse.ArgumentTypeError(f"MODE must be {modes}, got {mode!r} in {text!r}")
-    translation = _numbers(parts[2], 3, "the translation X,Y,Z")
-    rotation = (
+    # Unpacked, so that the type checker knows the lengths _numbers checks.
+    x, y, z = _numbers(parts[2], 3, "the translation X,Y,Z")
+    qx, qy, qz, qw = (
         _numbers(parts[3], 4, "the rotation QX,QY,QZ,QW") if len(parts) == 4 else (0, 0, 0, 1)
     )
-    camera = Camera(mode, translation, rotation)  # type: ignore[arg-type]
+    camera = Camera(mode, (x, y, z), (qx, qy, qz, qw))
     try:
         protocol.parse_control(protocol.interaction_message(None, "check", camera=camera))
     except protocol.ProtocolError as exc:

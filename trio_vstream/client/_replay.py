@@ -255,7 +255,7 @@ def _get(record: dict[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
-_KINDS: Final = {dict: "an object", list: "an array", str: "a string"}
+_KINDS: Final[dict[type, str]] = {dict: "an object", list: "an array", str: "a string"}
 
 
 def _error_text(entry: dict[str, Any]) -> str:

@@ -328,7 +328,8 @@ class _StreamRun:
                 while True:
                     self._handle(await ws.get_message())
         except ConnectionClosed as exc:
-            self.result.close_code = exc.reason.code
+            # trio-websocket types the reason optional; it is set before ConnectionClosed.
+            self.result.close_code = exc.reason.code if exc.reason is not None else None
 
     def _handle(self, raw: str | bytes) -> None:
         now = trio.current_time()

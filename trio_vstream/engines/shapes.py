@@ -109,6 +109,7 @@ def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
             values[name] = parse_number_arg("shapes", name, raw, float, minimum=1e-3)
         else:
             values[name] = parse_number_arg("shapes", name, raw, float, minimum=0.0)
+    # Each value has its field's type, parsed above by name: a dict cannot say so.
     return ShapesSettings(**values)  # type: ignore[arg-type]
 
 

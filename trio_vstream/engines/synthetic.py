@@ -89,6 +89,7 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
         else:
             minimum = 0 if name.endswith("_at_chunk") else 1
             values[name] = parse_number_arg("synthetic", name, raw, int, minimum=minimum)
+    # Each value has its field's type, parsed above by name: a dict cannot say so.
     return SyntheticSettings(**values)  # type: ignore[arg-type]
 
 
@@ -120,6 +121,7 @@ def session_settings(settings: SyntheticSettings, request: GenerationRequest) ->
                 f"got {seconds!r}"
             )
         faults["block_seconds"] = float(seconds)
+    # The chunk indices are ints and block_seconds a float: a dict cannot say which.
     return attrs.evolve(settings, **faults)  # type: ignore[arg-type]
 
 

@@ -86,7 +86,8 @@ class PromptSchedule:
     ) -> None:
         self._mix: dict[str, float] = {prompt: 1.0}
         self._default_chunks = default_transition_chunks
-        self._pending: deque[PromptChange] = deque()
+        # Each change with its prompt, which `push` checked is there.
+        self._pending: deque[tuple[PromptChange, str]] = deque()
         self._lock = threading.Lock()
         self._transition: _Transition | None = None
 
@@ -96,10 +97,11 @@ class PromptSchedule:
         A camera-only change has no prompt to blend to: an engine that takes cameras
         handles those itself. Refused here, at once, rather than as a broken mix later.
         """
-        if change.prompt is None:
+        prompt = change.prompt
+        if prompt is None:
             raise ValueError(f"PromptSchedule needs a prompt; change {change.event_id} has none")
         with self._lock:
-            self._pending.append(change)
+            self._pending.append((change, prompt))
 
     def next_conditioning(self) -> ChunkConditioning:
         """Advance one chunk boundary and say what the new chunk is generated from."""
@@ -108,13 +110,13 @@ class PromptSchedule:
             self._pending.clear()
         started: list[str] = []
         completed: list[str] = []
-        for change in pending:
+        for change, prompt in pending:
             if self._transition is not None:
                 completed.append(self._transition.event_id)  # superseded
             chunks = change.transition_chunks
             self._transition = _Transition(
                 event_id=change.event_id,
-                target=change.prompt,
+                target=prompt,
                 chunks=self._default_chunks if chunks is None else chunks,
                 source=dict(self._mix),
             )

@@ -199,15 +199,17 @@ def _multi_modal_data(value: Any, _: Any) -> Camera | None:
         allowed = ", ".join(quote(name) for name in sorted(CAMERA_MODES))
         raise Invalid(f"{path}.mode must be one of {allowed}, got {show(mode)}")
     data = _only_keys(camera.get("data"), f"{path}.data", ("translation", "rotation"))
-    translation = _finite_numbers(data.get("translation"), f"{path}.data.translation", 3)
-    rotation = _finite_numbers(data.get("rotation"), f"{path}.data.rotation", 4)
+    # Unpacked, so that the type checker knows the lengths checked here.
+    x, y, z = _finite_numbers(data.get("translation"), f"{path}.data.translation", 3)
+    qx, qy, qz, qw = _finite_numbers(data.get("rotation"), f"{path}.data.rotation", 4)
+    rotation = (qx, qy, qz, qw)
     norm = math.sqrt(sum(q * q for q in rotation))
     if abs(norm - 1.0) > QUATERNION_TOLERANCE:
         raise Invalid(
             f"{path}.data.rotation must be a unit quaternion "
             f"(norm 1 within {QUATERNION_TOLERANCE}), got norm {norm:.6g}"
         )
-    return Camera(mode, translation, rotation)  # type: ignore[arg-type]
+    return Camera(mode, (x, y, z), rotation)
 
 
 def _negative_prompt(value: Any, _: Any) -> None:
@@ -484,7 +486,9 @@ def _make_wire_converter() -> cattrs.Converter:
         # Optional fields (default None) are left out when None, like the reference's
         # ``exclude_none``; a required None (a trailer's generation_chunk_index) is
         # still written as null.
-        fields = make_dict_unstructure_fn(cls, converter, _cattrs_omit_if_default=True)
+        fields: Callable[[Any], dict[str, Any]] = make_dict_unstructure_fn(
+            cls, converter, _cattrs_omit_if_default=True
+        )
         head = _KEY_ORDER.get(cls, ("type",))
 
         def hook(message: Any) -> dict[str, Any]:
@@ -505,7 +509,7 @@ def _make_wire_converter() -> cattrs.Converter:
 
 def _without_nulls(cls: type, converter: cattrs.Converter) -> Callable[[Any], dict[str, Any]]:
     """The interaction's optional keys are left out when null, as clients send them."""
-    fields = make_dict_unstructure_fn(cls, converter)
+    fields: Callable[[Any], dict[str, Any]] = make_dict_unstructure_fn(cls, converter)
 
     def hook(value: Any) -> dict[str, Any]:
         return {key: item for key, item in fields(value).items() if item is not None}

@@ -10,7 +10,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, get_args, get_origin
 
 import attrs
@@ -167,13 +167,16 @@ def _make_attrs_hook(
 ) -> Callable[[type], Callable[[Any, Any], Any]]:
     def factory(cls: type) -> Callable[[Any, Any], Any]:
         attrs.resolve_types(cls)
-        overrides = {}
+        # Values Any, not cattrs' AttributeOverride: mypy matches a **dict's values
+        # against every keyword parameter, the _cattrs_ options too, while these keys
+        # are field names, which only reach **kwargs.
+        overrides: dict[str, Any] = {}
         for field in attrs.fields(cls):
             checks = field.metadata.get(CHECKS)
             if checks is not None:
                 base = converter.get_structure_hook(field.type)
                 overrides[field.name] = override(struct_hook=_checked(base, checks))
-        inner = make_dict_structure_fn(
+        inner: Callable[[Mapping[str, Any], Any], Any] = make_dict_structure_fn(
             cls, converter, _cattrs_forbid_extra_keys=forbid_extra_keys, **overrides
         )
 

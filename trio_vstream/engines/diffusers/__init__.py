@@ -288,8 +288,9 @@ class DiffusersEngine:
         scheduler_overrides: dict[str, Any] = {}
         if request.sampling.flow_shift is not None:
             keys = {flow_shift_key(info.pipe) for info in used}
-            if len(keys) == 1 and None not in keys:
-                scheduler_overrides[keys.pop()] = request.sampling.flow_shift  # type: ignore[index]
+            key = keys.pop() if len(keys) == 1 else None
+            if key is not None:
+                scheduler_overrides[key] = request.sampling.flow_shift
             else:
                 names = ", ".join(
                     type(getattr(i.pipe, "scheduler", None)).__name__

@@ -35,7 +35,8 @@ def import_diffusers() -> Any:
     """Import diffusers with the hub offline; a clear error when the extra is missing."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    hub_constants = sys.modules.get("huggingface_hub.constants")
+    # Any: a module looked up by name, whose attributes the type checker cannot know.
+    hub_constants: Any = sys.modules.get("huggingface_hub.constants")
     if hub_constants is not None and not getattr(hub_constants, "HF_HUB_OFFLINE", True):
         # Imported before us: the environment variable came too late for it.
         hub_constants.HF_HUB_OFFLINE = True

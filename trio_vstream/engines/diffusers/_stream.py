@@ -50,7 +50,7 @@ class DrivenPass:
     """The chunk's index in the stream."""
     steps: int
     guidance: float
-    kwargs: dict[str, Any]
+    kwargs: Mapping[str, Any]
     """The request's call arguments for the pipeline."""
 
 

@@ -19,9 +19,19 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import attrs
+
+if TYPE_CHECKING:
+    from diffusers import (
+        HeliosDMDScheduler,
+        HeliosPipeline,
+        HeliosPyramidPipeline,
+        HeliosScheduler,
+    )
+    from transformers import ByT5Tokenizer, PreTrainedTokenizerFast, UMT5EncoderModel
+    from transformers.image_processing_utils import BaseImageProcessor
 
 __all__ = [
     "ANYFLOW_FAR_PARTITION",
@@ -67,7 +77,7 @@ TINY = WanSize()
 """The tests' pipeline: a 2-layer transformer of width 24, a 3-channel VAE."""
 
 
-def text_encoder_and_tokenizer() -> tuple[object, object]:
+def text_encoder_and_tokenizer() -> tuple[UMT5EncoderModel, ByT5Tokenizer]:
     """A one-layer UMT5 encoder and a byte-level tokenizer: real classes, so prompts are
     encoded as Wan encodes them, and no vocabulary to download."""
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
@@ -145,8 +155,7 @@ def build_wan_t2v(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Path:
         scheduler=scheduler(),
         transformer=transformer(in_channels=16, image_dim=None, size=size),
     )
-    pipe.save_pretrained(path)
-    return path
+    return _saved(pipe, path)
 
 
 def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
@@ -156,6 +165,7 @@ def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
+    ImageProcessor: type[BaseImageProcessor]
     try:  # without torchvision, transformers picks this class anyway, with a warning
         from transformers import CLIPImageProcessorPil as ImageProcessor
     except ImportError:
@@ -183,8 +193,7 @@ def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
         image_encoder=image_encoder,
         image_processor=ImageProcessor(crop_size=32, size=32),
     )
-    pipe.save_pretrained(path)
-    return path
+    return _saved(pipe, path)
 
 
 def build_lora(pipeline_path: Path, out: Path, *, seed: int = 2) -> Path:
@@ -257,6 +266,8 @@ def build_helios(
         rope_dim=(size.head_dim - 2 * rope, rope, rope),
     )
     components = {"tokenizer": tokenizer, "text_encoder": encoder, "vae": vae(size)}
+    sched: HeliosScheduler | HeliosDMDScheduler
+    pipe: HeliosPipeline | HeliosPyramidPipeline
     if variant == "base":
         sched = HeliosScheduler(stages=1, use_dynamic_shifting=True)
         pipe = HeliosPipeline(scheduler=sched, transformer=model, **components)
@@ -267,8 +278,7 @@ def build_helios(
         pipe = HeliosPyramidPipeline(
             scheduler=sched, transformer=model, is_distilled=distilled, **components
         )
-    pipe.save_pretrained(path)
-    return path
+    return _saved(pipe, path)
 
 
 SKYREELS_DF_VARIANTS = ("t2v", "i2v")
@@ -326,8 +336,7 @@ def build_skyreels_df(
     pipe = kind(
         tokenizer=tokenizer, text_encoder=encoder, vae=vae(size), transformer=model, scheduler=sched
     )
-    pipe.save_pretrained(path)
-    return path
+    return _saved(pipe, path)
 
 
 ANYFLOW_FAR_PARTITION = (1, 2, 2)
@@ -368,11 +377,10 @@ def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Pat
         vae=vae(size),
         scheduler=FlowMapEulerDiscreteScheduler(shift=5.0),
     )
-    pipe.save_pretrained(path)
-    return path
+    return _saved(pipe, path)
 
 
-def word_tokenizer(text: str, *, eos: bool) -> object:
+def word_tokenizer(text: str, *, eos: bool) -> PreTrainedTokenizerFast:
     """A word-level ``PreTrainedTokenizerFast`` built in memory (``tokenizers``): the words
     and punctuation of ``text``, with ``<unk>`` for any other word, ``<pad>`` to pad,
     ``<s>`` first and, with ``eos``, ``</s>`` last (CLIP pools its output at the end
@@ -433,13 +441,16 @@ def build_framepack(path: Path, *, seed: int = 0) -> Path:
         SiglipVisionModel,
     )
 
+    ImageProcessor: type[BaseImageProcessor]
     try:  # without torchvision, transformers picks this class anyway, with a warning
         from transformers import SiglipImageProcessorPil as ImageProcessor
     except ImportError:
         from transformers import SiglipImageProcessor as ImageProcessor
 
     torch.manual_seed(seed)
-    words = DEFAULT_PROMPT_TEMPLATE["template"].format(FRAMEPACK_WORDS)
+    template = DEFAULT_PROMPT_TEMPLATE["template"]
+    assert isinstance(template, str)  # diffusers' dict also holds an int (crop_start)
+    words = template.format(FRAMEPACK_WORDS)
     tokenizer = word_tokenizer(words, eos=False)
     vocab = len(tokenizer)
     model = HunyuanVideoFramepackTransformer3DModel(
@@ -477,7 +488,7 @@ def build_framepack(path: Path, *, seed: int = 0) -> Path:
         temporal_compression_ratio=4,
         mid_block_add_attention=True,
     )
-    ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0, "vocab_size": vocab}
+    ids: _TokenIds = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0, "vocab_size": vocab}
     text_encoder = LlamaModel(
         LlamaConfig(
             hidden_size=16,
@@ -520,5 +531,29 @@ def build_framepack(path: Path, *, seed: int = 0) -> Path:
         image_encoder=image_encoder,
         feature_extractor=ImageProcessor(size={"height": 32, "width": 32}),
     )
+    return _saved(pipe, path)
+
+
+class _TokenIds(TypedDict):
+    """The tiny FramePack text encoders' token ids, the same in both configs."""
+
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    vocab_size: int
+
+
+def _saved(pipe: object, path: Path) -> Path:
+    """``pipe.save_pretrained(path)``, then ``path``.
+
+    ``pipe`` is an ``object`` here, checked at run time: to a type checker, the names
+    ``from diffusers import ...`` gives are the placeholder classes that diffusers'
+    ``__init__`` imports first under ``TYPE_CHECKING`` (``utils/dummy_*_objects.py``),
+    which have no ``save_pretrained``; the pipelines really are ``DiffusionPipeline``s
+    (imported from where it is defined, which a type checker sees as it is).
+    """
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+    assert isinstance(pipe, DiffusionPipeline)
     pipe.save_pretrained(path)
     return path

@@ -207,7 +207,7 @@ _TEMPLATES = {
         "one {size}{colour} {shape} {motion} over {background}",
     ),
 }
-_SHAPE_WORDS = {
+_SHAPE_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
     "tune": {"circle": ("circle",), "square": ("square",), "triangle": ("triangle",)},
     "eval": {
         "circle": ("circle", "ball", "disc"),
@@ -215,7 +215,7 @@ _SHAPE_WORDS = {
         "triangle": ("triangle", "wedge"),
     },
 }
-_MOTION_WORDS = {
+_MOTION_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
     "tune": {
         "left": ("moving left",),
         "right": ("moving right",),

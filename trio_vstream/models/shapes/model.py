@@ -45,6 +45,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import attrs
 import torch
@@ -111,6 +112,7 @@ class ResBlock(nn.Module):
         self.conv2 = _conv(cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         nn.init.zeros_(self.conv2.weight)
+        assert self.conv2.bias is not None  # _conv's convolutions have a bias
         nn.init.zeros_(self.conv2.bias)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
@@ -197,6 +199,7 @@ class ShapesDenoiser(nn.Module):
         self.out_norm = _norm(cin)
         self.out = _conv(cin, frames * patch_area)
         nn.init.zeros_(self.out.weight)
+        assert self.out.bias is not None  # _conv's convolutions have a bias
         nn.init.zeros_(self.out.bias)
 
     def embed(self, slots: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -225,7 +228,7 @@ class ShapesDenoiser(nn.Module):
         h = self.stem(F.pixel_unshuffle(h, patch) if patch > 1 else h)
         skips = [h]
         for level, blocks in enumerate(self.down_blocks):
-            for block in blocks:
+            for block in cast(nn.ModuleList, blocks):
                 h = block(h, emb)
                 skips.append(h)
             if level < len(self.downsamples):
@@ -234,7 +237,7 @@ class ShapesDenoiser(nn.Module):
         for block in self.mid:
             h = block(h, emb)
         for level, blocks in enumerate(self.up_blocks):
-            for block in blocks:
+            for block in cast(nn.ModuleList, blocks):
                 h = block(torch.cat([h, skips.pop()], 1), emb)
             if level < len(self.up_blocks) - 1:
                 h = F.interpolate(h, scale_factor=2.0, mode="nearest")

@@ -46,6 +46,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import attrs
 import torch
@@ -101,7 +102,9 @@ class TrainSettings:
     """Width in native pixels of the ring around the object weighted like the object."""
 
 
-def _avoid_white_on_white(colour: torch.Tensor, background: torch.Tensor, gen: torch.Generator):
+def _avoid_white_on_white(
+    colour: torch.Tensor, background: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
     """Backgrounds are never the object's colour: move white-on-white to another background."""
     other = torch.randint(0, len(BACKGROUND_NAMES) - 1, colour.shape, generator=gen)
     other = other + (other >= _WHITE_BACKGROUND).long()
@@ -110,9 +113,20 @@ def _avoid_white_on_white(colour: torch.Tensor, background: torch.Tensor, gen: t
     )
 
 
-def make_batch(
-    gen: torch.Generator, settings: TrainSettings, config: ModelConfig
-) -> dict[str, object]:
+class Batch(TypedDict):
+    """One batch of chunks (`make_batch`), batch dimension first."""
+
+    weight: torch.Tensor
+    target: torch.Tensor
+    context: torch.Tensor
+    context_mask: torch.Tensor
+    hint: torch.Tensor
+    slots_a: dict[str, torch.Tensor]
+    slots_b: dict[str, torch.Tensor]
+    blend: torch.Tensor
+
+
+def make_batch(gen: torch.Generator, settings: TrainSettings, config: ModelConfig) -> Batch:
     """One batch of chunks, on the CPU, from ``gen`` only."""
     b = settings.batch
     size = config.native_size
@@ -267,20 +281,14 @@ def train(
     while progress < 1.0:
         batch = make_batch(gen, settings, config)
         target = batch["target"]
-        assert isinstance(target, torch.Tensor)
         t = _sample_t(gen, settings.batch)
         noise = torch.randn(target.shape, generator=gen)
         tb = t.view(-1, 1, 1, 1)
         x_t = (1.0 - tb) * target + tb * noise
-        blend = batch["blend"].view(-1, 1)  # type: ignore[union-attr]
-        cond = torch.lerp(
-            model.embed(batch["slots_a"]),  # type: ignore[arg-type]
-            model.embed(batch["slots_b"]),  # type: ignore[arg-type]
-            blend,
-        )
+        blend = batch["blend"].view(-1, 1)
+        cond = torch.lerp(model.embed(batch["slots_a"]), model.embed(batch["slots_b"]), blend)
         predicted = model(x_t, t, batch["context"], batch["context_mask"], cond, batch["hint"])
         weight = batch["weight"]
-        assert isinstance(weight, torch.Tensor)
         loss = (weight * (predicted - target).square()).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

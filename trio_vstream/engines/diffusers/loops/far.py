@@ -413,7 +413,11 @@ class FarLoop:
             timesteps=list(plan.timesteps) if plan.timesteps is not None else None,
         )
         cfg = negative_prompt_embeds is not None
-        embeds = torch.cat([negative_prompt_embeds, prompt_embeds]) if cfg else prompt_embeds
+        embeds = (
+            torch.cat([negative_prompt_embeds, prompt_embeds])
+            if negative_prompt_embeds is not None
+            else prompt_embeds
+        )
         partition = list(plan.partition[: index + 1])
         for i, t in enumerate(scheduler.timesteps):
             r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps

@@ -590,7 +590,14 @@ class FramepackLoop:
             scheduler.config.get("max_shift", 1.15),
         )
         mu = min(mu, math.log(7.0))
-        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(
+            scheduler,
+            steps,
+            device,
+            # The ndarray that diffusers' FramePack pipeline passes too; its hint says list.
+            sigmas=sigmas,  # type: ignore[arg-type]
+            mu=mu,
+        )
         return timesteps
 
     def _decode(self, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
