@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...: run one step with a time limit, log it
 # The tests that skip without CUDA: the shapes engine on the GPU, the diffusers
 # engine's memory back at its baseline after a session.
 step cuda-tests 150 "$python" -m pytest -q -p no:cacheprovider -k cuda \
-    tests/test_shapes_engine.py tests/diffusers_engine
+    tests/engines/test_shapes_engine.py tests/diffusers_engine
 # The shapes model's bars through a server on the GPU (fewer prompts than the CPU run:
 # speed is what this machine is for).
 step shapes-eval 180 "$python" bench/evaluate_shapes.py --count 24 --interaction-trials 8 \

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from playwright.sync_api import ConsoleMessage
 
+from tests.player.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
 from tests.security.raw_http import request, upgrade
-from tests.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
 from trio_vstream.access import AccessPolicy, key_subprotocol
 from trio_vstream.http import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
 

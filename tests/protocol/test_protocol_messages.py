@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_protocol_validation import ODD_VALUES, PNG_URL, start
+from tests.protocol.test_protocol_validation import ODD_VALUES, PNG_URL, start
 from trio_vstream.protocol import (
     PING_MESSAGE,
     STOP_MESSAGE,

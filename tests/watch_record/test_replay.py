@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from tests.conftest import decode_video
-from tests.test_recording import (
+from tests.watch_record.test_recording import (
     PNG,
     SLOW,
     SYNTHETIC,
@@ -37,7 +37,7 @@ from trio_vstream.client import (
 from trio_vstream.engines.shapes import ShapesEngine
 from trio_vstream.recording import Recorder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_a_replay_gives_identical_frames_at_the_same_chunks(

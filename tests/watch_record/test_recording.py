@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
-from tests.test_http import http_get
-from tests.test_image_fetch import png_of
+from tests.media.test_image_fetch import png_of
+from tests.server.test_http import http_get
 from trio_vstream import cli, protocol
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.engines.synthetic import SyntheticSettings

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 
 
@@ -50,7 +50,7 @@ def test_the_tests_it_selects_exist() -> None:
     text = SCRIPT.read_text()
     paths = re.findall(r"\b(tests/[\w/.]+)", text)
     assert paths and all((REPO / p).exists() for p in paths), paths
-    assert "def test_" in (REPO / "tests/test_shapes_engine.py").read_text()
+    assert "def test_" in (REPO / "tests/engines/test_shapes_engine.py").read_text()
     cuda_tests = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-k", "cuda", *paths],
         cwd=REPO,

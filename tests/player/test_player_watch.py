@@ -1,4 +1,4 @@
-"""The player page's share link, in a real browser (see ``tests/test_player.py``): the
+"""The player page's share link, in a real browser (see ``tests/player/test_player.py``): the
 owner's page shows a watch link; a second page opened from it plays the same stream
 live, read-only, from where it joined, and saves what it received. Every wait is on
 state the pages show."""
@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import Browser, expect
 
 from tests.conftest import decode_video
-from tests.test_player import (
+from tests.player.test_player import (
     CHROMIUM,
     CHUNK_FRAMES,
     WAIT_MS,

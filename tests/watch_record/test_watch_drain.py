@@ -21,7 +21,7 @@ from tests.conftest import (
     receive_until,
 )
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.test_watch import chunk_indexes, stalled_viewer
+from tests.watch_record.test_watch import chunk_indexes, stalled_viewer
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.server import ServerConfig, VideoServer

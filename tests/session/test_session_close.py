@@ -21,7 +21,12 @@ import trio
 import trio.testing
 from trio_websocket import WebSocketConnection, wrap_client_stream, wrap_server_stream
 
-from tests.test_session_edges import START, ScriptedSocket, make_session, session_in_background
+from tests.session.test_session_edges import (
+    START,
+    ScriptedSocket,
+    make_session,
+    session_in_background,
+)
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.http import ReplayStream
 from trio_vstream.server import ServerConfig, VideoServer

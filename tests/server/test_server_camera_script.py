@@ -9,7 +9,7 @@ from typing import Any
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedStream
-from tests.test_server_camera import CameraEngine, CameraStream, interaction
+from tests.server.test_server_camera import CameraEngine, CameraStream, interaction
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.protocol import key_velocity

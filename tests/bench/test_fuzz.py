@@ -20,7 +20,7 @@ import pytest
 from bench._fuzz.settings import server_command
 from trio_vstream import protocol
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FUZZ = REPO / "bench" / "fuzz.py"
 
 

@@ -20,7 +20,7 @@ import trio.testing
 from trio_websocket import open_websocket_url
 
 from tests.conftest import Transcript, receive_into
-from tests.test_batching import Recorder
+from tests.engines.test_batching import Recorder
 from trio_vstream import metrics
 from trio_vstream.engines.base import Checkpoint, Chunk, EngineError, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream

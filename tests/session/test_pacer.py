@@ -1,5 +1,5 @@
 """`Pacer`, without a server: when each chunk of a paced session may go, as numbers in
-and numbers out, and its wait on a virtual clock. (tests/test_pacing.py checks the
+and numbers out, and its wait on a virtual clock. (tests/session/test_pacing.py checks the
 same rule end to end, through a real server.)"""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.test_shapes_engine import frames_of, request, run
+from tests.engines.test_shapes_engine import frames_of, request, run
 from trio_vstream.engines.base import EngineError, InvalidRequestError, PromptChange
 from trio_vstream.engines.shapes import ShapesEngine, camera_motion, create_engine
 from trio_vstream.models.shapes import evaluate

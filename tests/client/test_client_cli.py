@@ -22,15 +22,7 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection
 
-from tests.fake_reference import (
-    VIDEO_START_REF,
-    Peer,
-    free_port,
-    receive_json,
-    send_reference_chunk,
-    start_peer,
-)
-from tests.test_client import (
+from tests.client.test_client import (
     KEY,
     REFUSED_401,
     assert_plays,
@@ -40,6 +32,14 @@ from tests.test_client import (
     gradient_chunks,
     mp4_boxes,
 )
+from tests.fake_reference import (
+    VIDEO_START_REF,
+    Peer,
+    free_port,
+    receive_json,
+    send_reference_chunk,
+    start_peer,
+)
 from trio_vstream import cli
 from trio_vstream.access import AccessPolicy
 from trio_vstream.client import (
@@ -47,7 +47,7 @@ from trio_vstream.client import (
 )
 from trio_vstream.engines.synthetic import SyntheticSettings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROGRESS = r"streaming: [1-9]\d* chunks, [1-9]\d* frames, \d+\.\d fps, \d+\.\d s\x1b\[K"
 
 
@@ -500,7 +500,7 @@ def test_camera_usage_errors_exit_2_and_name_the_problem(
 
 
 async def test_cli_sends_cameras_at_their_media_time(start_server: Any, tmp_path: Path) -> None:
-    from tests.test_server_camera import CameraEngine
+    from tests.server.test_server_camera import CameraEngine
     from trio_vstream.protocol import key_velocity
     from trio_vstream.video import Camera
 

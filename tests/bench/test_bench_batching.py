@@ -25,7 +25,7 @@ from bench._server import Endpoint
 from bench.scenarios._own_server import chunk_rate
 from bench.scenarios.batching import MODES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "bench" / "run.py"
 QUICK = bench.BatchingPreset.named("quick")
 

@@ -1,4 +1,4 @@
-"""The player page's camera controls, in a real browser (see ``tests/test_player.py``).
+"""The player page's camera controls, in a real browser (see ``tests/player/test_player.py``).
 
 The ``shapes`` engine takes camera velocities (its ``/v1/models`` entry lists
 ``"camera"``) and steers its object by them; the synthetic engine takes prompts only.
@@ -18,7 +18,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from tests.conftest import decode_video
-from tests.test_player import (
+from tests.player.test_player import (
     CHROMIUM,
     launch_chromium,
     open_player,

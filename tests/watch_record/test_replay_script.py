@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
-from tests.test_server_camera_script import SETTINGS, ScriptEngine
+from tests.server.test_server_camera_script import SETTINGS, ScriptEngine
 from trio_vstream import protocol
 from trio_vstream.video import Camera
 

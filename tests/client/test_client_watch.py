@@ -17,11 +17,11 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection
 
+from tests.client.test_client import KEY, encode_clip, gradient_chunks
+from tests.client.test_client_cli import run_cli
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.fake_reference import Peer, send_reference_chunk, start_peer
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.test_client import KEY, encode_clip, gradient_chunks
-from tests.test_client_cli import run_cli
 from trio_vstream.access import AccessPolicy
 from trio_vstream.client import StreamOutcome, watch_link_url, watch_video
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest

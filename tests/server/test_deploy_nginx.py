@@ -49,7 +49,7 @@ from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult,
 from trio_vstream.server import VIDEO_PATH
 from trio_vstream.session import SessionConfig
 
-REPO: Final = Path(__file__).resolve().parent.parent
+REPO: Final = Path(__file__).resolve().parents[2]
 NGINX_CONF: Final = REPO / "deploy" / "nginx.conf"
 SYSTEMD_UNIT: Final = REPO / "deploy" / "trio-vstream@.service"
 NGINX: Final = Path("/usr/sbin/nginx")

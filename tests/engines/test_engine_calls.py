@@ -25,8 +25,8 @@ from trio_websocket import open_websocket_url
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.test_cli import read_to_terminal, serving
-from tests.test_http import http_get
+from tests.server.test_cli import read_to_terminal, serving
+from tests.server.test_http import http_get
 from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings

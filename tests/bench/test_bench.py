@@ -23,7 +23,7 @@ import pytest
 
 from bench import run as bench
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "bench" / "run.py"
 
 SYNTHETIC_SCENARIOS = "resources,latency,concurrency,abort,encoder"

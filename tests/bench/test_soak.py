@@ -33,7 +33,7 @@ from bench._soak.settings import (
     server_command,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SOAK = REPO / "bench" / "soak.py"
 SHORT_FORM = ("--sessions", "200", "--concurrency", "8", "--seed", "1", "--deadline", "140")
 SHORT_FORM += ("--shutdown-rounds", "3")
