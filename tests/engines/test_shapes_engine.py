@@ -270,6 +270,7 @@ def test_interaction_changes_colour_and_reports_event_ids(engine: ShapesEngine) 
     assert colours[0] == "red" and colours[2:] == ["blue", "blue"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_frames_stay_on_the_gpu_as_uint8_and_are_deterministic() -> None:
     gpu = create_engine(device="cuda")

@@ -81,6 +81,7 @@ async def test_malformed_requests_are_answered_with_the_headers_too(start_server
     assert_secured(response, "400 malformed")
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium")
 @pytest.mark.timeout(120)
 def test_the_player_runs_without_a_single_csp_violation(tmp_path: Path) -> None:

@@ -502,6 +502,7 @@ async def all_set(events: Iterable[trio.Event]) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.nginx
 @needs_nginx
 @pytest.mark.timeout(60)
 def test_the_shipped_config_passes_nginx_t(tmp_path: Path) -> None:
@@ -541,6 +542,7 @@ def test_the_shipped_config_has_what_scale_out_needs() -> None:
         assert value.endswith("s") and float(value[:-1]) > stall, (name, value, stall)
 
 
+@pytest.mark.nginx
 @needs_nginx
 @pytest.mark.timeout(100)
 async def test_least_conn_spreads_sessions_over_the_backends(tmp_path: Path) -> None:
@@ -585,6 +587,7 @@ async def test_least_conn_spreads_sessions_over_the_backends(tmp_path: Path) -> 
         assert await upgrade_status(cluster.port, f"http://{rebound}", host=rebound) == 421
 
 
+@pytest.mark.nginx
 @needs_nginx
 @pytest.mark.timeout(100)
 async def test_sigterm_to_a_backend_mid_stream_loses_no_session(tmp_path: Path) -> None:
@@ -637,6 +640,7 @@ async def test_sigterm_to_a_backend_mid_stream_loses_no_session(tmp_path: Path) 
         assert all(e.status == 101 for e in log.values()), log
 
 
+@pytest.mark.nginx
 @needs_nginx
 @pytest.mark.timeout(100)
 async def test_sigkill_to_a_backend_drops_its_sessions_and_new_ones_succeed(
@@ -687,6 +691,7 @@ async def test_sigkill_to_a_backend_drops_its_sessions_and_new_ones_succeed(
                 session.assert_completed()
 
 
+@pytest.mark.nginx
 @needs_nginx
 @pytest.mark.timeout(60)
 async def test_api_keys_pass_through_nginx(tmp_path: Path) -> None:
