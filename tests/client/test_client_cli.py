@@ -101,6 +101,7 @@ async def run_cli(
 # ------------------------------------------------------------ the command line
 
 
+@pytest.mark.slow
 async def test_cli_api_key_from_the_flag_or_the_environment(
     start_server: Any, tmp_path: Path
 ) -> None:
@@ -118,6 +119,7 @@ async def test_cli_api_key_from_the_flag_or_the_environment(
     assert len(running.engine.streams) == 2
 
 
+@pytest.mark.slow
 async def test_cli_without_the_key_says_so_in_one_line_and_exits_3(
     start_server: Any, tmp_path: Path
 ) -> None:
@@ -133,6 +135,7 @@ async def test_cli_without_the_key_says_so_in_one_line_and_exits_3(
     assert running.engine.streams == []
 
 
+@pytest.mark.slow
 async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
     with open(tmp_path / "server.log", "wb") as log:
         server = await trio.lowlevel.open_process(
@@ -199,6 +202,7 @@ async def test_cli_end_to_end_against_a_server_process(tmp_path: Path) -> None:
             await server.wait()
 
 
+@pytest.mark.slow
 async def test_cli_raw_is_exactly_the_wire_bytes(nursery: trio.Nursery, tmp_path: Path) -> None:
     blobs = encode_clip(gradient_chunks(2, 3))
 
@@ -222,6 +226,7 @@ async def test_cli_raw_is_exactly_the_wire_bytes(nursery: trio.Nursery, tmp_path
     assert run.summary["output"] is None and run.summary["frames"] == 6
 
 
+@pytest.mark.slow
 async def test_cli_sends_every_flag_as_a_start_field(start_server: Any, tmp_path: Path) -> None:
     picture = np.zeros((20, 30, 3), np.uint8)
     picture[..., 2] = 180
@@ -251,6 +256,7 @@ async def test_cli_sends_every_flag_as_a_start_field(start_server: Any, tmp_path
     assert_plays(tmp_path / "o.mp4", 6, size=(32, 16), fps=6)
 
 
+@pytest.mark.slow
 async def test_cli_interactions(start_server: Any, tmp_path: Path) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
     run = await run_cli(
@@ -274,6 +280,7 @@ async def test_cli_interactions(start_server: Any, tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_path: Path) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.05, steps=2, chunk_frames=2))
     clip = tmp_path / "partial.mp4"
@@ -296,6 +303,7 @@ async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_p
     assert running.summaries[0].outcome.value == "stopped"
 
 
+@pytest.mark.slow
 async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_path: Path) -> None:
     blobs = encode_clip(gradient_chunks(1, 4))
     chunk_sent, stop_seen = trio.Event(), trio.Event()
@@ -330,6 +338,7 @@ async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_pat
     assert_plays(clip, 4)
 
 
+@pytest.mark.slow
 async def test_cli_connection_refused_exits_3(tmp_path: Path) -> None:
     url = f"ws://127.0.0.1:{free_port()}/v1/realtime/video"
     run = await run_cli(tmp_path, "x", "--url", url, "-o", str(tmp_path / "x.mp4"))
@@ -338,6 +347,7 @@ async def test_cli_connection_refused_exits_3(tmp_path: Path) -> None:
     assert not (tmp_path / "x.mp4").exists()
 
 
+@pytest.mark.slow
 async def test_cli_progress_line_on_a_terminal(start_server: Any, tmp_path: Path) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2))
     leader, follower = pty.openpty()
@@ -499,6 +509,7 @@ def test_camera_usage_errors_exit_2_and_name_the_problem(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 async def test_cli_sends_cameras_at_their_media_time(start_server: Any, tmp_path: Path) -> None:
     from tests.server.test_server_camera import CameraEngine
     from trio_vstream.protocol import key_velocity
@@ -533,6 +544,7 @@ async def test_cli_sends_cameras_at_their_media_time(start_server: Any, tmp_path
     assert all(i["started_in_chunk"] is not None for i in interactions)
 
 
+@pytest.mark.slow
 async def test_cli_camera_refused_by_a_prompt_only_engine_is_a_warning(
     start_server: Any, tmp_path: Path
 ) -> None:

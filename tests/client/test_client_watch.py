@@ -153,6 +153,7 @@ def test_watch_links_are_taken_as_urls_share_links_or_paths() -> None:
 # ------------------------------------------------------------------- command line
 
 
+@pytest.mark.slow
 async def test_cli_watch_saves_the_stream_from_where_it_joined(
     start_server: Any, tmp_path: Path
 ) -> None:
@@ -185,6 +186,7 @@ async def test_cli_watch_saves_the_stream_from_where_it_joined(
     assert len(running.engine.streams) == 1  # nothing but the owner's session ran
 
 
+@pytest.mark.slow
 async def test_cli_watch_prints_a_human_summary(start_server: Any, tmp_path: Path) -> None:
     running = await start_gated(start_server)
     owner = Transcript()
@@ -213,6 +215,7 @@ async def test_cli_watch_prints_a_human_summary(start_server: Any, tmp_path: Pat
     assert "time_to_watch.start" in rows
 
 
+@pytest.mark.slow
 async def test_cli_watch_of_a_wrong_link_says_watch_not_found_and_exits_1(
     start_server: Any, tmp_path: Path
 ) -> None:
@@ -232,6 +235,7 @@ async def test_cli_watch_of_a_wrong_link_says_watch_not_found_and_exits_1(
     assert run.stdout == "" and not output.exists()
 
 
+@pytest.mark.slow
 async def test_cli_watch_sends_the_key_which_only_watch_requires_key_needs(
     start_server: Any, tmp_path: Path
 ) -> None:
@@ -256,6 +260,7 @@ async def test_cli_watch_sends_the_key_which_only_watch_requires_key_needs(
         assert KEY not in keyed.stdout + keyed.stderr
 
 
+@pytest.mark.slow
 async def test_cli_watch_of_a_viewer_too_slow_keeps_what_arrived_and_exits_1(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -282,6 +287,7 @@ async def test_cli_watch_of_a_viewer_too_slow_keeps_what_arrived_and_exits_1(
     assert peer.received == []  # a viewer sends nothing: no session.start
 
 
+@pytest.mark.slow
 async def test_cli_watch_connection_refused_exits_3(tmp_path: Path) -> None:
     url = "ws://127.0.0.1:9/v1/realtime/video/watch/x"
     run = await run_cli(tmp_path, url, "-o", str(tmp_path / "o.mp4"), command="watch")
@@ -290,6 +296,7 @@ async def test_cli_watch_connection_refused_exits_3(tmp_path: Path) -> None:
     assert len(run.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 async def test_cli_watch_usage_errors_exit_2(tmp_path: Path) -> None:
     for args in (["tok"], [f"{WATCH_PREFIX}x"], ["//h/x", "-o", "o.mp4"]):
         run = await run_cli(tmp_path, *args, command="watch")

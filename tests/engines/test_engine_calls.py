@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import outcome
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import open_websocket_url
@@ -69,6 +70,7 @@ def assert_stalled(transcript: Transcript) -> None:
     assert transcript.close_code == 1000
 
 
+@pytest.mark.slow
 async def test_the_stall_deadline_answers_while_the_engine_is_still_blocked(
     start_server: Any,
 ) -> None:
@@ -107,6 +109,7 @@ async def test_other_sessions_carry_on_beside_a_blocked_one(start_server: Any) -
     assert running.checks_at_end == [{"threads_inside": 0, "unclosed_streams": 0}] * 2
 
 
+@pytest.mark.slow
 async def test_a_call_left_running_is_counted_and_health_says_degraded_until_it_returns(
     start_server: Any,
 ) -> None:
@@ -147,6 +150,7 @@ class BlockingOpenEngine(InstrumentedEngine):
         return super().open_stream(request)
 
 
+@pytest.mark.slow
 async def test_an_open_stream_that_blocks_gets_the_stall_timeout(start_server: Any) -> None:
     running = await start_server(
         SETTINGS, engine_class=BlockingOpenEngine, stall_timeout=1.5, close_timeout=30.0
@@ -198,6 +202,7 @@ class HungDeviceEngine(InstrumentedEngine):
         return stream
 
 
+@pytest.mark.slow
 async def test_a_copy_from_a_hung_device_does_not_hold_the_client(start_server: Any) -> None:
     running = await start_server(
         SETTINGS, engine_class=HungDeviceEngine, stall_timeout=1.5, close_timeout=30.0
@@ -216,6 +221,7 @@ async def test_a_copy_from_a_hung_device_does_not_hold_the_client(start_server: 
     assert running.checks_at_end == [{"threads_inside": 0, "unclosed_streams": 0}]
 
 
+@pytest.mark.slow
 async def test_sigterm_exits_within_the_drain_bound_though_an_engine_call_is_stuck() -> None:
     """The drain's bound holds with a thread that never returns: the session is wound
     down and then ended without its call, the server stops, the process exits 0. (The

@@ -68,6 +68,7 @@ def test_an_engine_that_declares_nothing_keeps_the_contract_and_gets_the_default
     assert max_batch(engine) == 1
 
 
+@pytest.mark.slow
 def test_the_built_in_engines_declare_their_capabilities() -> None:
     synthetic = create_synthetic()
     assert supports_interaction_kinds(synthetic) and interaction_kinds(synthetic) == {"prompt"}

@@ -234,7 +234,14 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize(("factory", "options", "rule"), BROKEN.values(), ids=BROKEN.keys())
+@pytest.mark.parametrize(
+    ("factory", "options", "rule"),
+    [
+        # A hang is caught only by waiting HANG out: those cases are slow.
+        pytest.param(*case, id=name, marks=[pytest.mark.slow] if "timeout" in case[1] else [])
+        for name, case in BROKEN.items()
+    ],
+)
 def test_a_broken_engine_is_reported_under_the_rule_it_breaks(
     factory: Callable[[], object], options: dict[str, float], rule: str
 ) -> None:

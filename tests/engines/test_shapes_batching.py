@@ -132,6 +132,7 @@ def assert_close(batched_frames: np.ndarray, alone_frames: np.ndarray) -> None:
     assert difference.max() <= 1 and difference.mean() < 1e-3, (difference.max(), difference.mean())
 
 
+@pytest.mark.slow
 async def test_batched_rows_equal_each_session_alone(engine: ShapesEngine) -> None:
     requests = [request(prompt, seed) for prompt, seed in REQUESTS]
     frames, batcher = await batched(engine, requests)
@@ -140,6 +141,7 @@ async def test_batched_rows_equal_each_session_alone(engine: ShapesEngine) -> No
         assert_close(frames[req.request_id], alone(engine, req, {}))
 
 
+@pytest.mark.slow
 async def test_a_session_stopped_mid_batch_leaves_the_others_unchanged(
     engine: ShapesEngine,
 ) -> None:
@@ -151,6 +153,7 @@ async def test_a_session_stopped_mid_batch_leaves_the_others_unchanged(
             assert_close(frames[req.request_id], alone(engine, req, {}))
 
 
+@pytest.mark.slow
 async def test_an_interaction_changes_only_its_own_row(engine: ShapesEngine) -> None:
     requests = [request(prompt, seed) for prompt, seed in REQUESTS]
     to_yellow = PromptChange("y", "a yellow circle moving left on a black background", 0)
@@ -162,6 +165,7 @@ async def test_an_interaction_changes_only_its_own_row(engine: ShapesEngine) -> 
         assert_close(frames[req.request_id], alone(engine, req, {}))
 
 
+@pytest.mark.slow
 def test_max_batch_is_an_engine_arg() -> None:
     assert create_engine(device="cpu").max_batch == 8
     assert create_engine(device="cpu", max_batch="1").max_batch == 1
@@ -169,6 +173,7 @@ def test_max_batch_is_an_engine_arg() -> None:
         create_engine(device="cpu", max_batch="0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("max_batch", "batches"), [(8, True), (1, False)])
 async def test_a_server_batches_its_sessions_by_default(
     nursery: trio.Nursery, engine: ShapesEngine, max_batch: int, batches: bool

@@ -77,6 +77,7 @@ def frames_of(chunks: list[Chunk], size: int = 64) -> np.ndarray:
 # ------------------------------------------------------------------ sampler
 
 
+@pytest.mark.slow
 def test_same_seed_same_frames_and_another_seed_other_frames(engine: ShapesEngine) -> None:
     first = frames_of(run(engine, request(seed=11)))
     again = frames_of(run(engine, request(seed=11)))
@@ -178,6 +179,7 @@ def test_weights_of_another_shape_are_a_clear_config_error(tmp_path: Path) -> No
         create_engine(device="cpu", weights=str(foreign))
 
 
+@pytest.mark.slow
 def test_another_checkpoint_loads_with_weights_arg(tmp_path: Path) -> None:
     torch.manual_seed(0)
     small = ShapesDenoiser(ModelConfig(channels=(8, 16), native_size=16))
@@ -189,6 +191,7 @@ def test_another_checkpoint_loads_with_weights_arg(tmp_path: Path) -> None:
     assert frames_of(chunks).shape == (3, 64, 64, 3)
 
 
+@pytest.mark.slow
 def test_context_skip_copies_the_context_into_every_frame() -> None:
     """With the skip, an untrained (zero-output) network already continues the
     context exactly; without a context, or without the skip, it does not."""
@@ -245,6 +248,7 @@ def test_requests_it_cannot_serve_are_rejected(engine: ShapesEngine) -> None:
 # ------------------------------------------------------------------ behaviour
 
 
+@pytest.mark.slow
 def test_image_reference_is_where_the_video_starts(engine: ShapesEngine) -> None:
     """The object of chunk 0 starts where it is in the reference image."""
     red, black = COLOUR_NAMES.index("red"), BACKGROUND_NAMES.index("black")
@@ -259,6 +263,7 @@ def test_image_reference_is_where_the_video_starts(engine: ShapesEngine) -> None
         assert abs(xs.mean() + 0.5 - 2 * x) < 4 and abs(ys.mean() + 0.5 - 2 * y) < 4
 
 
+@pytest.mark.slow
 def test_interaction_changes_colour_and_reports_event_ids(engine: ShapesEngine) -> None:
     prompt = "a red square staying still on a black background"
     change = PromptChange("to-blue", prompt.replace("red", "blue"), transition_chunks=1)
@@ -281,6 +286,7 @@ def test_cuda_frames_stay_on_the_gpu_as_uint8_and_are_deterministic() -> None:
     assert np.array_equal(frames_of(first), frames_of(again))
 
 
+@pytest.mark.slow
 def test_the_in_process_evaluator_judges_the_engine_directly(engine: ShapesEngine) -> None:
     """``bench/shapes_in_process.py``: the engine called directly, no server, no codec."""
     from bench import shapes_in_process

@@ -29,6 +29,7 @@ def engine() -> ShapesEngine:
     return create_engine(device="cpu")
 
 
+@pytest.mark.slow
 async def test_prompts_come_out_in_the_right_colours(
     nursery: trio.Nursery, engine: ShapesEngine
 ) -> None:
@@ -92,6 +93,7 @@ async def test_a_seed_the_engine_chose_is_echoed_and_reproduces_the_video(
     server.shutdown()
 
 
+@pytest.mark.slow
 async def test_the_evaluator_judges_streamed_video_and_interactions(
     nursery: trio.Nursery, engine: ShapesEngine
 ) -> None:
@@ -107,6 +109,7 @@ async def test_the_evaluator_judges_streamed_video_and_interactions(
     server.shutdown()
 
 
+@pytest.mark.slow
 async def test_a_vllm_omni_camera_interaction_steers_the_world_end_to_end(
     nursery: trio.Nursery, engine: ShapesEngine
 ) -> None:

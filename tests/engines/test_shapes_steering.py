@@ -60,6 +60,7 @@ def test_a_target_pose_is_refused_with_the_reason() -> None:
         camera_motion(Camera("target", (1.0, 0.0, 0.0), IDENTITY))
 
 
+@pytest.mark.slow
 def test_a_camera_steers_through_the_motion_slot_like_a_prompt_naming_the_motion(
     engine: ShapesEngine,
 ) -> None:

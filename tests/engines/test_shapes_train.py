@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import attrs
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,6 +17,7 @@ from trio_vstream.models.shapes.train import TrainSettings, main, train
 TINY = TrainSettings(steps=3, batch=2, channels=(8, 16), minutes=5.0, warmup=2)
 
 
+@pytest.mark.slow
 def test_training_writes_weights_and_record_and_is_deterministic(tmp_path: Path) -> None:
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     report = train(TINY, first)
@@ -35,6 +37,7 @@ def test_training_writes_weights_and_record_and_is_deterministic(tmp_path: Path)
     assert not all(torch.equal(a[key], c[key]) for key in a)
 
 
+@pytest.mark.slow
 def test_command_line_trains_a_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "cli.safetensors"
     args = ["--steps", "2", "--batch", "2", "--channels", "8,16", "--out", str(out)]

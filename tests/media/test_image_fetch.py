@@ -487,6 +487,7 @@ async def test_a_fetched_file_that_is_no_image_is_an_invalid_request(
     assert running.engine.streams == []
 
 
+@pytest.mark.slow
 async def test_a_shutdown_during_the_fetch_ends_it_at_once(
     start_server: Callable[..., Awaitable[Any]], image_host: ImageHost, authority: trustme.CA
 ) -> None:

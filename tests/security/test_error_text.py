@@ -56,6 +56,7 @@ def everything(transcript: Transcript) -> str:
     return json.dumps(transcript.json)
 
 
+@pytest.mark.slow
 async def test_an_engine_exception_naming_a_path_reaches_no_client_and_no_viewer(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -185,6 +185,7 @@ def cert_files(tmp_path: Path, authority: trustme.CA) -> Iterator[tuple[Path, Pa
     yield certfile, keyfile
 
 
+@pytest.mark.slow
 async def test_cli_serves_tls_with_a_key_from_the_environment(
     cert_files: tuple[Path, Path], authority: trustme.CA
 ) -> None:
@@ -231,6 +232,7 @@ async def test_cli_serves_tls_with_a_key_from_the_environment(
     assert KEY not in process.stderr.read()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -90,6 +90,7 @@ async def wait_draining(url: str, seconds: float = 10) -> None:
             await trio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_running_sessions_lose_nothing(
     server_process: tuple[subprocess.Popen[str], str],
 ) -> None:
@@ -125,6 +126,7 @@ async def test_sigterm_drains_running_sessions_lose_nothing(
     assert "engine stream closed" in log
 
 
+@pytest.mark.slow
 async def test_sessions_still_running_when_the_grace_ends_get_server_shutdown() -> None:
     with serving(
         "--engine", "synthetic", "--engine-arg", "step_delay=0.02", "--shutdown-grace", "0.5"
@@ -143,6 +145,7 @@ async def test_sessions_still_running_when_the_grace_ends_get_server_shutdown() 
         assert await wait_exit(process) == 0
 
 
+@pytest.mark.slow
 async def test_a_second_signal_stops_at_once() -> None:
     with serving("--engine", "synthetic", "--engine-arg", "step_delay=0.02") as (
         process,
@@ -171,6 +174,7 @@ def test_sigint_with_no_sessions_exits_zero(
     assert process.wait(timeout=10) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -277,6 +281,7 @@ def test_custom_engine_factory_by_module_path() -> None:
     assert engine.settings.steps == 2  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_the_default_engine_is_the_shapes_model() -> None:
     """``python -m trio_vstream`` with no engine flag streams the built-in diffusion
     model: the video shows the colours the prompt asked for."""

@@ -768,6 +768,7 @@ def test_the_systemd_unit_drains_before_systemd_kills() -> None:
     assert environment["PORT_BASE"] == first.group(1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 async def test_the_systemd_units_command_serves_instance_n_on_port_base_plus_n(
     tmp_path: Path,

@@ -80,6 +80,7 @@ async def test_metrics_report_sessions_and_stream_close_times(start_server: Any)
     assert session["ended_at"] <= metrics["monotonic"]
 
 
+@pytest.mark.slow
 async def test_a_draining_server_answers_503_and_lets_running_sessions_finish(
     start_server: Any,
 ) -> None:
@@ -140,6 +141,7 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
     assert trims[0] - second_ended >= 0.4 and trims[0] - ended >= 0.4
 
 
+@pytest.mark.slow
 async def test_metrics_are_prometheus_text_with_the_model_label(start_server: Any) -> None:
     running = await start_server(
         SyntheticSettings(chunk_frames=2, steps=2, concurrency=1), served_model="demo"

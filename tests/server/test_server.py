@@ -333,6 +333,7 @@ async def test_interactions_flow_through_chunk_metadata(start_server: Any) -> No
 # -------------------------------------------------------------- G1 and G2
 
 
+@pytest.mark.slow
 async def test_stop_ends_within_one_step_with_done(start_server: Any) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.05, steps=4, chunk_frames=2))
     transcript = Transcript()
@@ -384,6 +385,7 @@ async def test_stall_guard_aborts_a_hung_engine(start_server: Any) -> None:
     assert_g1(running)
 
 
+@pytest.mark.slow
 async def test_pings_keep_a_silent_engine_alive(start_server: Any) -> None:
     # The timeout is well above the ping interval, so that a pause of the whole test
     # process (a full garbage collection, say) cannot pass for a stall.
@@ -410,6 +412,7 @@ async def test_pings_keep_a_silent_engine_alive(start_server: Any) -> None:
     ]
 
 
+@pytest.mark.slow
 async def test_slow_engine_without_client_messages_is_not_a_stall(start_server: Any) -> None:
     """Each chunk takes 2 s, past the 1.5 s stall timeout, but its steps (0.1 s each)
     are progress. The timeout stays well above a step, so that a pause of the whole
@@ -470,6 +473,7 @@ async def test_chunks_made_before_an_engine_failure_are_still_sent(start_server:
     assert transcript.close_code == 1000
 
 
+@pytest.mark.slow
 async def test_engine_failure_reaches_the_client_and_spares_other_sessions(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -547,6 +551,7 @@ async def test_engine_returning_bad_frames_is_a_generation_error(start_server: A
 # ---------------------------------------------------------------------- G5
 
 
+@pytest.mark.slow
 async def test_client_that_stops_reading_stalls_generation_not_memory(start_server: Any) -> None:
     # Lossless 320x240 chunks are large, so socket buffers fill after a few.
     running = await start_server(SyntheticSettings(chunk_frames=8), stall_timeout=1.0)
@@ -645,6 +650,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     assert most == slots if slots == 1 else 1 < most <= slots
 
 
+@pytest.mark.slow
 async def test_graceful_shutdown_ends_running_sessions(start_server: Any) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.02, chunk_frames=2))
     transcript = Transcript()

@@ -38,6 +38,7 @@ def test_pacing_parameters_are_validated_and_resolved() -> None:
         assert words in caught.value.message
 
 
+@pytest.mark.slow
 async def test_chunks_go_out_at_their_media_time_less_the_lead(start_server: Any) -> None:
     running = await start_server(SyntheticSettings(chunk_frames=4))  # 0.5 s of video each
     lead = 0.1

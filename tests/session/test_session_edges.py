@@ -290,6 +290,7 @@ async def test_clients_that_close_at_once_are_all_disconnects(
 # ---------------------------------------------------------- 2. queued is not stalled
 
 
+@pytest.mark.slow
 async def test_sessions_queued_behind_a_busy_engine_are_not_stalled(start_server: Any) -> None:
     """Three sessions take turns on one lock, a chunk (1 s, in steps of 0.1 s) at a
     time: the last in line waits about 2 s for its turn, longer than the 1.5 s stall

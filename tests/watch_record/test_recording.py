@@ -113,6 +113,7 @@ def assert_chunks_match(record: dict[str, Any], transcript: Transcript) -> None:
     assert times == sorted(times) and times[0] >= 0
 
 
+@pytest.mark.slow
 async def test_a_session_is_recorded_with_the_frames_the_client_got(
     nursery: trio.Nursery, shapes: ShapesEngine, tmp_path: Path
 ) -> None:

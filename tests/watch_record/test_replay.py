@@ -40,6 +40,7 @@ from trio_vstream.recording import Recorder
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 async def test_a_replay_gives_identical_frames_at_the_same_chunks(
     nursery: trio.Nursery,
     shapes: ShapesEngine,  # noqa: F811 - the fixture imported above
@@ -192,6 +193,7 @@ async def run_replay_process(tmp_path: Path, *args: str) -> tuple[int, str, str]
     return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
+@pytest.mark.slow
 async def test_the_command_replays_writes_and_reports(start_server: Any, tmp_path: Path) -> None:
     recorder = Recorder(tmp_path, engine="synthetic", model="synthetic")
     running = await start_server(SLOW, taps=recorder)
