@@ -38,10 +38,9 @@ step() {  # step NAME SECONDS COMMAND...: run one step with a time limit, log it
 { nvidia-smi || true; "$python" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'; } \
     >"$out/machine.txt" 2>&1
 
-# The tests that skip without CUDA: the shapes engine on the GPU, the diffusers
-# engine's memory back at its baseline after a session.
-step cuda-tests 150 "$python" -m pytest -q -p no:cacheprovider -k cuda \
-    tests/test_shapes_engine.py tests/diffusers_engine
+# The tests that skip without CUDA, marked `gpu` wherever they live: the shapes engine
+# on the GPU, the diffusers engine's memory back at its baseline after a session.
+step cuda-tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/
 # The shapes model's bars through a server on the GPU (fewer prompts than the CPU run:
 # speed is what this machine is for).
 step shapes-eval 180 "$python" bench/evaluate_shapes.py --count 24 --interaction-trials 8 \

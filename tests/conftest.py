@@ -1,4 +1,5 @@
-"""Shared fixtures: a real server on a loopback port, and a client that records everything."""
+"""Shared fixtures: a real server on a loopback port, and a client that records everything;
+and the markers that follow from where a test lives or what it asks for."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -23,6 +25,32 @@ from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig, SessionSummary
 from trio_vstream.taps import TapFactory
 from trio_vstream.watch import WatchConfig
+
+TESTS = Path(__file__).resolve().parent
+
+FOLDER_MARKERS: dict[str, str] = {"bench": "bench", "player": "browser"}
+"""Folders whose every test carries a marker (pyproject.toml lists the markers): the
+bench/ tools' tests, and the player page's, which all drive chromium. A test added there
+is left out of ``tox -e quick`` without having to remember the marker."""
+
+PIPELINE_FIXTURES = frozenset({"models", "helios", "skyreels", "anyflow_far", "framepack"})
+"""The tiny diffusers pipelines (tests/diffusers_engine/conftest.py): building them takes
+12 s on a loaded 2-core machine, and a test that runs one takes seconds, so a test that
+asks for one is ``slow``, in whichever folder it lives."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The markers that follow from where a test lives or what it asks for; every other
+    marker is written in the test's own module. First, before ``-m`` selects by them."""
+    for item in items:
+        if not item.path.is_relative_to(TESTS):
+            continue
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+        if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

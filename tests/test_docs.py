@@ -258,3 +258,14 @@ def test_the_layout_map_names_everything_in_bench() -> None:
         and not ((REPO / "bench" / name).is_dir() and name + "/" in named)
     ]
     assert not missing, f"the layout map's bench/ entry does not name {missing}"
+
+
+def test_the_layout_map_names_every_folder_of_tests() -> None:
+    """Each folder of tests/ is a subsystem, and the map says which."""
+    entries = layout_entries()
+    folders = sorted(
+        f"tests/{p.name}/" for p in (REPO / "tests").iterdir() if (p / "__init__.py").exists()
+    )
+    assert folders
+    missing = [folder for folder in folders if folder not in entries]
+    assert not missing, f"docs/architecture.md's layout map lacks {missing}"

@@ -79,6 +79,7 @@ def _eager_flex_attention() -> Iterator[None]:
     flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_eager_flex_attention")
 @pytest.mark.parametrize(
     ("fixture", "pick", "segment_frames", "fields"), FAMILIES.values(), ids=FAMILIES.keys()

@@ -58,6 +58,7 @@ def test_a_bad_model_directory_fails_at_start_naming_path_and_problem(
     assert str(path) in str(caught.value)
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_the_message_for_a_missing_model() -> None:
     result = subprocess.run(
         [

@@ -197,6 +197,7 @@ def test_no_tensor_of_a_finished_session_stays_referenced(
     probe.remove()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_memory_returns_to_baseline_after_a_session(models: SimpleNamespace) -> None:
     engine = load_engine(

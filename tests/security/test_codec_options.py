@@ -243,6 +243,7 @@ def test_the_parser_refuses_and_names_the_option(options: Any, message: str) -> 
     assert str(caught.value) == message
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     st.text(max_size=60) | st.from_regex(r"(?:(?:crf|qp|keyint|dump-yuv)=[0-9a-z./]{0,4}:?){1,4}")

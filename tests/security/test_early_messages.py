@@ -21,7 +21,12 @@ from typing import Any
 import trio
 import trio.testing
 
-from tests.test_session_edges import START, ScriptedSocket, make_session, session_in_background
+from tests.session.test_session_edges import (
+    START,
+    ScriptedSocket,
+    make_session,
+    session_in_background,
+)
 from trio_vstream import protocol
 from trio_vstream.engines.base import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream

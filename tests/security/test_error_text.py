@@ -17,7 +17,7 @@ import trio
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.test_watch import watch
+from tests.watch_record.test_watch import watch
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
@@ -56,6 +56,7 @@ def everything(transcript: Transcript) -> str:
     return json.dumps(transcript.json)
 
 
+@pytest.mark.slow
 async def test_an_engine_exception_naming_a_path_reaches_no_client_and_no_viewer(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -115,6 +115,7 @@ async def test_idle_upgrades_do_not_keep_a_real_client_out(start_server: Any) ->
     assert transcript.close_code == 1000
 
 
+@pytest.mark.slow
 async def test_a_start_that_finds_every_session_slot_taken_gets_server_busy(
     start_server: Any,
 ) -> None:
@@ -297,6 +298,7 @@ _LOWERED_LIMIT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_300_idle_connections_at_256_descriptors_leave_health_answering() -> None:
     """The reproduction: ``python -m trio_vstream`` under ``ulimit -n 256``, 300 idle
     connections held (timeouts long, so only the cap saves it), then /health: 200, and

@@ -6,7 +6,7 @@ host runs: an admin page on :8080, a debug server on :9000. So a URL may name on
 (``images.example.org:8443``, and then that port only), and every redirect hop is held
 to the same rule, scheme, host and port alike.
 
-The harness is tests/test_image_fetch.py's: real HTTPS servers on 127.0.0.1 (each on its
+The harness is tests/media/test_image_fetch.py's: real HTTPS servers on 127.0.0.1 (each on its
 own port, a stand-in for two services of one host), reached through the fetcher's
 test-only resolver, address policy and certificate authority.
 """
@@ -20,7 +20,7 @@ import pytest
 import trio
 import trustme
 
-from tests.test_image_fetch import (
+from tests.media.test_image_fetch import (
     PNG,
     ImageHost,
     Reply,

@@ -173,6 +173,7 @@ async def test_http_headers_and_paths_cannot_write_lines(
     assert_no_forged_line(caplog)
 
 
+@pytest.mark.slow
 async def test_a_watch_token_is_never_logged(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

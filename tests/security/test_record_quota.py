@@ -27,7 +27,7 @@ import trio.testing
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.test_recording import PNG, SLOW, SYNTHETIC, interaction, read_record
+from tests.watch_record.test_recording import PNG, SLOW, SYNTHETIC, interaction, read_record
 from trio_vstream import cli, protocol
 from trio_vstream.client._replay import load_recording
 from trio_vstream.engines.base import Chunk, GenerationRequest

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from playwright.sync_api import ConsoleMessage
 
+from tests.player.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
 from tests.security.raw_http import request, upgrade
-from tests.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
 from trio_vstream.access import AccessPolicy, key_subprotocol
 from trio_vstream.http import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
 
@@ -81,6 +81,7 @@ async def test_malformed_requests_are_answered_with_the_headers_too(start_server
     assert_secured(response, "400 malformed")
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium")
 @pytest.mark.timeout(120)
 def test_the_player_runs_without_a_single_csp_violation(tmp_path: Path) -> None:

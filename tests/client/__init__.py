@@ -1,0 +1,1 @@
+"""The client library and its command lines (``trio_vstream.client``)."""

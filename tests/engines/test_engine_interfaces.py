@@ -1,0 +1,129 @@
+"""An engine's optional capabilities are Protocols (trio_vstream.engines.interfaces): what
+the built-in engines declare, what an engine that declares nothing gets, and the loader's
+check of the contract itself."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import attrs
+import pytest
+
+from trio_vstream.engines import Engine, EngineConfigError, load_engine
+from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.interfaces import (
+    DEFAULT_INTERACTION_KINDS,
+    SupportsBatching,
+    SupportsInteractionKinds,
+    interaction_kinds,
+    max_batch,
+    missing_members,
+    supports_batching,
+    supports_device,
+    supports_interaction_kinds,
+    supports_seed,
+)
+from trio_vstream.engines.shapes import create_engine as create_shapes
+from trio_vstream.engines.synthetic import create_engine as create_synthetic
+from trio_vstream.video import VideoDefaults
+
+REQUEST = GenerationRequest(request_id="r", prompt="red", width=32, height=32, fps=8, num_frames=8)
+
+
+class BareStream:
+    """A stream with what the contract asks and nothing more."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        return None
+
+    def interact(self, change: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class BareEngine:
+    """An engine written before any capability existed: the contract's members only."""
+
+    name = "bare"
+    max_concurrent_steps: int | None = 1
+    video_defaults = VideoDefaults(width=32, height=32, fps=8, num_frames=8)
+
+    def open_stream(self, request: GenerationRequest) -> BareStream:
+        return BareStream()
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_engine_that_declares_nothing_keeps_the_contract_and_gets_the_defaults() -> None:
+    engine = BareEngine()
+    assert isinstance(engine, Engine)
+    assert not supports_interaction_kinds(engine) and not supports_batching(engine)
+    assert not supports_device(engine) and not supports_seed(engine.open_stream(REQUEST))
+    assert interaction_kinds(engine) == DEFAULT_INTERACTION_KINDS == {"prompt"}
+    assert max_batch(engine) == 1
+
+
+@pytest.mark.slow
+def test_the_built_in_engines_declare_their_capabilities() -> None:
+    synthetic = create_synthetic()
+    assert supports_interaction_kinds(synthetic) and interaction_kinds(synthetic) == {"prompt"}
+    assert not supports_batching(synthetic) and max_batch(synthetic) == 1
+    stream = synthetic.open_stream(attrs.evolve(REQUEST, seed=7))
+    assert supports_seed(stream) and stream.seed == 7
+    shapes = create_shapes(device="cpu", max_batch="3")
+    assert isinstance(shapes, SupportsInteractionKinds) and isinstance(shapes, SupportsBatching)
+    assert interaction_kinds(shapes) == {"prompt", "camera"} and max_batch(shapes) == 3
+    assert supports_device(shapes) and str(shapes.device) == "cpu"
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "8"])
+def test_a_max_batch_that_is_not_a_positive_integer_fails_at_start_up(value: object) -> None:
+    engine = BareEngine()
+    engine.max_batch = value  # type: ignore[attr-defined]
+    assert isinstance(engine, SupportsBatching)
+    with pytest.raises(EngineConfigError, match="engine bare: max_batch must be an integer >= 1"):
+        max_batch(engine)
+
+
+@pytest.mark.parametrize("seed", [None, True, "7", 7.0])
+def test_a_seed_that_is_not_an_integer_is_not_echoed(seed: object) -> None:
+    stream = BareStream()
+    stream.seed = seed  # type: ignore[attr-defined]
+    assert not supports_seed(stream)
+
+
+@pytest.fixture
+def lab_module() -> Iterator[types.ModuleType]:
+    """A lab's engine module, importable as ``lab_engine:create_engine``."""
+    module = types.ModuleType("lab_engine")
+    sys.modules["lab_engine"] = module
+    yield module
+    del sys.modules["lab_engine"]
+
+
+def test_the_loader_names_what_an_engine_lacks(lab_module: types.ModuleType) -> None:
+    class Incomplete:
+        name = "lab"
+
+        def close(self) -> None:
+            pass
+
+    lab_module.create_engine = lambda device: Incomplete()  # type: ignore[attr-defined]
+    assert missing_members(Incomplete(), Engine) == [
+        "max_concurrent_steps",
+        "video_defaults",
+        "open_stream",
+    ]
+    with pytest.raises(
+        EngineConfigError,
+        match=r"engine .lab_engine:create_engine. does not implement the engine interface: "
+        r"missing max_concurrent_steps, video_defaults, open_stream$",
+    ):
+        load_engine("lab_engine:create_engine", {})
+    lab_module.create_engine = lambda device: BareEngine()  # type: ignore[attr-defined]
+    assert isinstance(load_engine("lab_engine:create_engine", {}), BareEngine)

@@ -1,0 +1,255 @@
+"""The conformance kit (trio_vstream.engines.testing.check_engine) can fail: a toy engine
+passes it, and each deliberately broken copy of it is reported under the rule it breaks,
+by name, and under no other."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+import pytest
+
+from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.testing import RULES, EngineContractError, check_engine
+from trio_vstream.engines.transitions import PromptSchedule
+from trio_vstream.video import VideoDefaults
+
+REQUEST = GenerationRequest(request_id="toy", prompt="red", width=8, height=4, fps=8, num_frames=6)
+"""Three chunks of two frames."""
+
+HANG = 2.0
+"""The kit's timeout in the tests of engines that hang: how long it waits before it
+reports a call that never returns (every other call of a toy engine takes microseconds)."""
+
+
+class ToyStream:
+    """Chunks of two frames, two steps each, every step behind a checkpoint; prompt changes
+    through a PromptSchedule. The frames' level is the seed plus the steps taken, so a
+    batched step that mixes rows shows."""
+
+    def __init__(self, engine: ToyEngine, request: GenerationRequest) -> None:
+        self.engine = engine
+        self.request = request
+        self.schedule = PromptSchedule(request.prompt)
+        self.seed = request.seed or 0
+        self.level = float(self.seed)
+        self.index = 0
+        engine.streams.acquire()  # released at close
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        if 2 * self.index >= self.request.num_frames:
+            return None
+        conditioning = self.schedule.next_conditioning()
+        for _ in range(2):
+            self.step(checkpoint)
+        frames = np.full((2, self.request.height, self.request.width, 3), self.level % 256)
+        self.index += 1
+        return conditioning.chunk(frames.astype(np.uint8), self.index - 1)
+
+    def step(self, checkpoint: Checkpoint) -> None:
+        if self.engine.max_batch > 1:
+            with checkpoint.batched(self.engine.run_batch) as step:
+                self.level = step(self.level)
+        else:
+            checkpoint()
+            self.level += 1
+
+    def interact(self, change: PromptChange) -> None:
+        self.schedule.push(change)
+
+    def close(self) -> None:
+        self.engine.streams.release()
+
+
+class ToyEngine:
+    name = "toy"
+    max_concurrent_steps: int | None = 1
+    video_defaults = VideoDefaults(width=8, height=4, fps=8, num_frames=6)
+    max_batch = 1
+    stream_class: type[ToyStream] = ToyStream
+
+    def __init__(self) -> None:
+        self.streams = threading.BoundedSemaphore(16)
+        """One unit per open stream: released more often than acquired, it raises."""
+
+    def open_stream(self, request: GenerationRequest) -> ToyStream:
+        return self.stream_class(self, request)
+
+    def run_batch(self, rows: Sequence[float]) -> list[float]:
+        return [row + 1 for row in rows]
+
+    def close(self) -> None:
+        pass
+
+
+def engine_with(stream_class: type[ToyStream], **attributes: object) -> Callable[[], ToyEngine]:
+    """A factory of toy engines whose streams are ``stream_class``."""
+    return type("Broken", (ToyEngine,), {"stream_class": stream_class, **attributes})
+
+
+class NoCheckpoint(ToyStream):
+    def step(self, checkpoint: Checkpoint) -> None:
+        self.level += 1  # a step no stop can reach
+
+
+class StopIgnored(ToyStream):
+    def step(self, checkpoint: Checkpoint) -> None:
+        with contextlib.suppress(BaseException):  # the bug the contract warns of
+            checkpoint()
+        self.level += 1
+
+
+class ClosedTwice(ToyStream):
+    """Gives its stream slot back when stopped, and again at close."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        try:
+            return super().next_chunk(checkpoint)
+        except BaseException:
+            self.engine.streams.release()
+            raise
+
+
+class LeaksWhenStopped(ToyStream):
+    """Takes the engine's one slot for a chunk's steps and gives it back only when the
+    chunk is done: a stopped stream keeps it, and the next stream waits for ever (until
+    the engine is closed)."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        slot: Slot = self.engine.slot  # type: ignore[attr-defined]
+        slot.take()
+        chunk = super().next_chunk(checkpoint)
+        slot.give()
+        return chunk
+
+
+@attrs.define(eq=False)
+class Slot:
+    busy: bool = False
+    closed: bool = False
+    changed: threading.Condition = attrs.Factory(threading.Condition)
+
+    def take(self) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: not self.busy or self.closed)
+            self.busy = True
+
+    def give(self) -> None:
+        with self.changed:
+            self.busy = False
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+
+class LeakingEngine(ToyEngine):
+    stream_class = LeaksWhenStopped
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slot = Slot()
+
+    def close(self) -> None:
+        self.slot.close()
+
+
+class InteractWaits(ToyStream):
+    """Holds a lock for a whole chunk, and takes it to queue a change."""
+
+    def __init__(self, engine: ToyEngine, request: GenerationRequest) -> None:
+        super().__init__(engine, request)
+        self.lock = threading.Lock()
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        with self.lock:
+            return super().next_chunk(checkpoint)
+
+    def interact(self, change: PromptChange) -> None:
+        with self.lock:
+            super().interact(change)
+
+
+class InteractAtOnce(ToyStream):
+    """Reads its changes after a chunk's steps: one that arrives mid-chunk is applied to
+    that chunk."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        if 2 * self.index >= self.request.num_frames:
+            return None
+        for _ in range(2):
+            self.step(checkpoint)
+        frames = np.full((2, self.request.height, self.request.width, 3), 0, np.uint8)
+        self.index += 1
+        return self.schedule.next_conditioning().chunk(frames, self.index - 1)
+
+
+class WrongFrames(ToyStream):
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        chunk = super().next_chunk(checkpoint)
+        return None if chunk is None else attrs.evolve(chunk, frames=chunk.frames / 255.0)
+
+
+class MixesRows(ToyEngine):
+    """Batches, and gives every row of a batch the first row's result."""
+
+    max_batch = 4
+
+    def run_batch(self, rows: Sequence[float]) -> list[float]:
+        return [rows[0] + 1 for _ in rows]
+
+
+class Incomplete:
+    name = "incomplete"
+    max_concurrent_steps = 1
+    video_defaults = VideoDefaults()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_toy_engine_that_keeps_the_rules_passes() -> None:
+    check_engine(ToyEngine, REQUEST)
+
+
+def test_a_toy_engine_that_batches_rows_correctly_passes() -> None:
+    check_engine(engine_with(ToyStream, max_batch=4), REQUEST, batch_atol=0)
+
+
+BROKEN = {
+    "no checkpoint": (engine_with(NoCheckpoint), {}, "checkpoint"),
+    "a stop caught and ignored": (engine_with(StopIgnored), {}, "stop"),
+    "closed twice": (engine_with(ClosedTwice), {}, "close"),
+    "a stopped stream keeps the engine's slot": (LeakingEngine, {"timeout": HANG}, "cancellation"),
+    "interact waits for the chunk": (engine_with(InteractWaits), {"timeout": HANG}, "interact"),
+    "a change applied mid-chunk": (engine_with(InteractAtOnce), {}, "interact"),
+    "float frames": (engine_with(WrongFrames), {}, "chunks"),
+    "batched rows differ": (MixesRows, {}, "batching"),
+    "no open_stream": (Incomplete, {}, "interface"),
+}
+
+
+@pytest.mark.parametrize(
+    ("factory", "options", "rule"),
+    [
+        # A hang is caught only by waiting HANG out: those cases are slow.
+        pytest.param(*case, id=name, marks=[pytest.mark.slow] if "timeout" in case[1] else [])
+        for name, case in BROKEN.items()
+    ],
+)
+def test_a_broken_engine_is_reported_under_the_rule_it_breaks(
+    factory: Callable[[], object], options: dict[str, float], rule: str
+) -> None:
+    with pytest.raises(EngineContractError) as caught:
+        check_engine(factory, REQUEST, **options)  # type: ignore[arg-type]
+    assert caught.value.rules == {rule}, str(caught.value)
+    assert f"[{rule}] " in str(caught.value)
+
+
+def test_every_rule_is_broken_by_some_engine() -> None:
+    assert {rule for _, _, rule in BROKEN.values()} == set(RULES)

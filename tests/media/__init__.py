@@ -1,0 +1,1 @@
+"""Frames and images in and out: the fMP4 encoder, image headers, image URLs."""

@@ -1,0 +1,1 @@
+"""The player page in a real browser (Debian's chromium through Playwright)."""

@@ -1,0 +1,1 @@
+"""The wire protocol, sans-IO (``trio_vstream.protocol``): text in, messages and events out."""

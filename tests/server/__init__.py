@@ -1,0 +1,1 @@
+"""The server: its listener, HTTP side, access, command line, deployment, WebSocket compat."""

@@ -1,0 +1,1 @@
+"""One session and its units: calls, outcomes, sending, pacing, requests, scripts, timeouts."""

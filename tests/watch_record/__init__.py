@@ -1,0 +1,1 @@
+"""A session's followers: taps, watch links, recordings and their replays."""
