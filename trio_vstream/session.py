@@ -39,11 +39,12 @@ whichever task notices it first (the rules: `outcomes`).
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-This module keeps the nursery and the outcome (about 800 lines): the tasks of a
+This module keeps the nursery and the outcome (about 720 lines): the tasks of a
 session share that state (the outcome, the cancel scopes, the counts), and how a
 session ends reads best in one place. The parts that need none of it live beside
 it, each tested alone: how a session ends and what the client is told
-(``outcomes``), the send discipline (``sending``), the engine's request made from a
+(``outcomes``), the send discipline (``sending``), its first message and every check
+before ``video.start`` (``session_prepare``), the engine's request made from a
 ``session.start`` (``session_request``), pacing to media time (``pacing``), what is
 kept of the messages sent while a session prepares (``early_messages``), its
 blocking calls and engine stream (``session_calls``) and what it borrows from the
@@ -62,30 +63,16 @@ import uuid
 from collections.abc import Callable
 from typing import Literal
 
-import numpy as np
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
 from trio_vstream.early_messages import EarlyMessages
-from trio_vstream.encoding import (
-    EncodingAbandoned,
-    EncodingError,
-    FragmentedMP4Encoder,
-    decode_image,
-)
+from trio_vstream.encoding import EncodingAbandoned, EncodingError, FragmentedMP4Encoder
 from trio_vstream.engine_calls import EngineCall
-from trio_vstream.engines.base import (
-    Chunk,
-    EngineError,
-    EngineStream,
-    GenerationRequest,
-    InvalidRequestError,
-    PromptChange,
-)
+from trio_vstream.engines.base import Chunk, EngineError, EngineStream, PromptChange
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
-from trio_vstream.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outcomes import (
     Ending,
@@ -97,10 +84,11 @@ from trio_vstream.outcomes import (
 )
 from trio_vstream.pacing import Pacer
 from trio_vstream.protocol import ErrorCode
-from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
+from trio_vstream.scripts import Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
 from trio_vstream.session_calls import SessionCalls
-from trio_vstream.session_request import config_echo, generation_request
+from trio_vstream.session_prepare import StartFailure, first_failure, prepare, receive_start
+from trio_vstream.session_request import config_echo
 from trio_vstream.session_resources import (
     IMAGE_DECODES_AT_ONCE,
     ServerCounters,
@@ -131,15 +119,6 @@ _ROUTINE_CLOSE_ERRORS = (
 """What closing a WebSocket may raise when the client closed or went at the same time:
 the end of a session, not a failure of the server (``http.ReplayStream`` removes the
 cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
-
-
-class _Failure(Exception):
-    """Ends the session with an ``error`` message (a request or engine problem)."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Session:
@@ -213,8 +192,8 @@ class Session:
                 # cancellation is left is this scope's to absorb, or the caller's.
                 except* ConnectionClosed:
                     self._disconnected()
-                except* _Failure as failures:  # a failure before streaming began
-                    failure = _first_leaf(failures)
+                except* StartFailure as failures:  # a failure before streaming began
+                    failure = first_failure(failures)
                     self._ending.end(Outcome.FAILED, (failure.code, failure.message))
                 except* Exception as errors:
                     logger.error("session %s: internal error", self.request_id, exc_info=errors)
@@ -311,9 +290,10 @@ class Session:
     # ----------------------------------------------------------- the session
 
     async def _run(self) -> None:
-        start = await self._receive_start()
-        if start is None:
+        received = await receive_start(self._ws, self._res, self._ending)
+        if received is None:
             return
+        start, self._start_received_at = received
         # The session slot is taken here, not at the upgrade; no checkpoint between the
         # server's count and this flag, so two starts can never take one slot.
         refusal = self._res.admit() if self._res.admit is not None else None
@@ -327,8 +307,13 @@ class Session:
         early = EarlyMessages(self._config.limits)
         async with trio.open_nursery() as preparing:
             preparing.start_soon(self._hold_early_messages, early)
-            request = await self._prepare(start)
+            prepared = await prepare(
+                start, self.request_id, self._res, self._calls, self._ending, self._keep_encoder
+            )
             preparing.cancel_scope.cancel()
+        request, self._scripts, self._pacer = prepared.request, prepared.scripts, prepared.pacer
+        self._event_ids |= self._scripts.event_ids
+        self._size, self._fps = (start.video.width, start.video.height), start.video.fps
         # From here a shutdown lets the session say goodbye properly, rather than
         # cutting the video.start about to be sent.
         self._streaming = True
@@ -361,6 +346,9 @@ class Session:
         if self._ending.outcome is None:
             self._ending.end(Outcome.COMPLETED)
 
+    def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
+        self._encoder = encoder
+
     def _open_taps(self, start: protocol.SessionStart) -> SessionTaps:
         """The session's followers, from the server; none if that fails (logged): a
         viewer or a recording is never a reason to refuse the session itself."""
@@ -373,90 +361,6 @@ class Session:
         except Exception:
             logger.exception("session %s: could not open its taps", self.request_id)
             return SessionTaps()
-
-    async def _receive_start(self) -> protocol.SessionStart | None:
-        with trio.move_on_after(self._config.start_timeout) as timeout:
-            try:
-                raw = await self._ws.get_message()
-            except ConnectionClosed:
-                self._ending.end(Outcome.DISCONNECTED)
-                return None
-            self._start_received_at = trio.current_time()
-        if timeout.cancelled_caught:
-            raise _Failure(ErrorCode.START_TIMEOUT, "Timeout waiting for session.start")
-        try:
-            start = protocol.parse_start(
-                raw,
-                limits=self._config.limits,
-                served_model=self._config.served_model,
-                defaults=self._res.engine.video_defaults,
-            )
-        except protocol.ProtocolError as exc:
-            self._ending.end(Outcome.REJECTED, (exc.code, exc.message))
-            return None
-        return start
-
-    async def _prepare(self, start: protocol.SessionStart) -> GenerationRequest:
-        """Decode inputs, open the encoder and the engine stream: every check before video.start."""
-        video = start.video
-        self._size = (video.width, video.height)
-        self._fps = video.fps
-        self._pacer = Pacer(start.pacing) if start.pacing is not None else None
-        try:
-            self._scripts = Scripts.from_start(start, interaction_kinds(self._res.engine))
-        except ScriptRefused as exc:
-            raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
-        self._event_ids |= self._scripts.event_ids
-        image: np.ndarray | None = None
-        if start.image is not None:
-            source = start.image
-            if isinstance(source, protocol.ImageURL):  # cancelled with the session
-                try:
-                    source = await fetch_image(source, self._config.image_urls)
-                except ImageFetchError as exc:
-                    raise _Failure(
-                        ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}"
-                    ) from exc
-            try:
-                async with self._res.image_limiter:
-                    image = await self._calls.in_thread(decode_image, source.data)
-            except EncodingError as exc:
-                raise _Failure(
-                    ErrorCode.INVALID_REQUEST, f"Invalid session.start: image_reference: {exc}"
-                ) from exc
-        options = start.codec_options
-        try:
-            self._encoder = await self._calls.in_thread(
-                lambda: FragmentedMP4Encoder(
-                    width=video.width, height=video.height, fps=video.fps, codec_options=options
-                )
-            )
-        except EncodingError as exc:
-            raise _Failure(
-                ErrorCode.INVALID_REQUEST,
-                f"Invalid session.start: extra_params.video_codec_options: {exc}",
-            ) from exc
-        assert self.request_id is not None
-        request = generation_request(start, self.request_id, image)
-        # The stall guard starts with the video; until then, this is the engine's deadline.
-        with trio.move_on_after(self._config.stall_timeout) as too_slow:
-            try:
-                await self._calls.open_stream(self._res.engine, request)
-            except InvalidRequestError as exc:
-                raise _Failure(ErrorCode.INVALID_REQUEST, f"Invalid session.start: {exc}") from exc
-            except Exception as exc:
-                logger.exception("session %s: engine could not open a stream", self.request_id)
-                raise _Failure(*engine_failure(exc, "opening the stream", self.request_id)) from exc
-        if too_slow.cancelled_caught:
-            logger.warning(
-                "session %s: the engine did not open a stream within %.1f s, aborting",
-                self.request_id,
-                self._config.stall_timeout,
-            )
-            error = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
-            self._ending.end(Outcome.STALLED, error)
-            raise _Failure(*error)
-        return request
 
     # --------------------------------------------------------- receive loop
 
@@ -815,12 +719,3 @@ def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
-
-
-def _first_leaf(group: BaseExceptionGroup[_Failure]) -> _Failure:
-    """The first exception of a (possibly nested) group."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    assert isinstance(first, _Failure)
-    return first

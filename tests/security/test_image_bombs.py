@@ -26,7 +26,7 @@ import pytest
 import trio
 import trio.testing
 
-import trio_vstream.session
+import trio_vstream.session_prepare
 from trio_vstream import encoding, image_header
 from trio_vstream.encoding import EncodingError, decode_image
 from trio_vstream.image_header import ImageHeader
@@ -278,7 +278,7 @@ async def test_a_server_decodes_a_bounded_number_of_images_at_once(
             with lock:
                 running_now[0] -= 1
 
-    monkeypatch.setattr(trio_vstream.session, "decode_image", held_decode)
+    monkeypatch.setattr(trio_vstream.session_prepare, "decode_image", held_decode)
     running = await start_server()
     limiter = running.server._resources.image_limiter
     start = {**START, "image_reference": {"image_url": data_url(png_bomb(200, 100))}}
