@@ -52,14 +52,20 @@ from trio_vstream import protocol
 from trio_vstream.logsafe import get_logger
 from trio_vstream.taps import SessionTaps
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Recorder", "open_part_file"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "Recorder", "open_part_file"]
 
 logger = get_logger(__name__)
 
 FORMAT: Final = "trio_vstream.recording"
 """The JSON's ``format`` field: what tells a recording from any other JSON file."""
-FORMAT_VERSION: Final = 1
-"""The JSON's ``version``: raised on any change a reader of older files would misread."""
+FORMAT_VERSION: Final = 2
+"""The JSON's ``version``: raised on any change a reader of older files would misread.
+Version 2 added ``"truncated"`` (``--record-max-bytes``): a version-1 reader would take
+a truncated recording for a complete one whose replay then "differs"."""
+
+READABLE_VERSIONS: Final = (1, 2)
+"""The versions ``replay`` reads: a version-1 file is a version-2 file that was never
+truncated (it has no ``"truncated"``, which reads as false)."""
 
 DEFAULT_MAX_QUEUED_BYTES: Final = 256 * 1024 * 1024
 """Chunk bytes a recording may have waiting for its writer: seconds of HD video, far

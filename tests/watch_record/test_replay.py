@@ -159,7 +159,8 @@ def write(tmp_path: Path, record: Any, name: str = "x.json") -> Path:
         (None, "cannot read .*missing.json: No such file or directory"),
         ("{not json", "is not a recording: invalid JSON"),
         ({"prompt": "x"}, 'is not a recording: no "format": "trio_vstream.recording"'),
-        (minimal_record(version=2), "recording version 2; this trio_vstream reads version 1"),
+        (minimal_record(version=3), "recording version 3; this trio_vstream reads versions 1 and"),
+        (minimal_record(version=True), "recording version True; this trio_vstream reads versions"),
         (minimal_record(request=None), "request is missing or not an object"),
         (
             minimal_record(image={"source": "url", "url": "https://images.test/a.png"}),
@@ -228,3 +229,19 @@ async def test_a_server_that_refuses_the_replay_exits_1(start_server: Any, tmp_p
     assert status == 1
     assert err.startswith("error: the server refused the replay: model_mismatch: ")
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("fields", "complete"),
+    [
+        ({"version": 1}, True),  # before "truncated" existed: never truncated
+        ({"version": 2, "truncated": False}, True),
+        ({"version": 2, "truncated": True}, False),
+        ({"version": 2, "truncated": True, "outcome": "stopped"}, False),
+    ],
+)
+def test_both_recording_versions_are_read_and_a_truncated_one_is_incomplete(
+    tmp_path: Path, fields: dict[str, Any], complete: bool
+) -> None:
+    plan = load_recording(write(tmp_path, minimal_record(**fields)))
+    assert plan.complete is complete

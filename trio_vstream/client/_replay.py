@@ -58,7 +58,7 @@ from trio_vstream.client._cli import (
 from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
 from trio_vstream.client._results import ReceivedChunk, StreamConnectError, StreamResult
 from trio_vstream.client._stream import stream_video
-from trio_vstream.recording import FORMAT, FORMAT_VERSION
+from trio_vstream.recording import FORMAT, READABLE_VERSIONS
 
 __all__ = [
     "EXIT_MISMATCH",
@@ -137,10 +137,10 @@ def load_recording(
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ReplayError(f'{path} is not a recording: no "format": "{FORMAT}"')
     version = record.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise ReplayError(
-            f"{path}: recording version {version!r}; this trio_vstream reads version "
-            f"{FORMAT_VERSION}"
+            f"{path}: recording version {version!r}; this trio_vstream reads versions {readable}"
         )
     where = str(path)
     request = _get(record, "request", dict, where)
