@@ -97,21 +97,35 @@ class PlaybackGate:
     was sent, and so cannot open the gate for good with one huge number).
     """
 
-    def __init__(self, buffer_seconds: float) -> None:
+    def __init__(self, buffer_seconds: float, fps: int, num_frames: int) -> None:
         self.buffer_seconds = buffer_seconds
-        self.generated_seconds = 0.0
-        """Media generated so far, in seconds (the chunks' frames over the fps)."""
+        self.fps = fps
+        self.num_frames = num_frames
+        """The video's length: once it is all made, nothing waits for the playhead."""
+        self.frames = 0
+        """Frames generated so far."""
         self.position = 0.0
         """The playhead: the furthest position reported, clamped to `generated_seconds`."""
         self._changed = trio.Event()
 
+    @property
+    def generated_seconds(self) -> float:
+        """Media generated so far, in seconds."""
+        return self.frames / self.fps
+
+    @property
+    def finished(self) -> bool:
+        """Every frame of the video is made: the engine's next call only says so, and
+        must not wait for a playhead (it would hold the video's end for nothing)."""
+        return self.frames >= self.num_frames
+
     def may_generate(self) -> bool:
         """Whether the next chunk may be generated now."""
-        return self.generated_seconds - self.position < self.buffer_seconds
+        return self.finished or self.generated_seconds - self.position < self.buffer_seconds
 
-    def generated(self, seconds: float) -> None:
-        """A chunk of ``seconds`` of media was generated."""
-        self.generated_seconds += seconds
+    def generated(self, frames: int) -> None:
+        """A chunk of ``frames`` frames was generated."""
+        self.frames += frames
 
     def report(self, position: float) -> None:
         """The client reports its playhead (finite and >= 0: the protocol checked it)."""

@@ -417,17 +417,22 @@ class Session:
         # The protocol stays pure: an id the client left out is minted here.
         event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
         refusal = self._apply_interaction(event_id, message)
+        if refusal is not None and refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL:
+            if self._ending.outcome is None:
+                # As in vllm-omni: never dropped in silence; the video request ends with
+                # it (the terminal error says so), and later ones get a control error.
+                logger.warning("session %s: %s", self.request_id, refusal[1])
+                error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
+                self._taps.call("interaction", event_id, message, error)
+                self.stop(Outcome.FAILED, refusal)
+                return
+            refusal = ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {refusal[1]}"
         if refusal is None:
             self._taps.call("interaction", event_id, message, None)
             await self._sender.send(protocol.InteractionQueued(self.request_id, event_id))
             return
         error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
         self._taps.call("interaction", event_id, message, error)
-        if refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL and self._ending.outcome is None:
-            # As in vllm-omni: never dropped in silence; the video request ends with it.
-            logger.warning("session %s: %s", self.request_id, refusal[1])
-            self.stop(Outcome.FAILED, refusal)
-            return
         await self._sender.send(error)
 
     def _apply_interaction(
@@ -557,10 +562,9 @@ class Session:
                 return
             index += 1
             self._queue.started(chunk.started_event_ids)
-            seconds = len(chunk.frames) / self._fps
-            self._queue.open_window(began, seconds)
+            self._queue.open_window(began, len(chunk.frames) / self._fps)
             if self._gate is not None:
-                self._gate.generated(seconds)
+                self._gate.generated(len(chunk.frames))
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
@@ -575,12 +579,15 @@ class Session:
         row only inside ``next_chunk``). A stop ends either wait. Then the interactions
         held for this chunk, handed over; one the engine refuses now gets its error now.
         """
-        deadline = self._queue.deadline
-        if deadline is not None:
-            await trio.sleep_until(deadline)
-            self._touch()
-        if self._gate is not None:
-            await self._gate.wait()
+        gate = self._gate
+        if gate is not None:
+            if gate.finished:  # the engine's next call ends the video: nothing to wait for
+                return
+            deadline = self._queue.deadline
+            if deadline is not None:
+                await trio.sleep_until(deadline)
+                self._touch()
+            await gate.wait()
         for change in self._queue.take():
             refusal = self._hand_over(stream, change)
             if refusal is not None:

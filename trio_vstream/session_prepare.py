@@ -128,7 +128,7 @@ async def prepare(
     video = start.video
     pacer = Pacer(start.pacing) if start.pacing is not None else None
     buffer = start.request.streaming_buffer_seconds
-    gate = PlaybackGate(buffer) if buffer is not None else None
+    gate = PlaybackGate(buffer, video.fps, video.num_frames) if buffer is not None else None
     # A paced camera session: its interactions wait for their chunk's action window.
     queue = InteractionQueue(
         windows=gate is not None and "camera" in interaction_kinds(resources.engine)
