@@ -39,20 +39,11 @@ whichever task notices it first (the rules: `outcomes`).
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-This module keeps the nursery and the outcome (about 720 lines): the tasks of a
-session share that state (the outcome, the cancel scopes, the counts), and how a
-session ends reads best in one place. The parts that need none of it live beside
-it, each tested alone: how a session ends and what the client is told
-(``outcomes``), the send discipline (``sending``), its first message and every check
-before ``video.start`` (``session_prepare``), the engine's request made from a
-``session.start`` (``session_request``), pacing to media time and to the client's
-playhead (``pacing``), its pending interactions (``interaction_queue``), what is
-kept of the messages sent while a session prepares (``early_messages``), its
-blocking calls and engine stream (``session_calls``) and what it borrows from the
-server (``session_resources``). Further off: how sessions share the engine's steps
-in ``steps``, engine calls left to finish in their threads in ``engine_calls``,
-scripted interactions in ``scripts``, the session's followers (viewers, recordings)
-in ``taps``, fetching an image URL in ``image_fetch``.
+This module keeps the nursery and the outcome: the tasks of a session share that
+state (the outcome, the cancel scopes, the counts), and how a session ends reads best
+in one place. The parts that need none of it live beside it as ``session_*`` modules
+and the session's units (``outcomes``, ``sending``, ``pacing``, ``interaction_queue``,
+...), each tested alone; the layout map in docs/architecture.md says what each holds.
 """
 
 from __future__ import annotations
@@ -61,7 +52,6 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Literal
 
 import trio
@@ -71,10 +61,9 @@ from trio_vstream import protocol
 from trio_vstream.early_messages import EarlyMessages
 from trio_vstream.encoding import EncodingAbandoned, EncodingError, FragmentedMP4Encoder
 from trio_vstream.engine_calls import EngineCall
-from trio_vstream.engines.base import Chunk, EngineError, EngineStream, PromptChange
-from trio_vstream.engines.frames import frames_to_uint8_array
+from trio_vstream.engines.base import Chunk, EngineStream
+from trio_vstream.engines.frames import frame_count
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
-from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outcomes import (
     Ending,
@@ -86,9 +75,9 @@ from trio_vstream.outcomes import (
 )
 from trio_vstream.pacing import Pacer, PlaybackGate
 from trio_vstream.protocol import ErrorCode
-from trio_vstream.scripts import Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
-from trio_vstream.session_calls import SessionCalls
+from trio_vstream.session_calls import SessionCalls, close_quietly, encode_chunk
+from trio_vstream.session_interactions import Interactions
 from trio_vstream.session_prepare import StartFailure, first_failure, prepare, receive_start
 from trio_vstream.session_request import config_echo
 from trio_vstream.session_resources import (
@@ -98,7 +87,7 @@ from trio_vstream.session_resources import (
     SessionConfig,
 )
 from trio_vstream.steps import SessionCheckpoint
-from trio_vstream.taps import SessionTaps, TapSet
+from trio_vstream.taps import TapSet, open_taps
 
 __all__ = [  # what the server and its tests use, whichever module holds it
     "IMAGE_DECODES_AT_ONCE",
@@ -160,7 +149,6 @@ class Session:
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
-        self._event_ids: set[str] = set()
         self._chunks_sent = 0
         self._frames_generated = 0
         self._started_at = time.monotonic()
@@ -173,13 +161,11 @@ class Session:
         """Set when the client asked for pacing (`trio_vstream.pacing`)."""
         self._gate: PlaybackGate | None = None
         """Set when the client asked for ``streaming_buffer_seconds`` (`pacing` too)."""
-        self._queue = InteractionQueue()
-        """Its pending interactions, bounded (`trio_vstream.interaction_queue`)."""
         self._taps = TapSet("", ())
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
-        self._scripts = Scripts()
-        """The request's scripted interactions, handed to the engine before their chunks."""
+        self._interactions = Interactions(interaction_kinds(resources.engine))
+        """Its live interactions and scripts (`trio_vstream.session_interactions`)."""
 
     # ----------------------------------------------------------------- entry
 
@@ -221,7 +207,7 @@ class Session:
             with trio.CancelScope(shield=True):
                 encoder, self._encoder = self._encoder, None
                 if encoder is not None:
-                    await self._calls.in_thread(_close_quietly, encoder)
+                    await self._calls.in_thread(close_quietly, encoder)
             self._calls.abandon_detached()
             stats.sessions_active -= 1
             self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
@@ -308,6 +294,7 @@ class Session:
             return
         self.admitted = True
         self.request_id = self._calls.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self._interactions.request_id = self.request_id
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
         early = EarlyMessages(self._config.limits)
@@ -317,14 +304,13 @@ class Session:
                 start, self.request_id, self._res, self._calls, self._ending, self._keep_encoder
             )
             preparing.cancel_scope.cancel()
-        request, self._scripts, self._pacer = prepared.request, prepared.scripts, prepared.pacer
-        self._gate, self._queue = prepared.gate, prepared.queue
-        self._event_ids |= self._scripts.event_ids
+        request, self._pacer, self._gate = prepared.request, prepared.pacer, prepared.gate
+        self._interactions.prepared(prepared.scripts, prepared.queue)
         self._size, self._fps = (start.video.width, start.video.height), start.video.fps
         # From here a shutdown lets the session say goodbye properly, rather than
         # cutting the video.start about to be sent.
         self._streaming = True
-        taps = self._open_taps(start)
+        taps = open_taps(self._res.taps, self.request_id, start)
         stream = self._calls.stream
         video_start = protocol.VideoStart(
             self.request_id,
@@ -355,19 +341,6 @@ class Session:
 
     def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
         self._encoder = encoder
-
-    def _open_taps(self, start: protocol.SessionStart) -> SessionTaps:
-        """The session's followers, from the server; none if that fails (logged): a
-        viewer or a recording is never a reason to refuse the session itself."""
-        factory = self._res.taps
-        if factory is None:
-            return SessionTaps()
-        assert self.request_id is not None
-        try:
-            return factory(self.request_id, start)
-        except Exception:
-            logger.exception("session %s: could not open its taps", self.request_id)
-            return SessionTaps()
 
     # --------------------------------------------------------- receive loop
 
@@ -416,7 +389,9 @@ class Session:
         assert self.request_id is not None
         # The protocol stays pure: an id the client left out is minted here.
         event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
-        refusal = self._apply_interaction(event_id, message)
+        refusal = self._interactions.accept(
+            event_id, message, self._calls.stream, trio.current_time()
+        )
         if refusal is not None and refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL:
             if self._ending.outcome is None:
                 # As in vllm-omni: never dropped in silence; the video request ends with
@@ -434,55 +409,6 @@ class Session:
         error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
         self._taps.call("interaction", event_id, message, error)
         await self._sender.send(error)
-
-    def _apply_interaction(
-        self, event_id: str, message: protocol.Interaction
-    ) -> tuple[ErrorCode, str] | None:
-        """Hand the interaction to the engine (a paced camera session holds it for its
-        chunk's action window), or say why not (code and message).
-
-        Any refusal leaves the event id unused, so the client may retry with it.
-        """
-        if event_id in self._event_ids:
-            return ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict"
-        change = PromptChange(event_id, message.prompt, message.transition_chunks, message.camera)
-        # An engine only ever sees the kinds it declared (a prompt-only engine could not
-        # act on a camera, and would fail or, worse, silently drop it).
-        refusal = kinds_refusal(change.kinds, interaction_kinds(self._res.engine))
-        if refusal is not None:
-            return ErrorCode.INTERACTION_FAILED, refusal
-        if change.camera is not None and self._scripts.owns_camera:
-            # As in vllm-omni, a scripted session's camera is the script's: a live camera
-            # would be overridden at the next scripted chunk, so it is refused outright.
-            return ErrorCode.INTERACTION_FAILED, (
-                f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}"
-            )
-        stream = self._calls.stream
-        if stream is None:  # generation is over; nothing can take the change
-            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
-        if self._queue.full:
-            return ErrorCode.INTERACTION_QUEUE_FULL, (
-                f"Interaction queue full: {self._queue.limit} interactions pending; "
-                f"event {event_id[:64]!r} ends the video request"
-            )
-        self._event_ids.add(event_id)
-        if self._queue.windows:  # handed over when its chunk starts (`_before_chunk`)
-            self._queue.hold(change, trio.current_time())
-            return None
-        return self._hand_over(stream, change)
-
-    def _hand_over(self, stream: EngineStream, change: PromptChange) -> SessionError | None:
-        """Give the engine an accepted interaction; a refusal frees its event id."""
-        try:
-            stream.interact(change)
-        except Exception as exc:
-            self._event_ids.discard(change.event_id)
-            if isinstance(exc, EngineError):  # the engine refuses it and says why
-                return ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {exc}"
-            logger.exception("session %s: failed to apply interaction", self.request_id)
-            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
-        self._queue.handed(change.event_id)
-        return None
 
     # ---------------------------------------------------------- stall guard
 
@@ -543,7 +469,7 @@ class Session:
             began = trio.current_time()
             try:
                 # The scripts' entries for this chunk, queued at its boundary.
-                for change in self._scripts.before_chunk(index):
+                for change in self._interactions.scripts.before_chunk(index):
                     stream.interact(change)
                 chunk = await self._calls.next_chunk(stream, self._checkpoint)
             except trio.Cancelled:
@@ -561,10 +487,11 @@ class Session:
                 self._ending.generated_all = True
                 return
             index += 1
-            self._queue.started(chunk.started_event_ids)
-            self._queue.open_window(began, len(chunk.frames) / self._fps)
+            frames = frame_count(chunk.frames)
+            self._interactions.queue.started(chunk.started_event_ids)
+            self._interactions.queue.open_window(began, frames / self._fps)
             if self._gate is not None:
-                self._gate.generated(len(chunk.frames))
+                self._gate.generated(frames)
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
@@ -583,17 +510,13 @@ class Session:
         if gate is not None:
             if gate.finished:  # the engine's next call ends the video: nothing to wait for
                 return
-            deadline = self._queue.deadline
+            deadline = self._interactions.queue.deadline
             if deadline is not None:
                 await trio.sleep_until(deadline)
                 self._touch()
             await gate.wait()
-        for change in self._queue.take():
-            refusal = self._hand_over(stream, change)
-            if refusal is not None:
-                assert self.request_id is not None
-                error = protocol.Error(*refusal, self.request_id, change.event_id)
-                await self._sender.send(error)
+        for event_id, refusal in self._interactions.take_due(stream):
+            await self._sender.send(protocol.Error(*refusal, self.request_id, event_id))
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None
@@ -614,11 +537,11 @@ class Session:
                 # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
                 # left behind, the call keeps the encoder and closes it when it returns.
                 encoding = EngineCall(
-                    _encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+                    encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                 )
                 try:
                     frames, data = await self._calls.call(
-                        encoding, lambda _result: _close_quietly(encoder)
+                        encoding, lambda _result: close_quietly(encoder)
                     )
                 except EncodingAbandoned:
                     logger.info(
@@ -764,22 +687,3 @@ class Session:
             logger.exception("session %s: encoder failed to finish", self.request_id)
             self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
             return None
-
-
-def _encode_chunk(
-    encoder: FragmentedMP4Encoder,
-    chunk: Chunk,
-    width: int,
-    height: int,
-    abandon: Callable[[], bool],
-) -> tuple[int, bytes]:
-    """Worker-thread part of delivery: tensor to array, then H.264 into fMP4."""
-    frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
-    return frames.shape[0], encoder.encode(frames, abandon=abandon)
-
-
-def _close_quietly(encoder: FragmentedMP4Encoder) -> None:
-    try:
-        encoder.close()
-    except Exception:
-        logger.debug("encoder close failed", exc_info=True)

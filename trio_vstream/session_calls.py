@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from trio_vstream.encoding import FragmentedMP4Encoder
 from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import Chunk, Engine, EngineStream, GenerationRequest
+from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.logsafe import get_logger
 from trio_vstream.session_resources import ServerResources
 from trio_vstream.steps import SessionCheckpoint
@@ -233,3 +235,26 @@ def _close_opened(opened: outcome.Outcome[EngineStream]) -> None:
             opened.value.close()
         except Exception:
             logger.exception("engine stream close failed (opened after its session left)")
+
+
+def encode_chunk(
+    encoder: FragmentedMP4Encoder,
+    chunk: Chunk,
+    width: int,
+    height: int,
+    abandon: Callable[[], bool],
+) -> tuple[int, bytes]:
+    """A session's encode, in a worker thread: tensor to array, then H.264 into fMP4
+    (its frame count and bytes). An `EngineCall`: a GPU tensor's copy to the host may
+    block for good on a hung kernel."""
+    frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
+    return frames.shape[0], encoder.encode(frames, abandon=abandon)
+
+
+def close_quietly(encoder: FragmentedMP4Encoder) -> None:
+    """Close an encoder whose output nobody reads any more (a session that failed or was
+    left behind): a failure is a debug line, not the session's error."""
+    try:
+        encoder.close()
+    except Exception:
+        logger.debug("encoder close failed", exc_info=True)

@@ -83,3 +83,17 @@ class TapSet:
                     method,
                 )
                 self._taps.remove(tap)
+
+
+def open_taps(
+    factory: TapFactory | None, request_id: str, start: protocol.SessionStart
+) -> SessionTaps:
+    """A session's followers, from the server's factory; none if that fails (logged): a
+    viewer or a recording is never a reason to refuse the session itself."""
+    if factory is None:
+        return SessionTaps()
+    try:
+        return factory(request_id, start)
+    except Exception:
+        logger.exception("session %s: could not open its taps", request_id)
+        return SessionTaps()

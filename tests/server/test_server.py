@@ -623,7 +623,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     lock = threading.Lock()
     busy = 0
     most = 0
-    real_encode = session_module._encode_chunk
+    real_encode = session_module.encode_chunk
 
     def counting_encode(*args: Any) -> Any:
         nonlocal busy, most
@@ -637,7 +637,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
             with lock:
                 busy -= 1
 
-    monkeypatch.setattr(session_module, "_encode_chunk", counting_encode)
+    monkeypatch.setattr(session_module, "encode_chunk", counting_encode)
     results: list[Transcript] = []
 
     async def one() -> None:

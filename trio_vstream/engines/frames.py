@@ -37,3 +37,14 @@ def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray
             f"expected {expected}"
         )
     return np.ascontiguousarray(frames)
+
+
+def frame_count(frames: Any) -> int:
+    """How many frames an engine's chunk holds, read without touching their data (a GPU
+    tensor's shape is on the host, its copy may block); 0 when it cannot be told: the
+    encode, which checks the frames, then says what is wrong with them."""
+    shape = getattr(frames, "shape", None)
+    try:
+        return int(shape[0]) if shape is not None else len(frames)
+    except (TypeError, IndexError, ValueError):
+        return 0

@@ -1,0 +1,114 @@
+"""A session's live interactions: which ones it accepts, and when its engine gets each.
+
+A ``session.interaction`` passes four checks in order, and the first it fails is the
+client's answer: its event id is new to the session; the engine takes its kinds (an
+engine only ever sees the kinds it declared: a prompt-only engine could not act on a
+camera, and would fail or, worse, drop it in silence); a scripted session's camera is
+the script's (as in vllm-omni: a live camera would be overridden at the next scripted
+chunk); and the pending queue has room (`interaction_queue`: at most 64). Generation
+being over fails it too: nothing can take the change any more.
+
+An accepted interaction is then handed to the engine at once, or, in a paced camera
+session, held for the chunk whose action window it came in (`interaction_queue`), and
+handed over when that chunk starts (`Interactions.take_due`). A refusal at any point
+leaves its event id unused, so that the client may retry with it.
+
+No socket and no Trio: the session sends what this decides (``session.interaction.queued``,
+an error, or the end of the video request when the queue is full), so each rule is tested
+by calling it.
+"""
+
+from __future__ import annotations
+
+from trio_vstream import protocol
+from trio_vstream.engines.base import EngineError, EngineStream, PromptChange
+from trio_vstream.interaction_queue import InteractionQueue
+from trio_vstream.logsafe import get_logger
+from trio_vstream.outcomes import SessionError
+from trio_vstream.protocol import ErrorCode
+from trio_vstream.scripts import Scripts, kinds_refusal
+
+__all__ = ["Interactions"]
+
+logger = get_logger(__name__)
+
+
+class Interactions:
+    """One session's interactions: its event ids, its scripts and its pending queue."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self.kinds = kinds
+        """The interaction kinds the engine declared."""
+        self.request_id: str | None = None
+        """For logs, once the session has one."""
+        self.event_ids: set[str] = set()
+        """Every event id in use: accepted live ones and the scripts' own."""
+        self.scripts = Scripts()
+        """The request's scripted interactions, handed to the engine before their chunks."""
+        self.queue = InteractionQueue()
+        """Its pending interactions, bounded (`trio_vstream.interaction_queue`)."""
+
+    def prepared(self, scripts: Scripts, queue: InteractionQueue) -> None:
+        """The request's scripts and its queue (paced or not), once ``session.start`` is
+        checked."""
+        self.scripts, self.queue = scripts, queue
+        self.event_ids |= scripts.event_ids
+
+    def accept(
+        self,
+        event_id: str,
+        message: protocol.Interaction,
+        stream: EngineStream | None,
+        now: float,
+    ) -> SessionError | None:
+        """Hand the interaction to ``stream`` (``None`` once generation is over), or
+        hold it for its action window, received at ``now``; else say why not.
+
+        ``interaction_queue_full`` is the one refusal that ends the video request: the
+        session decides what that means for the client.
+        """
+        if event_id in self.event_ids:
+            return ErrorCode.EVENT_ID_CONFLICT, "event_id_conflict"
+        change = PromptChange(event_id, message.prompt, message.transition_chunks, message.camera)
+        refusal = kinds_refusal(change.kinds, self.kinds)
+        if refusal is not None:
+            return ErrorCode.INTERACTION_FAILED, refusal
+        if change.camera is not None and self.scripts.owns_camera:
+            return ErrorCode.INTERACTION_FAILED, (
+                f"this session's camera follows its extra_params.{protocol.CAMERA_SCRIPT_PARAM}"
+            )
+        if stream is None:  # generation is over; nothing can take the change
+            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        if self.queue.full:
+            return ErrorCode.INTERACTION_QUEUE_FULL, (
+                f"Interaction queue full: {self.queue.limit} interactions pending; "
+                f"event {event_id[:64]!r} ends the video request"
+            )
+        self.event_ids.add(event_id)
+        if self.queue.windows:  # handed over when its chunk starts (`take_due`)
+            self.queue.hold(change, now)
+            return None
+        return self._hand_over(stream, change)
+
+    def take_due(self, stream: EngineStream) -> list[tuple[str, SessionError]]:
+        """Hand the engine the interactions held for the chunk about to start; the
+        event id and refusal of each one it refuses now (the client is told then)."""
+        refused = []
+        for change in self.queue.take():
+            refusal = self._hand_over(stream, change)
+            if refusal is not None:
+                refused.append((change.event_id, refusal))
+        return refused
+
+    def _hand_over(self, stream: EngineStream, change: PromptChange) -> SessionError | None:
+        """Give the engine an accepted interaction; a refusal frees its event id."""
+        try:
+            stream.interact(change)
+        except Exception as exc:
+            self.event_ids.discard(change.event_id)
+            if isinstance(exc, EngineError):  # the engine refuses it and says why
+                return ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {exc}"
+            logger.exception("session %s: failed to apply interaction", self.request_id)
+            return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        self.queue.handed(change.event_id)
+        return None
