@@ -221,6 +221,14 @@ class PromptChange:
     """Chunk boundaries over which to blend; ``None`` means the engine's default."""
     camera: Camera | None = None
     """The camera motion or pose, already validated (finite, a unit quaternion)."""
+    window_offset: float = 0.0
+    """Where in the chunk's action window the change was received, as a fraction in
+    [0, 1) of the window (paced camera sessions; see `trio_vstream.pacing`). 0.0, the
+    default and always the value in unpaced sessions, means "from the chunk's first
+    frame". An engine may use it to place or integrate the change inside the chunk
+    (a velocity pressed late in the window counts for less of it, a short press
+    still counts); one that ignores it applies the change from the chunk's start,
+    which is still correct, only less precise."""
 
     @property
     def kinds(self) -> frozenset[str]:
