@@ -48,6 +48,7 @@ def camera(x: float = 0.0, y: float = 0.0) -> Camera:
         # Out of order (one clock cannot do that): a change takes effect no earlier than
         # the one before it, so the last to arrive is in force at the end, as scheduled.
         ([steer(RIGHT, 0.5), steer(LEFT, 0.25)], {STILL: 0.5, LEFT: 0.5}),
+        ([steer(RIGHT, 0.5), steer(LEFT, 1.5)], {STILL: 0.5, RIGHT: 0.5}),  # past the end
     ],
 )
 def test_each_key_weighs_its_share_of_the_window(
@@ -67,6 +68,7 @@ def test_the_mix_before_the_first_change_is_the_previous_chunks_mix() -> None:
     [
         [],  # nothing received
         [steer(RIGHT, 0.0), steer(LEFT, 0.0)],  # all from the first frame, as unpaced
+        [steer(RIGHT, float("nan"))],  # not finite (the session never sends it): as 0
         [WindowChange(key="|blue", offset=0.6, steer=False)],  # a prompt
         [steer(RIGHT, 0.3), WindowChange(key="right|p", offset=0.6, steer=False)],  # a blend
     ],

@@ -460,13 +460,13 @@ def window_shares(
     prompt, a blend over chunks), gives None: every change applies from the chunk's
     first frame, exactly as in an unpaced session.
     """
-    if not any(change.offset > 0.0 for change in window) or not all(
-        change.steer for change in window
-    ):
+    # The session sends offsets in [0, 1); anything else (not finite) counts as 0.
+    offsets = [change.offset if math.isfinite(change.offset) else 0.0 for change in window]
+    if not any(offset > 0.0 for offset in offsets) or not all(change.steer for change in window):
         return None
     segments = [(0.0, tuple(before))]
-    for change in window:
-        start = min(max(change.offset, segments[-1][0]), 1.0)
+    for change, offset in zip(window, offsets, strict=True):
+        start = min(max(offset, segments[-1][0]), 1.0)
         segments.append((start, ((change.key, 1.0),)))
     ends = [start for start, _ in segments[1:]] + [1.0]
     shares: dict[str, float] = {}
