@@ -189,6 +189,15 @@ class InteractAtOnce(ToyStream):
         return self.schedule.next_conditioning().chunk(frames, self.index - 1)
 
 
+class DropsMidWindow(ToyStream):
+    """Drops a change received inside a chunk's action window (``window_offset`` > 0),
+    as an engine that misread the offset as "not for this chunk" would."""
+
+    def interact(self, change: PromptChange) -> None:
+        if change.window_offset == 0.0:
+            super().interact(change)
+
+
 class WrongFrames(ToyStream):
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
         chunk = super().next_chunk(checkpoint)
@@ -228,6 +237,7 @@ BROKEN = {
     "a stopped stream keeps the engine's slot": (LeakingEngine, {"timeout": HANG}, "cancellation"),
     "interact waits for the chunk": (engine_with(InteractWaits), {"timeout": HANG}, "interact"),
     "a change applied mid-chunk": (engine_with(InteractAtOnce), {}, "interact"),
+    "a mid-window change dropped": (engine_with(DropsMidWindow), {}, "interact"),
     "float frames": (engine_with(WrongFrames), {}, "chunks"),
     "batched rows differ": (MixesRows, {}, "batching"),
     "no open_stream": (Incomplete, {}, "interface"),

@@ -227,8 +227,9 @@ class PromptChange:
     middle. Only a paced camera session (``streaming_buffer_seconds`` on an engine that
     takes cameras) sets it: each chunk's window is as long as its media, so a key
     pressed halfway through it belongs halfway through the chunk it steers. Always 0.0
-    otherwise. An engine may use it to place (or integrate) the change inside the
-    chunk; one that ignores it applies the change from the chunk's start, which is
+    otherwise. An engine may use it to place or integrate the change inside the chunk
+    (a velocity pressed late in the window counts for less of it, a short press still
+    counts); one that ignores it applies the change from the chunk's start, which is
     still correct, only less precise."""
 
     @property

@@ -11,13 +11,17 @@ shapes`` works on a fresh machine with no GPU and no network.
 Per stream: slots the prompt leaves out are drawn once from the seed (a
 request without a seed gets a random one, logged), so an interaction that
 names only a new colour keeps the rest; so is where the object starts when
-there is no reference image (given to the model as a position hint). The
+there is no reference image (given to the model as a position hint), away from
+the edges so that the first frame shows it whole (`start_position`). The
 conditioning of each chunk is the ``PromptSchedule`` mix of prompt embeddings,
-weighted as the reference's transition rules say. The native 32x32 frames are
-resized to the requested size inside the engine (bilinear; the square world is
-stretched to other aspect ratios) and converted to uint8 on the model's
-device, so a CUDA chunk crosses to the host once, in the server's delivery
-thread.
+weighted as the reference's transition rules say. Camera steers received within
+a paced chunk's action window (``PromptChange.window_offset``) are integrated
+over the window: the chunk moves the way of their net displacement
+(`window_shares`, `integrated_motion`), so a short press counts. The native
+32x32 frames are resized to the requested size inside the engine (bilinear; the
+square world is stretched to other aspect ratios) and converted to uint8 on the
+model's device, so a CUDA chunk crosses to the host once, in the server's
+delivery thread.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ from trio_vstream.models.shapes.model import (
     load_weights,
     slot_vectors,
 )
-from trio_vstream.models.shapes.render import position_hint
+from trio_vstream.models.shapes.render import NATIVE_SIZE, SIZE_RADII, position_hint
 from trio_vstream.models.shapes.sampler import StepInput, denoise, sample
 from trio_vstream.models.shapes.vocab import (
+    MOTION_VECTORS,
     SLOT_NAMES,
     SeedDefaults,
     Slots,
@@ -246,6 +251,14 @@ class ShapesStream:
         self._prompt = request.prompt
         self._steered_motion: str | None = None
         self._schedule = PromptSchedule(_key(request.prompt, None))
+        # The window of the next chunk (see `window_shares`): each change queued for
+        # it, with its key and offset. Taken with the schedule's queue under one lock, so
+        # that a change `interact` queues from the event loop's thread is in both or in
+        # neither when `next_chunk` takes them.
+        self._window_lock = threading.Lock()
+        self._window: list[WindowChange] = []
+        self._last_mix: tuple[tuple[str, float], ...] = ((_key(request.prompt, None), 1.0),)
+        self._prompt_motions: dict[str, str] = {}
         self._embeddings: dict[str, torch.Tensor] = {}
         self._embedding(_key(request.prompt, None))  # unknown words are logged at the start
         device = engine.device
@@ -263,8 +276,7 @@ class ShapesStream:
             self._context_mask = torch.ones(1, device=device)
         else:
             # Where the object starts: drawn from the seed, like the slots a prompt omits.
-            rng = random.Random(f"shapes-start-{self.seed}")
-            start = torch.tensor([rng.uniform(0, size), rng.uniform(0, size)], device=device)
+            start = torch.tensor(start_position(self.seed, size), device=device)
             self._hint = position_hint(start[:1], start[1:], size)
         self._generator = torch.Generator(device).manual_seed(self.seed)
         self._frames_done = 0
@@ -305,9 +317,16 @@ class ShapesStream:
         transition = change.transition_chunks
         if change.prompt is None and transition is None:
             transition = 0
-        self._schedule.push(
-            PromptChange(change.event_id, _key(prompt, motion), transition, change.camera)
-        )
+        key = _key(prompt, motion)
+        with self._window_lock:
+            self._schedule.push(PromptChange(change.event_id, key, transition, change.camera))
+            self._window.append(
+                WindowChange(
+                    key=key,
+                    offset=change.window_offset,
+                    steer=change.prompt is None and transition == 0,
+                )
+            )
         self._prompt, self._steered_motion = prompt, motion
 
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
@@ -315,12 +334,16 @@ class ShapesStream:
         remaining = request.num_frames - self._frames_done
         if remaining <= 0:
             return None
-        conditioning = self._schedule.next_conditioning()
+        with self._window_lock:
+            conditioning = self._schedule.next_conditioning()
+            window, self._window = self._window, []
+        mix = self._integrated(window, conditioning.mix)
+        self._last_mix = conditioning.mix
         model = self._engine.model
         config = model.config
         with torch.inference_mode():
             cond = sum(
-                (weight * self._embedding(key) for key, weight in conditioning.mix),
+                (weight * self._embedding(key) for key, weight in mix),
                 start=torch.zeros_like(self._uncond),
             )
             with checkpoint.batched(self._engine.run_batch) as step:
@@ -353,8 +376,132 @@ class ShapesStream:
         self._frames_done += count
         return conditioning.chunk(frames, index)
 
+    def _integrated(
+        self, window: Sequence[WindowChange], mix: tuple[tuple[str, float], ...]
+    ) -> tuple[tuple[str, float], ...]:
+        """The chunk's mix with the steers of its window integrated (a paced session's).
+
+        ``mix`` is the schedule's: the last steer's key from the first frame. With steers
+        placed in the window, the chunk takes the last steer's prompt with the motion of
+        the window's integrated velocity (`window_shares`, `integrated_motion`); the next
+        chunk goes on from ``mix``, the velocity in force at the window's end.
+        """
+        shares = window_shares(self._last_mix, window)
+        if shares is None:
+            return mix
+        motions: dict[str, float] = {}
+        for key, share in shares.items():
+            motion = self._motion_of(key)
+            motions[motion] = motions.get(motion, 0.0) + share
+        last = window[-1].key
+        prompt = last.partition("|")[2]
+        return ((_key(prompt, integrated_motion(motions, self._motion_of(last))), 1.0),)
+
+    def _motion_of(self, key: str) -> str:
+        """The motion a conditioning key gives: its steer, else its prompt's or the seed's."""
+        motion, _, prompt = key.partition("|")
+        if motion:
+            return motion
+        if prompt not in self._prompt_motions:
+            self._prompt_motions[prompt] = self.slots_for(prompt).motion or "still"
+        return self._prompt_motions[prompt]
+
     def close(self) -> None:
         self._embeddings.clear()
+
+
+START_MARGIN: Final = SIZE_RADII[-1] + 2.5
+"""How far (native pixels, at the native size) the start position keeps from the edges.
+
+The largest object's radius, plus one frame of motion (the model's first frame is one
+step on from the start), plus a pixel and a half for anti-aliasing and the model's own
+blur: so the first frame shows the object whole, never cut in two across the torus's
+edges, whatever its size and motion."""
+
+
+def start_position(seed: int, size: int) -> tuple[float, float]:
+    """Where a stream's object starts (x, y in native pixels), drawn from its seed.
+
+    Uniform over the square `START_MARGIN` in from the edges of the world. The world
+    is a torus, so any position is valid to the model, but a start near an edge shows
+    the first frames' object in pieces at opposite edges, which a viewer reads as two
+    objects: the start is a choice of the engine's, and it chooses a whole object.
+    """
+    margin = START_MARGIN * size / NATIVE_SIZE
+    rng = random.Random(f"shapes-start-{seed}")
+    return rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
+
+
+@attrs.frozen
+class WindowChange:
+    """A change queued for the next chunk, as `window_shares` sees it."""
+
+    key: str
+    """The conditioning key in force from the change on (see `_key`)."""
+    offset: float
+    """``PromptChange.window_offset``: where in the chunk's action window it came."""
+    steer: bool
+    """A camera-only change that switches at once: the only kind placed in the window."""
+
+
+def window_shares(
+    before: Sequence[tuple[str, float]], window: Sequence[WindowChange]
+) -> dict[str, float] | None:
+    """The share of a chunk's action window each conditioning key was in force, or None
+    when the window's changes apply from the chunk's first frame.
+
+    ``before`` (the mix the previous chunk ended with) is in force from 0 to the first
+    change's offset, then each change's key from its offset to the next change's, the
+    last one's to the end of the window. Changes count in arrival order, as the schedule
+    applies them: one never takes effect before an earlier one.
+
+    Only steers are placed (camera-only changes that switch at once: a paced session's
+    key presses). A window with no change past offset 0, or with any other change (a
+    prompt, a blend over chunks), gives None: every change applies from the chunk's
+    first frame, exactly as in an unpaced session.
+    """
+    # The session sends offsets in [0, 1); anything else (not finite) counts as 0.
+    offsets = [change.offset if math.isfinite(change.offset) else 0.0 for change in window]
+    if not any(offset > 0.0 for offset in offsets) or not all(change.steer for change in window):
+        return None
+    segments = [(0.0, tuple(before))]
+    for change, offset in zip(window, offsets, strict=True):
+        start = min(max(offset, segments[-1][0]), 1.0)
+        segments.append((start, ((change.key, 1.0),)))
+    ends = [start for start, _ in segments[1:]] + [1.0]
+    shares: dict[str, float] = {}
+    for (start, mix), end in zip(segments, ends, strict=True):
+        for key, weight in mix:
+            shares[key] = shares.get(key, 0.0) + (end - start) * weight
+    return {key: share for key, share in shares.items() if share > 1e-9}
+
+
+def integrated_motion(shares: Mapping[str, float], last: str) -> str:
+    """The motion that follows a window's integrated velocity: its shapes-world steer.
+
+    ``shares`` is the share of the window each motion was in force; ``last`` the one in
+    force at its end. The shapes model moves its object one pixel a frame or not at all,
+    and a mix of motion embeddings is not a slower motion (measured: the heavier motion
+    wins, at full speed), so the chunk cannot move "a quarter of the way". What it can
+    follow is the direction of the integrated velocity, the window's net displacement:
+    the motion whose axis and sign carry most of it, "still" when it is nil. So a short
+    press (still, right for a fifth of the window, still) moves the object right in that
+    chunk; right for a quarter after left for three quarters keeps it going left; equal
+    and opposite cancel. A tie goes to ``last``, the steer the next chunk continues.
+    """
+    dx = sum(share * MOTION_VECTORS[motion][0] for motion, share in shares.items())
+    dy = sum(share * MOTION_VECTORS[motion][1] for motion, share in shares.items())
+    along = {
+        motion: dx * vector[0] + dy * vector[1]
+        for motion, vector in MOTION_VECTORS.items()
+        if vector != (0, 0)
+    }
+    best = max(along.values())
+    if best < 1e-6:
+        return "still"
+    if along.get(last, -1.0) >= best - 1e-9:
+        return last
+    return next(motion for motion, value in along.items() if value >= best - 1e-9)
 
 
 def _key(prompt: str, motion: str | None) -> str:

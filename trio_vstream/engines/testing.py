@@ -81,7 +81,8 @@ RULES: Final[dict[str, str]] = {
     "cancellation": "after a stream is stopped at any checkpoint, or fails, the engine serves "
     "the next stream",
     "interact": "interact only queues: it returns while next_chunk waits in a checkpoint, and "
-    "the change starts at the next chunk",
+    "the change starts at the next chunk, a change received mid-window (window_offset in "
+    "(0, 1)) too",
     "batching": "an engine with max_batch > 1 makes the same frames for rows stepped together "
     "as for rows stepped alone",
 }
@@ -152,7 +153,8 @@ def check_engine(
     ``request`` is what every stream asks for (`default_request` when None): keep it
     small, as the kit runs many streams. One stream runs to its end, to check the frames
     it makes; the others run at most ``chunks`` chunks: one stopped at each of their
-    checkpoints in turn, one failed at its first, one interacted with, and for an engine
+    checkpoints in turn, one failed at its first, two interacted with (a change while
+    chunk 0 is made, and one received halfway through a window), and for an engine
     with ``max_batch`` > 1, a few stepped alone and then together, whose frames may
     differ by ``batch_atol`` levels (batched arithmetic sums in another order). An engine
     call that takes longer than ``timeout`` seconds counts as hung. The engine is closed
@@ -394,6 +396,7 @@ class _Kit:
             self.check_close_unstepped()
             self.check_stops(full)
             self.check_interact(full)
+            self.check_window_offset(full)
             self.check_batching()
         except _Skip:
             pass
@@ -613,6 +616,16 @@ class _Kit:
                 once="propagate",
             )
 
+    def interaction(self, event_id: str, window_offset: float = 0.0) -> PromptChange | None:
+        """A change of a kind the engine takes (a prompt, else a camera); None if none."""
+        kinds = interaction_kinds(self.engine)
+        if "prompt" in kinds:
+            return PromptChange(event_id, "a blue square moving up", 0, window_offset=window_offset)
+        if "camera" in kinds:
+            camera = Camera("velocity", (0.0, 0.0, 1.0), (0.0, 0.0, 0.0, 1.0))
+            return PromptChange(event_id, None, 0, camera, window_offset=window_offset)
+        return None
+
     def check_interact(self, full: _Run) -> None:
         """A change arrives while ``next_chunk`` waits in the last checkpoint of chunk 0,
         as one from a client arrives while the engine works: ``interact`` must return
@@ -622,13 +635,8 @@ class _Kit:
         interaction is pending until a chunk lists it there, and a session may have at
         most `protocol.MAX_PENDING_INTERACTIONS` pending (`trio_vstream.interaction_queue`),
         so an engine that never lists them ends its sessions' video requests after 64."""
-        kinds = interaction_kinds(self.engine)
-        if "prompt" in kinds:
-            change = PromptChange("check-engine-1", "a blue square moving up", 0)
-        elif "camera" in kinds:
-            camera = Camera("velocity", (0.0, 0.0, 1.0), (0.0, 0.0, 0.0, 1.0))
-            change = PromptChange("check-engine-1", None, 0, camera)
-        else:
+        change = self.interaction("check-engine-1")
+        if change is None:
             return
         if not full.steps_per_chunk or not full.steps_per_chunk[0]:
             return  # no checkpoint to wait in (the checkpoint rule said so)
@@ -677,6 +685,42 @@ class _Kit:
         elif first[0].error is not None:
             self.fail("interact", f"next_chunk {first[0].ending()} after an interaction")
         self.close(stream, "after an interaction")
+
+    def check_window_offset(self, full: _Run) -> None:
+        """A change received halfway through chunk 1's action window (a paced session's,
+        ``window_offset`` 0.5) starts at chunk 1 like any other: an engine may place it
+        inside the chunk or apply it from the chunk's start, but never drop or defer it."""
+        change = self.interaction("check-engine-offset", window_offset=0.5)
+        if change is None or len(full.chunks) < 2:
+            return
+        stream = self.open(self.request)
+        try:
+            first = self.drive(stream, _Probe(), 1)
+            if first.error is not None or not first.chunks:
+                self.fail("interact", f"next_chunk {first.ending()} before a mid-window change")
+                self.close(stream, "after a failed chunk")
+                return
+            try:
+                _in_thread("interact", self.timeout, stream.interact, change)
+            except Exception as exc:  # _Hung too: interact must only queue
+                self.fail("interact", f"interact({change!r}) raised {exc!r}")
+                raise _Skip from exc
+            following = self.drive(stream, _Probe(), 1, made=1)
+        except _Hung as exc:
+            self.fail("interact", f"{exc} (a change with window_offset 0.5)")
+            raise _Skip from exc
+        self.close(stream, "after a mid-window change")
+        if following.error is not None:
+            self.fail(
+                "interact", f"a change with window_offset 0.5: next_chunk {following.ending()}"
+            )
+        elif not any(change.event_id in chunk.started_event_ids for chunk in following.chunks):
+            self.fail(
+                "interact",
+                "a change with window_offset 0.5 is not in the next chunk's "
+                "started_event_ids: place it in the chunk or apply it from the chunk's "
+                "start, but start it there",
+            )
 
     def check_started(self, event_id: str, first: _Run, following: _Run) -> None:
         if following.error is not None:
