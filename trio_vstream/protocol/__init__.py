@@ -69,6 +69,7 @@ from trio_vstream.protocol._messages import (
     interaction_message,
     parse_control,
     parse_server_message,
+    playback_message,
     start_message,
 )
 from trio_vstream.protocol._start import (
@@ -151,6 +152,7 @@ __all__ = [
     "parse_control",
     "parse_server_message",
     "parse_start",
+    "playback_message",
     "safe_text",
     "start_message",
 ]

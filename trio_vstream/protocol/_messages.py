@@ -52,6 +52,7 @@ __all__ = [
     "interaction_message",
     "parse_control",
     "parse_server_message",
+    "playback_message",
     "start_message",
 ]
 
@@ -360,6 +361,17 @@ def interaction_message(
     build a message the server refuses, to test it).
     """
     return Interaction(event_id, prompt, transition_chunks, camera).to_json()
+
+
+def playback_message(position_seconds: float) -> str:
+    """Build a ``session.playback``: the playhead the client has shown, in media seconds.
+
+    vllm-omni's feedback for a session that opted in with ``streaming_buffer_seconds``
+    (about every 100 ms as the playhead advances). Sent as given, like `start_message`:
+    a client may build a negative one the server refuses, to test it. A NaN or an
+    infinity raises `ValueError`: JSON has no way to write one.
+    """
+    return dump_json({"type": "session.playback", "position_seconds": position_seconds})
 
 
 # --------------------------------------------------------------------------------------
