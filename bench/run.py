@@ -24,6 +24,10 @@
 * ``effect`` (by name, not in ``all``): a camera interaction sent -> the first chunk
   generated under it, at 1 and 8 sessions and 8-, 4- and 2-frame chunks, against the
   delivered fps each chunk size gives.
+* ``streaming`` (by name, not in ``all``): the shapes engine at 1, 4 and 8 sessions, with
+  and without ``streaming_buffer_seconds``: time to first chunk, chunk inter-arrival,
+  real-time factor, and a simulated real-time viewer's chunks on time, continuous play
+  ratio, underruns and stall time; and whether paused sessions cost the others anything.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -110,6 +114,7 @@ from bench.scenarios.diffusers import (
 )
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
+from bench.scenarios.streaming import StreamingScenario
 
 _read = read_file
 _START_TIME = START_TIME
@@ -144,6 +149,7 @@ __all__ = [
     "ServerProcess",
     "SessionClient",
     "Settings",
+    "StreamingScenario",
     "Target",
     "_read",
     "build_parser",
@@ -211,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching and effect, which take minutes: name them)",
+        "(all leaves out batching, effect and streaming, which take minutes: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -413,6 +419,11 @@ async def main_async(args: argparse.Namespace) -> int:
             effect = EffectScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await effect.run(run, Path(log_dir))
+        streaming: StreamingScenario | None = None
+        if "streaming" in s.scenarios:
+            streaming = StreamingScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await streaming.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -446,9 +457,11 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
-    sections: list[BatchingScenario | EffectScenario] = []
+    sections: list[BatchingScenario | EffectScenario | StreamingScenario] = []
     section_verdicts: list[dict[str, Any]] = []
-    for name, section in (("batching", batching), ("effect", effect)):
+    named: tuple[tuple[str, BatchingScenario | EffectScenario | StreamingScenario | None], ...]
+    named = (("batching", batching), ("effect", effect), ("streaming", streaming))
+    for name, section in named:
         if section is not None:
             judged = section.evaluate()
             report[name] = section.to_json(judged)
