@@ -48,13 +48,14 @@ from bench._settings import Settings
 from bench._stats import Figures, percentile
 from bench.scenarios._own_server import (
     SERVER_FRAME_LIMIT,
+    SHAPES_PROMPT,
     chunk_rate,
     serving,
     shapes_target,
-    start_json,
     started_context,
     wait_all,
 )
+from trio_vstream import protocol
 from trio_vstream.client import PlaybackViewer
 
 MODES: Final = ("unpaced", "paced")
@@ -118,6 +119,11 @@ def stream_figures(
         underruns=figures.underruns,
         stall_s=figures.stall_seconds,
     )
+
+
+def chunks_since(client: SessionClient, since: float) -> int:
+    """Media chunks the session received at or after ``since``."""
+    return sum(1 for t, _, _ in client.arrivals if t >= since)
 
 
 def paused_verdict(alone: Sequence[float], paused: Sequence[float]) -> dict[str, Any]:
@@ -196,9 +202,18 @@ class StreamingScenario:
         return max(1, round(s.streaming_seconds * s.fps))
 
     def start_json(self, num_frames: int, buffer_s: float | None) -> str:
+        """The sessions' ``session.start``: seeded, as the other shapes scenarios'; a paced
+        one with vllm-omni's ``streaming_buffer_seconds`` (a top-level field)."""
         s = self.settings
         paced = {} if buffer_s is None else {"streaming_buffer_seconds": buffer_s}
-        return start_json(s.streaming_width, s.streaming_height, s.fps, num_frames, **paced)
+        return protocol.start_message(
+            SHAPES_PROMPT,
+            size=f"{s.streaming_width}x{s.streaming_height}",
+            fps=s.fps,
+            num_frames=num_frames,
+            seed=7,
+            **paced,
+        )
 
     async def run(self, run: int, log_dir: Path) -> None:
         s = self.settings
@@ -295,6 +310,13 @@ class StreamingScenario:
                 return
             window[0] = now()
             await trio.sleep(s.paused_window_s)
+            # A rate needs two chunks in the window: a window too short for that (the
+            # quick form's, beside 4 active sessions on a busy machine) lasts until each
+            # session has had them, bounded by the session timeout.
+            with trio.move_on_after(s.session_timeout_s):
+                for client in active:
+                    while chunks_since(client, window[0]) < 2 and client.terminal is None:
+                        await client.wait_chunk_since(now())
             window[1] = now()
             for client in active:
                 if client.terminal is None:

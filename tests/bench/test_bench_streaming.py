@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 
 from bench import run as bench
+from bench._client import SessionClient
+from bench._server import Endpoint
 from bench.scenarios.streaming import (
     CONFIGURATIONS,
     MIN_NOISE,
     MODES,
+    chunks_since,
     paused_verdict,
     stream_figures,
 )
@@ -83,6 +86,12 @@ def test_paused_sessions_cost_no_more_than_noise(
     assert verdict["threshold"] == pytest.approx(threshold)
     median = sorted(paused)[len(paused) // 2] / sorted(alone)[len(alone) // 2]
     assert verdict["measured"] == pytest.approx(median)
+
+
+def test_chunks_since_counts_arrivals_from_a_time() -> None:
+    client = SessionClient(Endpoint.parse("ws://127.0.0.1:1/"), None)
+    client.arrivals = [(1.0, 8, 1), (2.0, 8, 1), (3.0, 8, 1)]
+    assert [chunks_since(client, t) for t in (0.0, 2.0, 2.5, 4.0)] == [3, 2, 1, 0]
 
 
 def test_paused_verdict_needs_both_measurements() -> None:

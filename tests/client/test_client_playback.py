@@ -33,6 +33,7 @@ from tests.fake_reference import (
 from trio_vstream import cli
 from trio_vstream.client import StreamOutcome, stream_video
 from trio_vstream.client._cli import DEFAULT_BUFFER_SECONDS, _start_fields, add_client_arguments
+from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"prompt": "a red circle", "size": "64x48", "fps": 8}
 VIDEO_START_8FPS = json.dumps(
@@ -80,7 +81,7 @@ async def test_a_paced_session_reports_the_real_playhead(nursery: trio.Nursery) 
     assert sent[0] >= 0.1
     first_chunk_only = [p for p in sent if p <= 0.25]
     assert first_chunk_only[-1] == 0.25 and sent.count(0.25) == 1
-    assert result.playback_reports >= len(sent)
+    assert [p for _, p in result.playback_sent][: len(sent)] == sent
     viewer = result.viewer
     assert viewer is not None
     figures = viewer.figures(viewer.clock)
@@ -88,7 +89,7 @@ async def test_a_paced_session_reports_the_real_playhead(nursery: trio.Nursery) 
     assert figures.stall_seconds > 0 and figures.buffered == 0.5
     summary = result.summary()["playback"]
     assert summary["streaming_buffer_seconds"] == 0.5
-    assert summary["reports"] == result.playback_reports
+    assert summary["reports"] == len(result.playback_sent)
     assert summary["underruns"] == 1 and summary["on_time_share"] == 0.5
     assert summary["time_to_first_frame_s"] == pytest.approx(result.time_to_first_chunk, abs=1e-3)
 
@@ -112,7 +113,7 @@ async def test_an_unpaced_session_is_watched_but_gets_no_reports(nursery: trio.N
     result = await stream_video(peer.url, START, playback=True)
     assert result.outcome is StreamOutcome.COMPLETED
     assert [m["type"] for m in peer.received] == ["session.start"]
-    assert result.playback_reports == 0
+    assert result.playback_sent == []
     summary = result.summary()["playback"]
     assert summary["streaming_buffer_seconds"] is None
     assert summary["chunks"] == 2 and summary["buffered_s"] == 0.5
@@ -134,6 +135,34 @@ async def test_without_playback_there_is_no_viewer(nursery: trio.Nursery) -> Non
     assert result.viewer is None and result.summary()["playback"] is None
     status, out, _ = finish(result)
     assert status == 0 and "time to first frame" not in out
+
+
+@pytest.mark.slow
+async def test_our_server_generates_no_further_ahead_than_the_buffer(start_server: Any) -> None:
+    # A 1 s video in 0.25 s chunks, made far faster than real time, paced to a 0.5 s
+    # buffer: each chunk arrives at most the buffer and one chunk (the one in flight)
+    # ahead of the playhead last reported, so the video takes about its own length.
+    running = await start_server(SyntheticSettings(chunk_frames=2))
+    buffer_s, chunk_s = 0.5, 0.25
+    result = await stream_video(
+        running.url,
+        {**START, "num_frames": 8, "streaming_buffer_seconds": buffer_s},
+        playback=True,
+    )
+    assert result.outcome is StreamOutcome.COMPLETED and result.errors == []
+    assert result.frames == 8 and result.playback_sent
+    received = 0.0
+    for chunk in result.chunks:
+        if not chunk.num_frames:
+            continue
+        received += chunk.num_frames / 8
+        reported = [p for t, p in result.playback_sent if t <= chunk.received_at]
+        lead = received - (reported[-1] if reported else 0.0)
+        assert lead <= buffer_s + chunk_s + 1e-9, (chunk, reported)
+    assert result.first_chunk_at is not None and result.last_media_at is not None
+    assert result.last_media_at - result.first_chunk_at >= 1.0 - buffer_s - chunk_s
+    viewer = result.viewer
+    assert viewer is not None and viewer.figures(viewer.clock).chunks == 4
 
 
 async def test_a_startup_threshold_at_the_window_is_refused_before_connecting() -> None:

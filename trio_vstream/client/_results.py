@@ -188,8 +188,9 @@ class StreamResult:
     viewer: PlaybackViewer | None = attrs.field(default=None, repr=False)
     """The simulated real-time viewer of ``stream_video(playback=True)``: what a person
     watching at 1x from the first frame saw (`playback_figures`)."""
-    playback_reports: int = 0
-    """``session.playback`` messages sent (only to a session that opted into pacing)."""
+    playback_sent: list[tuple[float, float]] = attrs.field(factory=list, repr=False)
+    """(time, position) of each ``session.playback`` sent (only to a session that opted
+    into pacing)."""
 
     @property
     def request_id(self) -> str | None:
@@ -246,7 +247,7 @@ class StreamResult:
         return {
             "streaming_buffer_seconds": buffer_seconds,
             "startup_s": viewer.startup_seconds,
-            "reports": self.playback_reports,
+            "reports": len(self.playback_sent),
             **figures.summary(),
         }
 

@@ -477,7 +477,7 @@ class _StreamRun:
                 await ws.send_message(self.machine.playback(position))
             except ConnectionClosed:
                 return  # the receive loop learns why
-            self.result.playback_reports += 1
+            self.result.playback_sent.append((trio.current_time(), position))
 
     async def _send_due_interactions(self, ws: WebSocketConnection) -> None:
         """Send every interaction whose media time the delivered video has reached."""

@@ -1,10 +1,10 @@
 """Every message after ``session.start``, both ways, and their one (un)structuring converter.
 
 Client to server: `Stop`, `Ping`, `Interaction`, `Playback` (parsed by `parse_control`, built by
-`start_message` / `interaction_message` or ``to_json``). Server to client: `VideoStart`,
-`ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error` (built by
-``to_json``, parsed by `parse_server_message`, ours or the reference's), and to a
-viewer of a watch link, this project's `WatchStart` first.
+`start_message` / `interaction_message` / `playback_message` or ``to_json``). Server to
+client: `VideoStart`, `ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error`
+(built by ``to_json``, parsed by `parse_server_message`, ours or the reference's), and to
+a viewer of a watch link, this project's `WatchStart` first.
 
 No message writes its own JSON: ``to_json`` is one method that hands the object to
 `_WIRE`, a cattrs converter whose hooks put ``type`` first and leave out the optional
@@ -410,7 +410,7 @@ def playback_message(position_seconds: float) -> str:
     a client may build a negative one the server refuses, to test it. A NaN or an
     infinity raises `ValueError`: JSON has no way to write one.
     """
-    return dump_json({"type": "session.playback", "position_seconds": position_seconds})
+    return Playback(position_seconds).to_json()
 
 
 # --------------------------------------------------------------------------------------
