@@ -111,6 +111,9 @@ class Settings:
     """Length of each streaming session's video (it runs to its end)."""
     streaming_buffer_s: float = 1.0
     """``streaming_buffer_seconds`` of the paced sessions (and of the paused ones)."""
+    streaming_startup_s: float = 0.0
+    """The simulated viewers' startup threshold: media buffered before the playhead
+    starts (0: at the first frame; below ``streaming_buffer_s``)."""
     streaming_width: int = 64
     streaming_height: int = 64
     paused_active: int = 4

@@ -167,8 +167,12 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     ),
     "streaming.{M}.n{N}.ttfc_ms": (
         "ms",
-        "paced/unpaced, N sessions: session.start sent -> first media chunk (time to first "
-        "chunk; the simulated viewer's first frame, with no startup threshold)",
+        "paced/unpaced, N sessions: session.start sent -> first media chunk (time to first chunk)",
+    ),
+    "streaming.{M}.n{N}.ttff_ms": (
+        "ms",
+        "paced/unpaced, N sessions: session.start sent -> the simulated viewer's first frame "
+        "(once its startup threshold of media is buffered)",
     ),
     "streaming.{M}.n{N}.interarrival_ms": (
         "ms",

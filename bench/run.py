@@ -115,6 +115,7 @@ from bench.scenarios.diffusers import (
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
 from bench.scenarios.streaming import StreamingScenario
+from trio_vstream.client import check_startup
 
 _read = read_file
 _START_TIME = START_TIME
@@ -277,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the batching scenario's levels, batch size and device (default: quick with "
         "--quick, else gpu where CUDA is available, else cpu)",
     )
+    add(
+        "--streaming-startup",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the streaming scenario's viewers start once this much media is buffered "
+        "(default 0: at the first frame; below its streaming_buffer_seconds, 1)",
+    )
     add("--diffusers-worker", default=None, help=argparse.SUPPRESS)
     add("--output", type=Path, default=None, help="JSON path (default bench/results/<time>.json)")
     add("--strict", action="store_true", help="exit with status 1 when a target is missed")
@@ -319,10 +328,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ("window", "window_s"),
         ("thread_wait", "thread_wait_s"),
         ("abort_samples", "abort_samples"),
+        ("streaming_startup", "streaming_startup_s"),
     ):
         if getattr(args, option) is not None:
             overrides[field] = getattr(args, option)
     overrides["repeat"] = max(1, overrides.get("repeat", 1 if args.quick else 3))
+    startup = overrides.get("streaming_startup_s", 0.0)
+    try:
+        check_startup(startup, Settings(scenarios=()).streaming_buffer_s)
+    except ValueError as exc:
+        raise SystemExit(f"--streaming-startup: {exc}") from None
     scenarios = tuple(name for name in SCENARIOS if name in chosen)
     if args.quick:
         return Settings.quick_settings(scenarios, **overrides)

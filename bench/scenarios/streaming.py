@@ -56,7 +56,7 @@ from bench.scenarios._own_server import (
     wait_all,
 )
 from trio_vstream import protocol
-from trio_vstream.client import PlaybackViewer
+from trio_vstream.client import PlaybackViewer, check_startup
 
 MODES: Final = ("unpaced", "paced")
 CONFIGURATIONS: Final = ("alone", "paused", "active")
@@ -75,6 +75,8 @@ class StreamFigures:
     """One session's streaming figures (`stream_figures`)."""
 
     ttfc_s: float
+    ttff_s: float
+    """``session.start`` sent -> the viewer's first frame (its startup threshold met)."""
     interarrival_s: tuple[float, ...]
     rtf: float
     on_time_share: float
@@ -88,17 +90,19 @@ def stream_figures(
     started_at: float,
     ended_at: float | None,
     fps: int,
+    startup_s: float = 0.0,
 ) -> StreamFigures | None:
     """The figures of one session from its media arrivals ``(time, frames, bytes)``,
     ``session.start`` sent at ``started_at``, the stream's end (its terminal message;
     None: its last chunk) and the frame rate; None without a chunk.
 
-    The viewer's figures are a `PlaybackViewer` replayed on the arrivals and taken once
-    its playhead has reached the end: what a person who watched it all saw.
+    The viewer's figures are a `PlaybackViewer` (startup threshold ``startup_s``)
+    replayed on the arrivals and taken once its playhead has reached the end: what a
+    person who watched it all saw.
     """
     if not arrivals:
         return None
-    viewer = PlaybackViewer(started_at)
+    viewer = PlaybackViewer(started_at, startup_seconds=startup_s)
     for t, frames, _ in arrivals:
         viewer.receive(t, frames / fps)
     last = arrivals[-1][0]
@@ -109,13 +113,16 @@ def stream_figures(
     media = sum(frames for _, frames, _ in arrivals) / fps
     ratio = figures.continuous_play_ratio
     share = figures.on_time_share
-    assert ratio is not None and share is not None
+    ttff = figures.time_to_first_frame
+    assert share is not None and ttff is not None
     return StreamFigures(
         ttfc_s=arrivals[0][0] - started_at,
+        ttff_s=ttff,
         interarrival_s=tuple(b[0] - a[0] for a, b in itertools.pairwise(arrivals)),
         rtf=media / (last - started_at) if last > started_at else math.inf,
         on_time_share=share,
-        continuous_play_ratio=ratio,
+        # A video shorter than its startup threshold plays at its end, without a stall.
+        continuous_play_ratio=1.0 if ratio is None else ratio,
         underruns=figures.underruns,
         stall_s=figures.stall_seconds,
     )
@@ -150,10 +157,11 @@ class _Watcher:
     """A session's live simulated viewer: fed each chunk as it is recorded and, for a
     paced session, sending its playhead every 100 ms (`PlaybackViewer.report`)."""
 
-    def __init__(self, client: SessionClient, fps: int, report: bool) -> None:
+    def __init__(self, client: SessionClient, fps: int, report: bool, startup_s: float) -> None:
         self.client = client
         self.fps = fps
         self.report = report
+        self.startup_s = startup_s
         self.viewer: PlaybackViewer | None = None
 
     async def run(self) -> None:
@@ -161,7 +169,7 @@ class _Watcher:
         await client.connected.wait()
         if client.t_start_sent is None:
             return  # the connection failed
-        viewer = self.viewer = PlaybackViewer(client.t_start_sent)
+        viewer = self.viewer = PlaybackViewer(client.t_start_sent, startup_seconds=self.startup_s)
         for t, frames, _ in client.arrivals:  # none yet, unless the server was very quick
             viewer.receive(t, frames / self.fps)
         client.on_media = lambda t, frames: viewer.receive(t, frames / self.fps)
@@ -182,6 +190,7 @@ class StreamingScenario:
     """The scenario over all runs: its server, figures, checks and verdicts."""
 
     def __init__(self, s: Settings, server_args: Sequence[str]) -> None:
+        check_startup(s.streaming_startup_s, s.streaming_buffer_s)
         self.settings = s
         self.figures = Figures()
         self.checks: list[dict[str, Any]] = []
@@ -239,7 +248,10 @@ class StreamingScenario:
             SessionClient(ctx.endpoint, self.start_json(self.num_frames, buffer_s))
             for _ in range(level)
         ]
-        watchers = [_Watcher(client, s.fps, report=buffer_s is not None) for client in clients]
+        watchers = [
+            _Watcher(client, s.fps, report=buffer_s is not None, startup_s=s.streaming_startup_s)
+            for client in clients
+        ]
 
         async def body() -> None:
             async with trio.open_nursery() as nursery:
@@ -250,13 +262,14 @@ class StreamingScenario:
         failures = report_failures(clients, f"streaming {mode} N={level}")
         await ctx.check_after(f"streaming {mode} n{level}")
         results = [
-            stream_figures(c.arrivals, c.t_start_sent, c.t_terminal, s.fps)
+            stream_figures(c.arrivals, c.t_start_sent, c.t_terminal, s.fps, s.streaming_startup_s)
             for c in clients
             if c.t_start_sent is not None and not c.problem
         ]
         figures = [f for f in results if f is not None]
         prefix = f"streaming.{mode}.n{level}"
         ctx.add(f"{prefix}.ttfc_ms", [f.ttfc_s * 1000 for f in figures])
+        ctx.add(f"{prefix}.ttff_ms", [f.ttff_s * 1000 for f in figures])
         ctx.add(f"{prefix}.interarrival_ms", [d * 1000 for f in figures for d in f.interarrival_s])
         ctx.add(f"{prefix}.rtf", [f.rtf for f in figures])
         ctx.add(f"{prefix}.on_time_share", [f.on_time_share for f in figures])
@@ -386,7 +399,8 @@ class StreamingScenario:
             f"{s.fps} fps, {s.streaming_seconds:g} s videos; "
             f"{','.join(map(str, s.streaming_levels))} session(s), unpaced and paced "
             f"(streaming_buffer_seconds "
-            f"{s.streaming_buffer_s:g}, the simulated viewer's playhead reported every 100 ms). "
+            f"{s.streaming_buffer_s:g}, the simulated viewer's playhead reported every 100 ms; "
+            f"its startup threshold {s.streaming_startup_s:g} s). "
             f"Paused sessions: {s.paused_active} unpaced sessions alone, beside "
             f"{s.paused_idle} paused and beside {s.paused_idle} active ones, "
             f"{s.paused_window_s:g} s each, {s.paused_reps} time(s) per run",

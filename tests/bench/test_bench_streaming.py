@@ -59,6 +59,19 @@ def test_a_stream_slower_than_real_time_stalls_at_every_chunk() -> None:
     assert figures.continuous_play_ratio == pytest.approx((4 / 3) / (4 / 3 + 0.5))
 
 
+def test_a_startup_threshold_delays_the_first_frame_and_absorbs_jitter() -> None:
+    # Chunks at exactly real time (1/3 s apart), one of them 0.1 s late.
+    arrivals = [(0.3, 8, 1), (0.633, 8, 1), (1.066, 8, 1), (1.3, 8, 1)]
+    at_once = stream_figures(arrivals, 0.0, 1.3, 24)
+    assert at_once is not None and at_once.ttff_s == at_once.ttfc_s == 0.3
+    assert at_once.underruns == 1 and at_once.stall_s == pytest.approx(0.1, abs=1e-3)
+    # Half a second buffered first: the first frame waits for the second chunk, and the
+    # late chunk is still in time.
+    buffered = stream_figures(arrivals, 0.0, 1.3, 24, startup_s=0.5)
+    assert buffered is not None and buffered.ttfc_s == 0.3 and buffered.ttff_s == 0.633
+    assert (buffered.underruns, buffered.stall_s, buffered.continuous_play_ratio) == (0, 0, 1)
+
+
 def test_the_end_of_the_stream_is_not_a_stall() -> None:
     # The last chunk, then session.done: the viewer plays what it has, to the end.
     figures = stream_figures([(0.2, 24, 1), (0.4, 24, 1)], 0.0, 0.45, 24)
@@ -113,6 +126,11 @@ def test_catalogue_and_settings() -> None:
     assert bench.settings_from(parse(["--scenario", "streaming"])).streaming_levels == (1, 4, 8)
     with pytest.raises(SystemExit):
         bench.settings_from(parse(["--scenario", "streaming", "--url", "ws://h:1/v"]))
+    startup = parse(["--scenario", "streaming", "--streaming-startup", "0.5"])
+    assert bench.settings_from(startup).streaming_startup_s == 0.5
+    for bad in ("1", "-1"):  # at the 1 s window, or below 0
+        with pytest.raises(SystemExit, match="--streaming-startup"):
+            bench.settings_from(parse(["--scenario", "streaming", "--streaming-startup", bad]))
     target = bench.StreamingScenario(bench.Settings(scenarios=("streaming",)), []).target
     assert target.engine == "shapes"
 
@@ -155,6 +173,8 @@ def test_every_mode_and_level_has_sane_figures(quick: dict[str, Any]) -> None:
             assert _figure(quick, f"{prefix}.errors")["max"] == 0, quick["stderr"][-3000:]
             ttfc = _figure(quick, f"{prefix}.ttfc_ms")
             assert ttfc["n"] == level and 0 < ttfc["min"] <= ttfc["p99"] < 30_000, prefix
+            # No startup threshold: the first frame shows as the first chunk arrives.
+            assert _figure(quick, f"{prefix}.ttff_ms")["runs"] == ttfc["runs"], prefix
             assert _figure(quick, f"{prefix}.interarrival_ms")["min"] >= 0, prefix
             assert _figure(quick, f"{prefix}.rtf")["min"] > 0, prefix
             for ratio in ("on_time_share", "continuous_play_ratio"):
