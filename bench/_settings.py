@@ -39,7 +39,7 @@ ALL_SCENARIOS: Final = SCENARIOS[:5]
 """What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
 ``effect`` (~3 min) are asked for by name: together they would more than double the
 default run, and they measure the shapes engine rather than the transport; so does
-``streaming`` (~2 min)."""
+``streaming`` (~5 min)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
