@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 from trio_websocket import WebSocketConnection
@@ -55,17 +56,19 @@ async def receive_reports(ws: WebSocketConnection, peer: Peer, until: float) -> 
 
 
 async def test_a_paced_session_reports_the_real_playhead(nursery: trio.Nursery) -> None:
-    # Two chunks of 2 frames at 8 fps (0.25 s each); the peer sends the second only once
-    # the playhead has reached the end of the first: the viewer stalls there, once, and
-    # its reports never run past what arrived.
-    blobs = encode_clip(gradient_chunks(2, 2), fps=8)
+    # A chunk of 2 frames at 8 fps (0.25 s), then one of 4 (0.5 s, so that the end of
+    # the stream comes well before the playhead reaches it); the peer sends the second
+    # only once the playhead has reached the end of the first: the viewer stalls there,
+    # once, and its reports never run past what arrived.
+    first, *rest = gradient_chunks(3, 2)
+    blobs = encode_clip([first, np.concatenate(rest)], fps=8)
 
     async def paced(ws: WebSocketConnection, peer: Peer) -> None:
         await receive_json(ws, peer)
         await ws.send_message(VIDEO_START_8FPS)
         await send_reference_chunk(ws, blobs[0], 0, 2)
         await receive_reports(ws, peer, until=0.25)
-        await send_reference_chunk(ws, blobs[1], 1, 2)
+        await send_reference_chunk(ws, blobs[1], 1, 4)
         await receive_reports(ws, peer, until=0.35)
         await send_reference_chunk(ws, blobs[2], 0, 0)
         await send_session_done(ws, chunks=3)
@@ -86,7 +89,7 @@ async def test_a_paced_session_reports_the_real_playhead(nursery: trio.Nursery) 
     assert viewer is not None
     figures = viewer.figures(viewer.clock)
     assert (figures.chunks, figures.late_chunks, figures.underruns) == (2, 1, 1)
-    assert figures.stall_seconds > 0 and figures.buffered == 0.5
+    assert figures.stall_seconds > 0 and figures.buffered == 0.75
     summary = result.summary()["playback"]
     assert summary["streaming_buffer_seconds"] == 0.5
     assert summary["reports"] == len(result.playback_sent)
@@ -224,12 +227,13 @@ def test_playback_usage_errors_exit_2(
 
 @pytest.mark.slow
 async def test_cli_playback_reports_and_summarises(nursery: trio.Nursery, tmp_path: Path) -> None:
-    blobs = encode_clip(gradient_chunks(1, 4), fps=8)
+    # One 1 s chunk: the session ends long before the playhead runs out.
+    blobs = encode_clip(gradient_chunks(1, 8), fps=8)
 
     async def paced(ws: WebSocketConnection, peer: Peer) -> None:
         await receive_json(ws, peer)
         await ws.send_message(VIDEO_START_8FPS)
-        await send_reference_chunk(ws, blobs[0], 0, 4)
+        await send_reference_chunk(ws, blobs[0], 0, 8)
         await receive_reports(ws, peer, until=0.2)
         await send_reference_chunk(ws, blobs[1], 0, 0)
         await send_session_done(ws, chunks=2)
