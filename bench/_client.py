@@ -66,6 +66,10 @@ class SessionClient:
         the first delivered frames generated under it."""
         self.control_errors: list[str] = []
         """Errors that answered an interaction and left the session going."""
+        self.on_media: Callable[[float, int], None] | None = None
+        """Called with (arrival time, frames) for each media chunk as it is recorded:
+        a simulated viewer fed live (the streaming scenario)."""
+        self.playback_reports = 0
         self._chunk_arrived = trio.Event()
         self.connected = trio.Event()
         self.first_chunk = trio.Event()
@@ -149,6 +153,8 @@ class SessionClient:
         if isinstance(event, protocol.ChunkReceived):
             if event.metadata.kind == "media":
                 self.arrivals.append((t, event.metadata.num_frames, len(event.data)))
+                if self.on_media is not None:
+                    self.on_media(t, event.metadata.num_frames)
                 for event_id in event.metadata.started_event_ids:
                     self.events_started.setdefault(event_id, t)
                 self.first_chunk.set()
@@ -209,6 +215,16 @@ class SessionClient:
             await self._send(message)
         except ConnectionClosed:
             return False
+        return True
+
+    async def playback(self, position_seconds: float) -> bool:
+        """Send a ``session.playback`` (the playhead, for a session that opted into
+        pacing); False when the connection is gone."""
+        try:
+            await self._send(protocol.playback_message(position_seconds))
+        except ConnectionClosed:
+            return False
+        self.playback_reports += 1
         return True
 
     async def wait_started(self, event_id: str, timeout: float) -> float | None:

@@ -25,6 +25,7 @@ SCENARIOS: Final = (
     "diffusers",
     "batching",
     "effect",
+    "streaming",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -32,12 +33,13 @@ server rather than from whatever memory the other scenarios left to the allocato
 the server itself (it serves a model the harness builds, so neither --url nor --compare).
 """
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
-OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect")
+OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect", "streaming")
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
 """What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
 ``effect`` (~3 min) are asked for by name: together they would more than double the
-default run, and they measure the shapes engine rather than the transport."""
+default run, and they measure the shapes engine rather than the transport; so does
+``streaming`` (~5 min)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -103,6 +105,26 @@ class Settings:
     """Small frames, so that the model, not the encoder, sets the pace."""
     effect_frames: int = 2400
     """Longer than any part of the scenario lasts: sessions stream until stopped."""
+    streaming_levels: tuple[int, ...] = (1, 4, 8)
+    """Sessions streaming at once in the streaming scenario, paced and unpaced."""
+    streaming_seconds: float = 8.0
+    """Length of each streaming session's video (it runs to its end)."""
+    streaming_buffer_s: float = 1.0
+    """``streaming_buffer_seconds`` of the paced sessions (and of the paused ones)."""
+    streaming_startup_s: float = 0.0
+    """The simulated viewers' startup threshold: media buffered before the playhead
+    starts (0: at the first frame; below ``streaming_buffer_s``)."""
+    streaming_width: int = 64
+    streaming_height: int = 64
+    paused_active: int = 4
+    paused_idle: int = 4
+    """"Paused sessions cost nothing": this many unpaced sessions measured, alone and
+    beside this many paced ones that never report a position (so they fill their window
+    and wait)."""
+    paused_reps: int = 3
+    """Measurements of each configuration per run, alternated; the verdict takes medians."""
+    paused_window_s: float = 3.0
+    """Seconds the active sessions' fps is measured, once the paused ones are waiting."""
 
     @property
     def size(self) -> str:
@@ -134,6 +156,9 @@ class Settings:
             "effect_chunk_frames": (8, 2),
             "effect_interactions": 2,
             "effect_gap_s": 0.3,
+            "streaming_seconds": 2.0,
+            "paused_reps": 1,
+            "paused_window_s": 1.0,
         }
         base.update(overrides)
         return cls(**base)

@@ -165,6 +165,61 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "count",
         "chunk_frames C, N sessions: sessions that failed, interactions refused",
     ),
+    "streaming.{M}.n{N}.ttfc_ms": (
+        "ms",
+        "paced/unpaced, N sessions: session.start sent -> first media chunk (time to first chunk)",
+    ),
+    "streaming.{M}.n{N}.ttff_ms": (
+        "ms",
+        "paced/unpaced, N sessions: session.start sent -> the simulated viewer's first frame "
+        "(once its startup threshold of media is buffered)",
+    ),
+    "streaming.{M}.n{N}.interarrival_ms": (
+        "ms",
+        "paced/unpaced, N sessions: time between consecutive media chunks of a session",
+    ),
+    "streaming.{M}.n{N}.rtf": (
+        "x",
+        "paced/unpaced, N sessions: real-time factor, media seconds / (session.start -> "
+        "last media chunk), per session",
+    ),
+    "streaming.{M}.n{N}.on_time_share": (
+        "ratio",
+        "paced/unpaced, N sessions: share of a session's chunks that arrived before the "
+        "simulated viewer's playhead needed them",
+    ),
+    "streaming.{M}.n{N}.continuous_play_ratio": (
+        "ratio",
+        "paced/unpaced, N sessions: share of the viewer's wall time, first frame -> last, "
+        "spent playing rather than stalled, per session",
+    ),
+    "streaming.{M}.n{N}.underruns": (
+        "count",
+        "paced/unpaced, N sessions: times a session's viewer ran out of media (stalls)",
+    ),
+    "streaming.{M}.n{N}.stall_ms": (
+        "ms",
+        "paced/unpaced, N sessions: a session's viewer's total time stalled",
+    ),
+    "streaming.{M}.n{N}.errors": ("count", "paced/unpaced, N sessions: sessions that failed"),
+    "streaming.paused.{C}.active_fps": (
+        "fps",
+        "paused-sessions check: the active (unpaced) sessions' frames/s, all together; alone, "
+        "beside paused sessions, or beside as many active ones",
+    ),
+    "streaming.paused.{C}.idle_fps": (
+        "fps",
+        "paused-sessions check: frames/s the other sessions received in the window (about "
+        "0 when they are paused)",
+    ),
+    "streaming.paused.fps_ratio": (
+        "x",
+        "paused-sessions check: active fps beside paused sessions / alone, per repetition",
+    ),
+    "streaming.paused.errors": (
+        "count",
+        "paused-sessions check: sessions that failed (a paused one refused, or ended)",
+    ),
 }
 
 
@@ -174,6 +229,8 @@ def catalogue_key(name: str) -> str:
     name = re.sub(r"^batching\.(on|off)\.n\d+\.", "batching.{M}.n{N}.", name)
     name = re.sub(r"^batching\.n\d+\.", "batching.n{N}.", name)
     name = re.sub(r"^effect\.c\d+\.n\d+\.", "effect.c{C}.n{N}.", name)
+    name = re.sub(r"^streaming\.(paced|unpaced)\.n\d+\.", "streaming.{M}.n{N}.", name)
+    name = re.sub(r"^streaming\.paused\.(alone|paused|active)\.", "streaming.paused.{C}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
     name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)

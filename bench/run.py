@@ -24,6 +24,10 @@
 * ``effect`` (by name, not in ``all``): a camera interaction sent -> the first chunk
   generated under it, at 1 and 8 sessions and 8-, 4- and 2-frame chunks, against the
   delivered fps each chunk size gives.
+* ``streaming`` (by name, not in ``all``): the shapes engine at 1, 4 and 8 sessions, with
+  and without ``streaming_buffer_seconds``: time to first chunk, chunk inter-arrival,
+  real-time factor, and a simulated real-time viewer's chunks on time, continuous play
+  ratio, underruns and stall time; and whether paused sessions cost the others anything.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -110,6 +114,8 @@ from bench.scenarios.diffusers import (
 )
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
+from bench.scenarios.streaming import StreamingScenario
+from trio_vstream.client import check_startup
 
 _read = read_file
 _START_TIME = START_TIME
@@ -144,6 +150,7 @@ __all__ = [
     "ServerProcess",
     "SessionClient",
     "Settings",
+    "StreamingScenario",
     "Target",
     "_read",
     "build_parser",
@@ -211,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching and effect, which take minutes: name them)",
+        "(all leaves out batching, effect and streaming, which take minutes: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -271,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the batching scenario's levels, batch size and device (default: quick with "
         "--quick, else gpu where CUDA is available, else cpu)",
     )
+    add(
+        "--streaming-startup",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the streaming scenario's viewers start once this much media is buffered "
+        "(default 0: at the first frame; below its streaming_buffer_seconds, 1)",
+    )
     add("--diffusers-worker", default=None, help=argparse.SUPPRESS)
     add("--output", type=Path, default=None, help="JSON path (default bench/results/<time>.json)")
     add("--strict", action="store_true", help="exit with status 1 when a target is missed")
@@ -313,10 +328,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ("window", "window_s"),
         ("thread_wait", "thread_wait_s"),
         ("abort_samples", "abort_samples"),
+        ("streaming_startup", "streaming_startup_s"),
     ):
         if getattr(args, option) is not None:
             overrides[field] = getattr(args, option)
     overrides["repeat"] = max(1, overrides.get("repeat", 1 if args.quick else 3))
+    startup = overrides.get("streaming_startup_s", 0.0)
+    try:
+        check_startup(startup, Settings(scenarios=()).streaming_buffer_s)
+    except ValueError as exc:
+        raise SystemExit(f"--streaming-startup: {exc}") from None
     scenarios = tuple(name for name in SCENARIOS if name in chosen)
     if args.quick:
         return Settings.quick_settings(scenarios, **overrides)
@@ -413,6 +434,11 @@ async def main_async(args: argparse.Namespace) -> int:
             effect = EffectScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await effect.run(run, Path(log_dir))
+        streaming: StreamingScenario | None = None
+        if "streaming" in s.scenarios:
+            streaming = StreamingScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await streaming.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -446,9 +472,11 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
-    sections: list[BatchingScenario | EffectScenario] = []
+    sections: list[BatchingScenario | EffectScenario | StreamingScenario] = []
     section_verdicts: list[dict[str, Any]] = []
-    for name, section in (("batching", batching), ("effect", effect)):
+    named: tuple[tuple[str, BatchingScenario | EffectScenario | StreamingScenario | None], ...]
+    named = (("batching", batching), ("effect", effect), ("streaming", streaming))
+    for name, section in named:
         if section is not None:
             judged = section.evaluate()
             report[name] = section.to_json(judged)

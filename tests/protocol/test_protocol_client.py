@@ -6,6 +6,7 @@ the only place where a socket appears.
 """
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from trio_vstream.protocol import (
     SessionEnded,
     VideoStart,
     VideoStarted,
+    playback_message,
 )
 
 VIDEO_START = VideoStart("r1", "m4s", {"prompt": "a cat"})
@@ -109,6 +111,29 @@ def test_sending_in_the_wrong_state_is_a_caller_bug() -> None:
     machine.receive(SessionDone("r1", 0, True).to_json())
     with pytest.raises(RuntimeError, match="cannot ping in state done"):
         machine.ping()
+
+
+def test_playback_reports_the_playhead_while_streaming() -> None:
+    assert playback_message(1.25) == '{"type":"session.playback","position_seconds":1.25}'
+    # Built as given, so that a test can send one the server refuses; JSON has no NaN.
+    assert playback_message(-1) == '{"type":"session.playback","position_seconds":-1}'
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        playback_message(math.nan)
+    machine = ClientProtocol()
+    with pytest.raises(RuntimeError, match="cannot report playback in state idle"):
+        machine.playback(0.0)
+    machine.start(prompt="a cat", streaming_buffer_seconds=1.0)
+    with pytest.raises(RuntimeError, match="in state starting"):
+        machine.playback(0.0)  # nothing shown before video.start
+    machine.receive(VIDEO_START.to_json())
+    assert machine.playback(0) == '{"type":"session.playback","position_seconds":0}'
+    assert machine.playback(2.5) == playback_message(2.5)
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            machine.playback(bad)
+    machine.stop()
+    with pytest.raises(RuntimeError, match="in state stopping"):
+        machine.playback(3.0)
 
 
 # --------------------------------------------------------------------------------------

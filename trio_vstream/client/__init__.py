@@ -54,6 +54,7 @@ from trio_vstream.client._stream import (
     stream_video,
     watch_video,
 )
+from trio_vstream.client._viewer import PlaybackViewer, ViewerFigures, check_startup
 from trio_vstream.client._watch import add_watch_arguments, run_watch, watch_link_url
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "ChunkCallback",
     "InteractionRecord",
     "MessageCallback",
+    "PlaybackViewer",
     "ReceivedChunk",
     "RemuxError",
     "ReplayError",
@@ -79,9 +81,11 @@ __all__ = [
     "StreamConnectError",
     "StreamOutcome",
     "StreamResult",
+    "ViewerFigures",
     "add_client_arguments",
     "add_replay_arguments",
     "add_watch_arguments",
+    "check_startup",
     "load_recording",
     "remux_to_mp4",
     "replay",

@@ -35,6 +35,7 @@ from trio_vstream.client._results import (
     StreamResult,
 )
 from trio_vstream.client._stream import bearer, seconds_text, stream_video
+from trio_vstream.client._viewer import check_startup
 from trio_vstream.video import CAMERA_MODES, Camera
 
 __all__ = ["API_KEY_ENV", "DEFAULT_URL", "add_client_arguments", "run_client"]
@@ -55,6 +56,12 @@ EXIT_OUTPUT: Final = 4
 EXIT_INTERRUPTED: Final = 130
 
 _SIZE: Final = re.compile(r"[0-9]+x[0-9]+")
+
+#: ``--playback``'s ``streaming_buffer_seconds`` when ``--buffer-seconds`` is not given:
+#: room for a few chunks of generation, their encoding and the report's round trip
+#: (vllm-omni: "budget enough lead"), and still well under the seconds of an unpaced
+#: server's lead, so that a steer shows soon.
+DEFAULT_BUFFER_SECONDS: Final = 1.0
 
 #: Flags that fill a session.start field; --param may not set these again.
 _FLAG_FIELDS: Final = {
@@ -93,6 +100,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
 
 
@@ -290,6 +307,28 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="chunks to blend over, for every interaction (default: the server's)",
     )
+    viewing = parser.add_argument_group("playback (vllm-omni's streaming_buffer_seconds)")
+    viewing.add_argument(
+        "--playback",
+        action="store_true",
+        help="act as a real-time viewer: opt into paced generation with "
+        "streaming_buffer_seconds, play what arrives at 1x from the first frame, and report "
+        "that playhead (session.playback, every 100 ms); the summary gives its stalls",
+    )
+    viewing.add_argument(
+        "--buffer-seconds",
+        type=_positive_float,
+        metavar="SECONDS",
+        help=f"with --playback: how far generation may run ahead of the playhead "
+        f"(streaming_buffer_seconds; default {DEFAULT_BUFFER_SECONDS:g})",
+    )
+    viewing.add_argument(
+        "--startup-seconds",
+        type=_non_negative_float,
+        metavar="SECONDS",
+        help="with --playback: media to buffer before the playhead starts; below "
+        "--buffer-seconds (default 0: at the first frame)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument(
         "--stop-timeout",
@@ -319,6 +358,11 @@ def _start_fields(args: argparse.Namespace) -> dict[str, Any]:
             fields[name] = str(value) if name == "seconds" else value
     if args.image is not None:
         fields["image_reference"] = {"image_url": _image_data_url(args.image)}
+    if args.playback:
+        fields["streaming_buffer_seconds"] = _buffer_seconds(args)
+    elif args.buffer_seconds is not None or args.startup_seconds is not None:
+        flag = "--buffer-seconds" if args.buffer_seconds is not None else "--startup-seconds"
+        raise _UsageError(f"{flag} goes with --playback")
     flagged = dict(fields)
     for key, value in args.params:
         if key == "type":
@@ -327,6 +371,18 @@ def _start_fields(args: argparse.Namespace) -> dict[str, Any]:
             raise _UsageError(f"--param {key} conflicts with a value given by another flag")
         fields[key] = value
     return fields
+
+
+def _buffer_seconds(args: argparse.Namespace) -> float:
+    """``--buffer-seconds`` (or its default), with ``--startup-seconds`` below it."""
+    buffer_seconds: float = (
+        args.buffer_seconds if args.buffer_seconds is not None else DEFAULT_BUFFER_SECONDS
+    )
+    try:
+        check_startup(args.startup_seconds or 0.0, buffer_seconds)
+    except ValueError as exc:
+        raise _UsageError(f"--startup-seconds: {exc}") from None
+    return buffer_seconds
 
 
 _IMAGE_SIGNATURES: Final = (
@@ -574,6 +630,8 @@ async def _run_async(
             stop_timeout=args.stop_timeout,
             connect_timeout=args.connect_timeout,
             api_key=api_key,
+            playback=args.playback,
+            startup_seconds=args.startup_seconds or 0.0,
         ),
     )
 
@@ -736,6 +794,26 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
                 f"{len(summary['interactions'])} planned, {sent} sent, {queued} queued",
             )
         )
+    playback = summary["playback"]
+    if playback is not None:
+        ratio = playback["continuous_play_ratio"]
+        rows += [
+            ("time to first frame", seconds(playback["time_to_first_frame_s"])),
+            (
+                "playback",
+                f"{playback['underruns']} underruns, {playback['stall_s']:.3f} s stalled, "
+                f"continuous play {'-' if ratio is None else f'{ratio:.3f}'}, "
+                f"{playback['chunks_on_time']}/{playback['chunks']} chunks on time",
+            ),
+        ]
+        if playback["streaming_buffer_seconds"] is not None:
+            rows.append(
+                (
+                    "paced",
+                    f"streaming_buffer_seconds {playback['streaming_buffer_seconds']:g}, "
+                    f"{playback['reports']} playback reports",
+                )
+            )
     if summary["output"] is not None:
         rows.append(("wrote", f"{summary['output']} ({summary['output_frames']} frames)"))
     if summary["raw"] is not None:

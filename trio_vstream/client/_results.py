@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from trio_vstream import protocol
+from trio_vstream.client._viewer import PlaybackViewer
 from trio_vstream.video import Camera
 
 __all__ = [
@@ -184,6 +185,12 @@ class StreamResult:
     frame_rate: Fraction | None = None
     """Frames per second that `media_time` uses: the stream's own timing when it can be
     read, else ``video.start``'s ``config.fps``, else the ``fps`` that was requested."""
+    viewer: PlaybackViewer | None = attrs.field(default=None, repr=False)
+    """The simulated real-time viewer of ``stream_video(playback=True)``: what a person
+    watching at 1x from the first frame saw (`playback_figures`)."""
+    playback_sent: list[tuple[float, float]] = attrs.field(factory=list, repr=False)
+    """(time, position) of each ``session.playback`` sent (only to a session that opted
+    into pacing)."""
 
     @property
     def request_id(self) -> str | None:
@@ -228,6 +235,21 @@ class StreamResult:
         if rate is None:
             return None
         return frames * rate.denominator / rate.numerator
+
+    def playback_figures(self) -> dict[str, Any] | None:
+        """The viewer's figures as of the end of the session (so far, while it runs),
+        for ``--json``; None without a viewer."""
+        viewer = self.viewer
+        if viewer is None:
+            return None
+        figures = viewer.figures(self.ended_at if self.ended_at is not None else viewer.clock)
+        buffer_seconds = self.request.get("streaming_buffer_seconds")
+        return {
+            "streaming_buffer_seconds": buffer_seconds,
+            "startup_s": viewer.startup_seconds,
+            "reports": len(self.playback_sent),
+            **figures.summary(),
+        }
 
     @property
     def video(self) -> bytes:
@@ -307,6 +329,7 @@ class StreamResult:
                 }
                 for record in self.interactions
             ],
+            "playback": self.playback_figures(),
             "problems": list(self.problems),
         }
 

@@ -36,6 +36,7 @@ from trio_vstream.client._results import (
     StreamOutcome,
     StreamResult,
 )
+from trio_vstream.client._viewer import PlaybackViewer, check_startup
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -73,6 +74,8 @@ async def stream_video(
     connect_timeout: float = 10.0,
     max_message_size: int = MAX_MESSAGE_SIZE,
     api_key: str | None = None,
+    playback: bool = False,
+    startup_seconds: float = 0.0,
 ) -> StreamResult:
     """Run one session and return what arrived, however it ended.
 
@@ -85,8 +88,21 @@ async def stream_video(
     started with ``--api-key`` refuse the handshake with 401 without it); it is kept
     nowhere in the result. Raises `StreamConnectError` when no connection could be made,
     with ``status_code`` set when the server refused the handshake.
+
+    ``playback`` watches as a person would: a `PlaybackViewer` (in ``result.viewer``)
+    plays what arrives at 1x from the first frame (after ``startup_seconds`` of media
+    are buffered), and counts its stalls. When the request opted into vllm-omni's pacing
+    (``streaming_buffer_seconds``), its playhead also goes to the server, in
+    ``session.playback`` about every 100 ms: the real one, never moved on to hide a
+    stall. A startup threshold at or above that window raises `ValueError` (the server
+    would stop before the viewer starts, and both would wait for ever).
     """
     fields = dict(start_fields)
+    buffer_seconds = fields.get("streaming_buffer_seconds")
+    if playback and isinstance(buffer_seconds, int | float):
+        check_startup(startup_seconds, float(buffer_seconds))
+    elif playback:
+        check_startup(startup_seconds, None)
     machine = protocol.ClientProtocol()
     start_text = machine.start(**fields)  # raises ValueError on a malformed request
 
@@ -103,6 +119,9 @@ async def stream_video(
         on_chunk=on_chunk,
         on_message=on_message,
     )
+    if playback:
+        session.viewer_startup = startup_seconds
+        session.reports = "streaming_buffer_seconds" in fields
     await _connect_and_run(
         session,
         start_text,
@@ -203,6 +222,8 @@ async def _connect_and_run(
         nursery.cancel_scope.cancel()
 
     result.ended_at = trio.current_time()
+    if result.viewer is not None and not result.viewer.ended:
+        result.viewer.end(result.ended_at)  # no terminal message: the connection ended
     if session.connect_failure is not None and not session.aborted:
         raise StreamConnectError(url, session.connect_failure, session.connect_status)
     result.outcome = session.outcome()
@@ -237,6 +258,8 @@ class _StreamRun:
         self.send_failed = False  # the connection refused an interaction
         self.timing = StreamTiming()
         self.announced_rate: Fraction | None = None  # config.fps, else the requested fps
+        self.viewer_startup: float | None = None  # set: simulate a real-time viewer
+        self.reports = False  # send the viewer's playhead (the session opted into pacing)
 
     def outcome(self) -> StreamOutcome:
         result = self.result
@@ -308,8 +331,14 @@ class _StreamRun:
             with contextlib.suppress(ConnectionClosed):
                 await ws.send_message(start_text)
         self.result.start_sent_at = trio.current_time()
+        if self.viewer_startup is not None:
+            self.result.viewer = PlaybackViewer(
+                self.result.start_sent_at, startup_seconds=self.viewer_startup
+            )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_asked, ws, nursery.cancel_scope)
+            if self.reports:
+                nursery.start_soon(self._report_playback, ws)
             await self._receive(ws)
             nursery.cancel_scope.cancel()
 
@@ -348,6 +377,8 @@ class _StreamRun:
                 self._message(event, now)
         if self.machine.ended:
             self.finished.set()
+            if self.result.viewer is not None:
+                self.result.viewer.end(now)  # the stream ends here, not at the close
 
     def _message(self, event: protocol.Event, now: float) -> None:
         """Record a text message's event; `ChunkReceived` goes to `_chunk` instead."""
@@ -396,6 +427,9 @@ class _StreamRun:
             result.first_chunk_at = now
         if chunk.num_frames:
             result.last_media_at = now
+            rate = result.frame_rate
+            if result.viewer is not None and rate is not None:
+                result.viewer.receive(now, chunk.num_frames * rate.denominator / rate.numerator)
         if metadata is not None:
             for event_id in metadata.started_event_ids:
                 record = self.records.get(event_id)
@@ -419,6 +453,31 @@ class _StreamRun:
         self.result.stop_timed_out = True
         self.aborted = True
         scope.cancel()
+
+    async def _report_playback(self, ws: WebSocketConnection) -> None:
+        """Send the viewer's playhead whenever it has a report (every 100 ms while it
+        plays), until the session stops: a stopping session needs no more pacing."""
+        viewer = self.result.viewer
+        assert viewer is not None
+        while True:
+            due = viewer.next_report_at
+            # Before the first frame there is no schedule yet: look again a tick later.
+            await trio.sleep_until(
+                due if due is not None else trio.current_time() + viewer.report_interval
+            )
+            state = self.machine.state
+            if state is not protocol.ClientState.STREAMING:
+                if state is protocol.ClientState.STARTING:
+                    continue
+                return
+            position = viewer.report(trio.current_time())
+            if position is None:
+                continue
+            try:
+                await ws.send_message(self.machine.playback(position))
+            except ConnectionClosed:
+                return  # the receive loop learns why
+            self.result.playback_sent.append((trio.current_time(), position))
 
     async def _send_due_interactions(self, ws: WebSocketConnection) -> None:
         """Send every interaction whose media time the delivered video has reached."""

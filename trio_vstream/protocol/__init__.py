@@ -75,6 +75,7 @@ from trio_vstream.protocol._messages import (
     interaction_message,
     parse_control,
     parse_server_message,
+    playback_message,
     start_message,
 )
 from trio_vstream.protocol._start import (
@@ -160,6 +161,7 @@ __all__ = [
     "parse_control",
     "parse_server_message",
     "parse_start",
+    "playback_message",
     "safe_text",
     "start_message",
 ]

@@ -25,6 +25,9 @@ API::
     proto.interact("a dog", event_id="e1", transition_chunks=2)   # -> str
     proto.interact(camera=key_velocity([{"w"}]))                  # a camera (key_velocity:
                                                                   # vllm-omni's WASD mapping)
+    proto.playback(1.25)                                          # -> str: the playhead,
+                                                                  # after opting in with
+                                                                  # streaming_buffer_seconds
     proto.ping()                                                  # -> str
     proto.stop()                                                  # -> str
 
@@ -46,6 +49,7 @@ are understood (see `parse_server_message`).
 """
 
 import enum
+import math
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -63,6 +67,7 @@ from trio_vstream.protocol._messages import (
     WatchStart,
     interaction_message,
     parse_server_message,
+    playback_message,
     start_message,
 )
 from trio_vstream.video import Camera
@@ -305,6 +310,20 @@ class ClientProtocol:
         return interaction_message(
             prompt, event_id=event_id, transition_chunks=transition_chunks, camera=camera
         )
+
+    def playback(self, position_seconds: float) -> str:
+        """A ``session.playback`` text: the playhead shown, for a session that opted in
+        with ``streaming_buffer_seconds`` (the server paces generation to it).
+
+        Only while streaming: before ``video.start`` nothing has been shown, and after a
+        stop the session ends at once, paused or not. A position that is negative or
+        not finite raises `ValueError`: the server refuses it, so sending one is a bug
+        of the caller (build one with `playback_message` to test the refusal).
+        """
+        if not math.isfinite(position_seconds) or position_seconds < 0:
+            raise ValueError(f"a playback position must be finite and >= 0, got {position_seconds}")
+        self._require("report playback", ClientState.STREAMING)
+        return playback_message(position_seconds)
 
     def ping(self) -> str:
         """A ``session.ping`` text; keeps a quiet session from hitting the stall timeout."""

@@ -1,10 +1,10 @@
 """Every message after ``session.start``, both ways, and their one (un)structuring converter.
 
 Client to server: `Stop`, `Ping`, `Interaction`, `Playback` (parsed by `parse_control`, built by
-`start_message` / `interaction_message` or ``to_json``). Server to client: `VideoStart`,
-`ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error` (built by
-``to_json``, parsed by `parse_server_message`, ours or the reference's), and to a
-viewer of a watch link, this project's `WatchStart` first.
+`start_message` / `interaction_message` / `playback_message` or ``to_json``). Server to
+client: `VideoStart`, `ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error`
+(built by ``to_json``, parsed by `parse_server_message`, ours or the reference's), and to
+a viewer of a watch link, this project's `WatchStart` first.
 
 No message writes its own JSON: ``to_json`` is one method that hands the object to
 `_WIRE`, a cattrs converter whose hooks put ``type`` first and leave out the optional
@@ -53,6 +53,7 @@ __all__ = [
     "interaction_message",
     "parse_control",
     "parse_server_message",
+    "playback_message",
     "start_message",
 ]
 
@@ -399,6 +400,17 @@ def interaction_message(
     build a message the server refuses, to test it).
     """
     return Interaction(event_id, prompt, transition_chunks, camera).to_json()
+
+
+def playback_message(position_seconds: float) -> str:
+    """Build a ``session.playback``: the playhead the client has shown, in media seconds.
+
+    vllm-omni's feedback for a session that opted in with ``streaming_buffer_seconds``
+    (about every 100 ms as the playhead advances). Sent as given, like `start_message`:
+    a client may build a negative one the server refuses, to test it. A NaN or an
+    infinity raises `ValueError`: JSON has no way to write one.
+    """
+    return Playback(position_seconds).to_json()
 
 
 # --------------------------------------------------------------------------------------
