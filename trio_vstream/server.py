@@ -57,7 +57,7 @@ from trio_vstream import (
 )
 from trio_vstream.engine_calls import AbandonedCalls
 from trio_vstream.engines.base import Engine
-from trio_vstream.engines.interfaces import interaction_kinds, max_batch
+from trio_vstream.engines.interfaces import interaction_kinds, live_settings, max_batch
 from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder
@@ -177,6 +177,9 @@ class VideoServer:
         self.abandoned_calls = AbandonedCalls()
         """Engine calls still running after their sessions ended (see ``health``)."""
         progress = EngineProgress()
+        self.live_defaults = live_settings(engine)
+        """What the engine suggests for live sessions (`engines.interfaces.live_settings`):
+        read, and checked, once at start-up."""
         batch = max_batch(engine)
         # A batching engine's steps all go through its batcher, one batch at a time:
         # step slots on top would only make sessions wait for each other's turns.
@@ -545,6 +548,7 @@ class VideoServer:
                         "video_defaults": attrs.asdict(defaults),
                         "limits": attrs.asdict(self.config.session.limits),
                         "interaction_kinds": sorted(interaction_kinds(self.engine)),
+                        "live_defaults": self.live_defaults,
                         "max_batch": self.batcher.max_batch if self.batcher else 1,
                     },
                 }

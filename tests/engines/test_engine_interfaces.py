@@ -18,6 +18,7 @@ from trio_vstream.engines.interfaces import (
     SupportsBatching,
     SupportsInteractionKinds,
     interaction_kinds,
+    live_settings,
     max_batch,
     missing_members,
     supports_batching,
@@ -127,3 +128,35 @@ def test_the_loader_names_what_an_engine_lacks(lab_module: types.ModuleType) -> 
         load_engine("lab_engine:create_engine", {})
     lab_module.create_engine = lambda device: BareEngine()  # type: ignore[attr-defined]
     assert isinstance(load_engine("lab_engine:create_engine", {}), BareEngine)
+
+
+class LiveEngine(BareEngine):
+    def __init__(self, settings: object) -> None:
+        self.live_settings = settings
+
+
+def test_live_settings_are_read_and_checked_at_start_up() -> None:
+    assert live_settings(BareEngine()) == {}
+    shapes = create_shapes(threads="1")
+    try:
+        assert live_settings(shapes) == {"num_inference_steps": 3, "guidance_scale": 1.0}
+    finally:
+        shapes.close()
+    assert live_settings(LiveEngine({"flow_shift": 2})) == {"flow_shift": 2}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"prompt": 3}, "may name flow_shift, guidance_scale, num_inference_steps, not 'prompt'"),
+        ({"num_inference_steps": True}, "must be a finite number"),
+        ({"guidance_scale": float("nan")}, "must be a finite number"),
+        ({"guidance_scale": float("inf")}, "must be a finite number"),
+        ({"guidance_scale": "1"}, "must be a finite number"),
+    ],
+)
+def test_live_settings_outside_the_allow_list_fail_at_start_up(
+    settings: dict[str, object], message: str
+) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        live_settings(LiveEngine(settings))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 from typing import Any
 
 import pytest
@@ -217,6 +218,22 @@ async def test_models_lists_the_served_model_with_defaults_and_limits(start_serv
     assert extension["limits"]["max_control_bytes"] == 128 * 1024
     assert extension["interaction_kinds"] == ["prompt"]
     assert extension["max_batch"] == 1  # the synthetic engine steps each session alone
+    assert extension["live_defaults"] == {}  # it suggests nothing for live sessions
+
+
+class _LiveEngine(InstrumentedEngine):
+    live_settings = types.MappingProxyType({"num_inference_steps": 2, "guidance_scale": 1.0})
+
+
+async def test_models_lists_what_the_engine_suggests_for_live_sessions(start_server: Any) -> None:
+    running = await start_server(engine_class=_LiveEngine)
+    status, _, body = await http_get_with_headers(running.server.port, "/v1/models")
+    assert status == 200
+    (model,) = json.loads(body)["data"]
+    assert model["trio_vstream"]["live_defaults"] == {
+        "num_inference_steps": 2,
+        "guidance_scale": 1.0,
+    }
 
 
 class _CameraEngine(InstrumentedEngine):

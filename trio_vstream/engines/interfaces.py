@@ -11,6 +11,8 @@ its models) rather than with ``getattr`` and a default scattered through the ser
   (``checkpoint.batched``); read with `max_batch`.
 * `SupportsDevice`: the device it runs on, named in recordings.
 * `SupportsSeed`, for a stream: the seed it uses, echoed to a client that chose none.
+* `SupportsLiveSettings`: the sampling settings it suggests for live (paced,
+  steered) sessions, where a chunk's time is a person's wait; read with `live_settings`.
 
 Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
 capability existed (before cameras, before batching) still satisfies
@@ -23,6 +25,8 @@ server's start-up).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Protocol, TypeGuard, runtime_checkable
 
 from trio_vstream.engines.base import Engine, EngineConfigError
@@ -33,8 +37,10 @@ __all__ = [
     "SupportsBatching",
     "SupportsDevice",
     "SupportsInteractionKinds",
+    "SupportsLiveSettings",
     "SupportsSeed",
     "interaction_kinds",
+    "live_settings",
     "max_batch",
     "missing_members",
     "supports_batching",
@@ -48,6 +54,12 @@ INTERACTION_KINDS: frozenset[str] = frozenset({"prompt", "camera"})
 
 DEFAULT_INTERACTION_KINDS: frozenset[str] = frozenset({"prompt"})
 """What an engine that declares no kinds takes: prompts, as every engine did before cameras."""
+
+LIVE_SETTING_FIELDS: frozenset[str] = frozenset(
+    {"num_inference_steps", "guidance_scale", "flow_shift"}
+)
+"""The ``session.start`` fields an engine's `SupportsLiveSettings` may name: numbers a
+client sends as they are, which the protocol checks like any other request's."""
 
 
 @runtime_checkable
@@ -90,6 +102,22 @@ class SupportsSeed(Protocol):
     seed: int
 
 
+@runtime_checkable
+class SupportsLiveSettings(Protocol):
+    """An engine that suggests sampling settings for live sessions.
+
+    In a live session (paced by ``streaming_buffer_seconds``, steered by a person) every
+    millisecond of a chunk's generation is on the path from a key to the screen, and a
+    chunk must also be made faster than it plays with room to spare. An engine whose
+    defaults are tuned for quality may name cheaper settings here (fewer steps, no
+    guidance branch), with what they cost in its docs. ``GET /v1/models`` lists them as
+    ``live_defaults``; the player's Live mode sends them unless the person set the field.
+    Keys are some of `LIVE_SETTING_FIELDS`, values numbers.
+    """
+
+    live_settings: Mapping[str, int | float]
+
+
 def supports_interaction_kinds(engine: object) -> TypeGuard[SupportsInteractionKinds]:
     """Whether ``engine`` declares its interaction kinds (read them with `interaction_kinds`)."""
     return isinstance(engine, SupportsInteractionKinds)
@@ -129,6 +157,27 @@ def max_batch(engine: Engine) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EngineConfigError(f"engine {name}: max_batch must be an integer >= 1")
     return value
+
+
+def live_settings(engine: Engine) -> dict[str, int | float]:
+    """The settings ``engine`` suggests for live sessions (empty when it suggests none);
+    `EngineConfigError` for a field outside `LIVE_SETTING_FIELDS` or a value that is not
+    a finite number (at the server's start-up)."""
+    if not isinstance(engine, SupportsLiveSettings):
+        return {}
+    settings = dict(engine.live_settings)
+    for key, value in settings.items():
+        if key not in LIVE_SETTING_FIELDS:
+            raise EngineConfigError(
+                f"engine {engine.name}: live_settings may name "
+                f"{', '.join(sorted(LIVE_SETTING_FIELDS))}, not {key!r}"
+            )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
+            raise EngineConfigError(
+                f"engine {engine.name}: live_settings[{key!r}] must be a finite number"
+            )
+    return settings
 
 
 def missing_members(obj: object, protocol: type) -> list[str]:
