@@ -82,16 +82,16 @@ def test_a_window_placed_from_the_first_frame_gives_no_shares(window: list[Windo
     [
         ({"still": 0.8, "right": 0.2}, "still", "right"),  # a short press moves
         ({"still": 0.9, "right": 0.1}, "right", "right"),  # a late press counts
-        ({"left": 0.75, "right": 0.25}, "right", "left"),  # net displacement: still left
-        ({"left": 0.25, "right": 0.75}, "right", "right"),
-        ({"left": 0.5, "right": 0.5}, "right", "still"),  # equal and opposite cancel
-        ({"right": 0.5, "up": 0.5}, "up", "up"),  # a tie goes to the steer in force
-        ({"right": 0.5, "up": 0.5}, "right", "right"),
-        ({"up": 0.3, "down": 0.1, "left": 0.25}, "left", "left"),  # net (-0.25, -0.2)
+        ({"left": 0.75, "right": 0.25}, "right", "right"),  # the latest steer, at once
+        ({"left": 0.95, "right": 0.05}, "right", "right"),
+        ({"right": 0.5, "up": 0.5}, "up", "up"),
+        ({"left": 0.9, "still": 0.1}, "still", "left"),  # a late stop: the motion before it
+        ({"left": 0.25, "right": 0.25, "still": 0.5}, "still", "still"),  # cancel, then stop
+        ({"up": 0.3, "down": 0.1, "left": 0.25, "still": 0.35}, "still", "left"),  # (-0.25, -0.2)
         ({"still": 1.0}, "still", "still"),
     ],
 )
-def test_the_chunk_follows_the_windows_net_displacement(
+def test_the_chunk_follows_the_latest_steer_or_a_still_windows_net_displacement(
     shares: dict[str, float], last: str, motion: str
 ) -> None:
     assert integrated_motion(shares, last) == motion
@@ -159,15 +159,15 @@ LEFT_PROMPT = "a red square moving left on a black background"
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("offset", "motion"),
-    [(0.0, "right"), (0.25, "right"), (0.5, "still"), (0.75, "left"), (0.95, "left")],
+    [(0.0, "right"), (0.25, "right"), (0.5, "right"), (0.75, "right"), (0.95, "right")],
 )
-def test_where_a_steer_comes_in_the_window_decides_the_chunks_motion(
+def test_a_steer_anywhere_in_the_window_turns_its_chunk(
     engine: ShapesEngine, offset: float, motion: str
 ) -> None:
     """Moving left, steered right at ``offset`` into chunk 1's window: chunk 1 moves right
-    while right has the larger share, stays still when the two cancel, and goes on left
-    otherwise; chunk 2 moves right in every case. One step a chunk: chunk 1's frames are
-    compared exactly with those of a run with no steer (left) or steered at offset 0."""
+    wherever in the window the steer came (the latest steer wins), and so does chunk 2.
+    One step a chunk: chunk 1's frames are compared exactly with those of a run with no
+    steer (left), steered at offset 0 (right) or stopped (still)."""
     req = request(LEFT_PROMPT, num_frames=24, seed=7, num_inference_steps=1)
     right = PromptChange("right", None, camera=camera(x=1.0), window_offset=offset)
     placed = run(engine, req, {1: right})

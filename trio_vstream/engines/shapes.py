@@ -486,18 +486,24 @@ def window_shares(
 
 
 def integrated_motion(shares: Mapping[str, float], last: str) -> str:
-    """The motion that follows a window's integrated velocity: its shapes-world steer.
+    """The motion a chunk follows, from its action window: its shapes-world steer.
 
     ``shares`` is the share of the window each motion was in force; ``last`` the one in
-    force at its end. The shapes model moves its object one pixel a frame or not at all,
-    and a mix of motion embeddings is not a slower motion (measured: the heavier motion
-    wins, at full speed), so the chunk cannot move "a quarter of the way". What it can
-    follow is the direction of the integrated velocity, the window's net displacement:
-    the motion whose axis and sign carry most of it, "still" when it is nil. So a short
-    press (still, right for a fifth of the window, still) moves the object right in that
-    chunk; right for a quarter after left for three quarters keeps it going left; equal
-    and opposite cancel. A tie goes to ``last``, the steer the next chunk continues.
+    force at its end. The model moves its object one pixel a frame or not at all, for a
+    whole chunk: it cannot place a change at its frame, and a mix of motion embeddings
+    is not a slower motion (measured: the heavier motion wins, at full speed). So:
+
+    * a window that ends moving follows ``last``, the person's latest steer, wherever in
+      the window it came: a key pressed late in a window turns the object in that
+      window's chunk, not a chunk later (a net displacement would keep a late press's
+      chunk going the old way, adding a whole chunk to its key-to-frame time);
+    * a window that ends still moves by its integrated velocity, the net displacement:
+      the motion whose axis and sign carry most of it, "still" when it is nil. So a short
+      press (still, right for a fifth of the window, still) moves the object right in
+      that chunk, and a stop late in a window lets the chunk finish the motion before it.
     """
+    if last != "still":
+        return last
     dx = sum(share * MOTION_VECTORS[motion][0] for motion, share in shares.items())
     dy = sum(share * MOTION_VECTORS[motion][1] for motion, share in shares.items())
     along = {
