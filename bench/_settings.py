@@ -25,6 +25,7 @@ SCENARIOS: Final = (
     "diffusers",
     "batching",
     "effect",
+    "glass",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -32,12 +33,13 @@ server rather than from whatever memory the other scenarios left to the allocato
 the server itself (it serves a model the harness builds, so neither --url nor --compare).
 """
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
-OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect")
+OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect", "glass")
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
 """What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
 ``effect`` (~3 min) are asked for by name: together they would more than double the
-default run, and they measure the shapes engine rather than the transport."""
+default run, and they measure the shapes engine rather than the transport. ``glass``
+(the player page in chromium, ~45 s a run) is asked for by name too."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -103,6 +105,15 @@ class Settings:
     """Small frames, so that the model, not the encoder, sets the pace."""
     effect_frames: int = 2400
     """Longer than any part of the scenario lasts: sessions stream until stopped."""
+    glass_seconds: float = 30.0
+    """How long the glass scenario presses keys (its play ratio's span)."""
+    glass_press_every_s: float = 3.0
+    """D and A in turn, one press this often."""
+    glass_warmup_s: float = 3.0
+    """Seconds of video played before the first press: steady state."""
+    glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
+    """The glass server's shapes engine: one torch thread, so chromium has the other
+    core of a 2-core machine to decode and show the video."""
 
     @property
     def size(self) -> str:
@@ -134,6 +145,9 @@ class Settings:
             "effect_chunk_frames": (8, 2),
             "effect_interactions": 2,
             "effect_gap_s": 0.3,
+            "glass_seconds": 6.0,
+            "glass_press_every_s": 2.0,
+            "glass_warmup_s": 1.5,
         }
         base.update(overrides)
         return cls(**base)

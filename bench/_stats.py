@@ -165,6 +165,23 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "count",
         "chunk_frames C, N sessions: sessions that failed, interactions refused",
     ),
+    "glass.page_key_to_frame_ms": (
+        "ms",
+        "the page's Key to frame: key press -> first presented frame at the media time "
+        "where the chunk that started it begins",
+    ),
+    "glass.pixel_key_to_frame_ms": (
+        "ms",
+        "key press -> first presented frame whose motion turned the key's way (pixels only)",
+    ),
+    "glass.missed_turns": ("count", "per run: presses whose turn no presented frame showed"),
+    "glass.presented_frames": ("count", "per run: frames the video element presented"),
+    "glass.play_ratio": (
+        "ratio",
+        "per run: share of the presses' span the video played (from presented frames)",
+    ),
+    "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
+    "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
 }
 
 

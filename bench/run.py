@@ -24,6 +24,9 @@
 * ``effect`` (by name, not in ``all``): a camera interaction sent -> the first chunk
   generated under it, at 1 and 8 sessions and 8-, 4- and 2-frame chunks, against the
   delivered fps each chunk size gives.
+* ``glass`` (by name, not in ``all``): the player page in chromium with its defaults on
+  the shapes model, D and A pressed in turn: key to presented frame, from the page's
+  figure and from the presented frames' pixels, and the continuous play ratio.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -110,6 +113,7 @@ from bench.scenarios.diffusers import (
 )
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
+from bench.scenarios.glass import GlassScenario
 
 _read = read_file
 _START_TIME = START_TIME
@@ -413,6 +417,11 @@ async def main_async(args: argparse.Namespace) -> int:
             effect = EffectScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await effect.run(run, Path(log_dir))
+        glass: GlassScenario | None = None
+        if "glass" in s.scenarios:
+            glass = GlassScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await glass.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -446,9 +455,9 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
-    sections: list[BatchingScenario | EffectScenario] = []
+    sections: list[BatchingScenario | EffectScenario | GlassScenario] = []
     section_verdicts: list[dict[str, Any]] = []
-    for name, section in (("batching", batching), ("effect", effect)):
+    for name, section in (("batching", batching), ("effect", effect), ("glass", glass)):
         if section is not None:
             judged = section.evaluate()
             report[name] = section.to_json(judged)
