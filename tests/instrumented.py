@@ -6,9 +6,12 @@ import threading
 import time
 from typing import Any
 
+import attrs
+
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
+    EngineError,
     GenerationRequest,
     PromptChange,
     checkpoint_calling,
@@ -50,7 +53,13 @@ class InstrumentedStream:
         return chunk
 
     def interact(self, change: PromptChange) -> None:
+        if change.event_id in self._engine.refuse:
+            raise EngineError(f"refused {change.event_id} (InstrumentedEngine.refuse)")
         self.changes.append(change)
+        # The synthetic engine draws prompts only: a camera-only change (a CameraEngine's)
+        # keeps the prompt, and is still listed in the next chunk's started_event_ids.
+        if change.prompt is None:
+            change = attrs.evolve(change, prompt=self.request.prompt)
         self._inner.interact(change)
 
     def close(self) -> None:
@@ -68,6 +77,8 @@ class InstrumentedEngine(SyntheticEngine):
         self.streams: list[InstrumentedStream] = []
         self.chunk_made = threading.Condition()
         self.chunks_made = 0
+        self.refuse: set[str] = set()
+        """Event ids whose changes ``interact`` refuses (an `EngineError`)."""
 
     def wait_for_chunks(self, count: int, timeout: float = 30.0) -> bool:
         """Block (in a worker thread) until the engine has made ``count`` chunks in all."""
@@ -137,3 +148,10 @@ class TakingTurnsEngine(InstrumentedEngine):
                 with self._turn:
                     self._waiting -= 1
                     self.longest_wait = max(self.longest_wait, time.monotonic() - began)
+
+
+class CameraEngine(InstrumentedEngine):
+    """Takes cameras as well as prompts, as the shapes engine does: what a paced camera
+    session needs (its interactions wait for their action windows)."""
+
+    interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})

@@ -15,12 +15,22 @@ Two parts, so that the rule is decided (and tested) without a clock:
   until then. The wait is deliberate, not a stall, so it keeps the session's stall
   guard quiet while it lasts (``keep_alive``).
 
-Issue 22 (vllm-omni's ``session.playback``) lands here. Its reports add one input to
-the rule, the playhead the client says it has shown (kept monotonic, clamped to the
-media made so far), and one question: may the next chunk be *generated*, given the
-media made and ``streaming_buffer_seconds``? That is a second pure calculator beside
-`Pacer`, fed by the receive loop, with a wait that a report ends as time ends
-`Pacer.wait`.
+vllm-omni's ``session.playback`` paces *generation* rather than sending: a session that
+set ``streaming_buffer_seconds`` generates at most that far ahead of the playhead its
+client reports. `PlaybackGate` is that rule, in the same two parts:
+
+* `PlaybackGate.may_generate` answers "may the next chunk be generated?" from the media
+  made so far and the playhead (kept monotonic, clamped to the media made), both told
+  to it (`generated`, `report`): pure, so a test is a table of numbers;
+* `PlaybackGate.wait` is the thin async part: the producer waits there at a chunk
+  boundary until a report opens the gate (or a stop cancels it). The wait is *not*
+  progress for the stall guard (as in vllm-omni, a client paused for long keeps its
+  session alive with pings), and the session holds nothing of the engine's while it
+  lasts: a step slot or a batch row is only held inside ``next_chunk``.
+
+Both may be asked for at once (``pace_to_media_time`` and ``streaming_buffer_seconds``):
+each does what it says, the gate before a chunk is generated, the `Pacer` before it is
+sent.
 """
 
 from __future__ import annotations
@@ -73,3 +83,60 @@ class Pacer:
             keep_alive()
             await trio.sleep_until(min(due, now + wake_every))
         keep_alive()
+
+
+class PlaybackGate:
+    """One session's ``streaming_buffer_seconds``: may its next chunk be generated?
+
+    vllm-omni's rule: at a chunk boundary, generation waits while the media generated so
+    far is ``buffer_seconds`` or more ahead of the last position reported. The chunk in
+    flight may take it past the bound (the check is made before a chunk, never during
+    one); with no report at all, generation pauses once it has filled the window.
+    Positions that go backwards are ignored; positions beyond the media generated are
+    clamped to it (a client cannot report a playhead that runs ahead of the video it
+    was sent, and so cannot open the gate for good with one huge number).
+    """
+
+    def __init__(self, buffer_seconds: float, fps: int, num_frames: int) -> None:
+        self.buffer_seconds = buffer_seconds
+        self.fps = fps
+        self.num_frames = num_frames
+        """The video's length: once it is all made, nothing waits for the playhead."""
+        self.frames = 0
+        """Frames generated so far."""
+        self.position = 0.0
+        """The playhead: the furthest position reported, clamped to `generated_seconds`."""
+        self._changed = trio.Event()
+
+    @property
+    def generated_seconds(self) -> float:
+        """Media generated so far, in seconds."""
+        return self.frames / self.fps
+
+    @property
+    def finished(self) -> bool:
+        """Every frame of the video is made: the engine's next call only says so, and
+        must not wait for a playhead (it would hold the video's end for nothing)."""
+        return self.frames >= self.num_frames
+
+    def may_generate(self) -> bool:
+        """Whether the next chunk may be generated now."""
+        return self.finished or self.generated_seconds - self.position < self.buffer_seconds
+
+    def generated(self, frames: int) -> None:
+        """A chunk of ``frames`` frames was generated."""
+        self.frames += frames
+
+    def report(self, position: float) -> None:
+        """The client reports its playhead (finite and >= 0: the protocol checked it)."""
+        position = min(position, self.generated_seconds)
+        if position > self.position:
+            self.position = position
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait(self) -> None:
+        """Return once the next chunk may be generated: at once if it may, else at the
+        report that opens the gate. Cancellation (a stop) ends the wait."""
+        while not self.may_generate():
+            await self._changed.wait()

@@ -45,7 +45,8 @@ session ends reads best in one place. The parts that need none of it live beside
 it, each tested alone: how a session ends and what the client is told
 (``outcomes``), the send discipline (``sending``), its first message and every check
 before ``video.start`` (``session_prepare``), the engine's request made from a
-``session.start`` (``session_request``), pacing to media time (``pacing``), what is
+``session.start`` (``session_request``), pacing to media time and to the client's
+playhead (``pacing``), its pending interactions (``interaction_queue``), what is
 kept of the messages sent while a session prepares (``early_messages``), its
 blocking calls and engine stream (``session_calls``) and what it borrows from the
 server (``session_resources``). Further off: how sessions share the engine's steps
@@ -73,6 +74,7 @@ from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import Chunk, EngineError, EngineStream, PromptChange
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
+from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outcomes import (
     Ending,
@@ -82,7 +84,7 @@ from trio_vstream.outcomes import (
     describe,
     engine_failure,
 )
-from trio_vstream.pacing import Pacer
+from trio_vstream.pacing import Pacer, PlaybackGate
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import Scripts, kinds_refusal
 from trio_vstream.sending import Sender, SocketBroken
@@ -169,6 +171,10 @@ class Session:
         self._stop_requested_at: float | None = None
         self._pacer: Pacer | None = None
         """Set when the client asked for pacing (`trio_vstream.pacing`)."""
+        self._gate: PlaybackGate | None = None
+        """Set when the client asked for ``streaming_buffer_seconds`` (`pacing` too)."""
+        self._queue = InteractionQueue()
+        """Its pending interactions, bounded (`trio_vstream.interaction_queue`)."""
         self._taps = TapSet("", ())
         self._init_segment = b""
         """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
@@ -312,6 +318,7 @@ class Session:
             )
             preparing.cancel_scope.cancel()
         request, self._scripts, self._pacer = prepared.request, prepared.scripts, prepared.pacer
+        self._gate, self._queue = prepared.gate, prepared.queue
         self._event_ids |= self._scripts.event_ids
         self._size, self._fps = (start.video.width, start.video.height), start.video.fps
         # From here a shutdown lets the session say goodbye properly, rather than
@@ -399,6 +406,9 @@ class Session:
             elif isinstance(message, protocol.Ping):
                 self._touch()
                 await self._sender.send(protocol.Pong())
+            elif isinstance(message, protocol.Playback):
+                if self._gate is not None:  # ignored unless the client asked for a buffer
+                    self._gate.report(message.position_seconds)
             else:
                 await self._interact(message)
 
@@ -407,6 +417,16 @@ class Session:
         # The protocol stays pure: an id the client left out is minted here.
         event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
         refusal = self._apply_interaction(event_id, message)
+        if refusal is not None and refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL:
+            if self._ending.outcome is None:
+                # As in vllm-omni: never dropped in silence; the video request ends with
+                # it (the terminal error says so), and later ones get a control error.
+                logger.warning("session %s: %s", self.request_id, refusal[1])
+                error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
+                self._taps.call("interaction", event_id, message, error)
+                self.stop(Outcome.FAILED, refusal)
+                return
+            refusal = ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {refusal[1]}"
         if refusal is None:
             self._taps.call("interaction", event_id, message, None)
             await self._sender.send(protocol.InteractionQueued(self.request_id, event_id))
@@ -418,7 +438,8 @@ class Session:
     def _apply_interaction(
         self, event_id: str, message: protocol.Interaction
     ) -> tuple[ErrorCode, str] | None:
-        """Hand the interaction to the engine, or say why not (code and message).
+        """Hand the interaction to the engine (a paced camera session holds it for its
+        chunk's action window), or say why not (code and message).
 
         Any refusal leaves the event id unused, so the client may retry with it.
         """
@@ -439,15 +460,28 @@ class Session:
         stream = self._calls.stream
         if stream is None:  # generation is over; nothing can take the change
             return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        if self._queue.full:
+            return ErrorCode.INTERACTION_QUEUE_FULL, (
+                f"Interaction queue full: {self._queue.limit} interactions pending; "
+                f"event {event_id[:64]!r} ends the video request"
+            )
         self._event_ids.add(event_id)
+        if self._queue.windows:  # handed over when its chunk starts (`_before_chunk`)
+            self._queue.hold(change, trio.current_time())
+            return None
+        return self._hand_over(stream, change)
+
+    def _hand_over(self, stream: EngineStream, change: PromptChange) -> SessionError | None:
+        """Give the engine an accepted interaction; a refusal frees its event id."""
         try:
             stream.interact(change)
         except Exception as exc:
-            self._event_ids.discard(event_id)
+            self._event_ids.discard(change.event_id)
             if isinstance(exc, EngineError):  # the engine refuses it and says why
                 return ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {exc}"
             logger.exception("session %s: failed to apply interaction", self.request_id)
             return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        self._queue.handed(change.event_id)
         return None
 
     # ---------------------------------------------------------- stall guard
@@ -505,6 +539,7 @@ class Session:
     ) -> None:
         index = 0  # of the chunk about to be generated
         while True:
+            await self._before_chunk(stream)
             began = trio.current_time()
             try:
                 # The scripts' entries for this chunk, queued at its boundary.
@@ -526,10 +561,39 @@ class Session:
                 self._ending.generated_all = True
                 return
             index += 1
+            self._queue.started(chunk.started_event_ids)
+            self._queue.open_window(began, len(chunk.frames) / self._fps)
+            if self._gate is not None:
+                self._gate.generated(len(chunk.frames))
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
             await send_chunks.send(chunk)
+
+    async def _before_chunk(self, stream: EngineStream) -> None:
+        """A paced session's waits at a chunk boundary, then the live changes due.
+
+        First the end of the last chunk's action window (a paced camera session's; a
+        deliberate wait of at most a chunk's media time), then the playback gate: not
+        progress, and nothing of the engine's is held meanwhile (a step slot or a batch
+        row only inside ``next_chunk``). A stop ends either wait. Then the interactions
+        held for this chunk, handed over; one the engine refuses now gets its error now.
+        """
+        gate = self._gate
+        if gate is not None:
+            if gate.finished:  # the engine's next call ends the video: nothing to wait for
+                return
+            deadline = self._queue.deadline
+            if deadline is not None:
+                await trio.sleep_until(deadline)
+                self._touch()
+            await gate.wait()
+        for change in self._queue.take():
+            refusal = self._hand_over(stream, change)
+            if refusal is not None:
+                assert self.request_id is not None
+                error = protocol.Error(*refusal, self.request_id, change.event_id)
+                await self._sender.send(error)
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None

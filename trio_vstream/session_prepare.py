@@ -30,9 +30,10 @@ from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_im
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.interfaces import interaction_kinds
 from trio_vstream.image_fetch import ImageFetchError, fetch_image
+from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outcomes import Ending, Outcome, SessionError, engine_failure
-from trio_vstream.pacing import Pacer
+from trio_vstream.pacing import Pacer, PlaybackGate
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import ScriptRefused, Scripts
 from trio_vstream.session_calls import SessionCalls
@@ -76,6 +77,10 @@ class Prepared:
     request: GenerationRequest
     scripts: Scripts
     pacer: Pacer | None
+    gate: PlaybackGate | None = None
+    """Set when the client asked for ``streaming_buffer_seconds`` (`trio_vstream.pacing`)."""
+    queue: InteractionQueue = attrs.Factory(InteractionQueue)
+    """Its pending interactions; held for their action windows in a paced camera session."""
 
 
 async def receive_start(
@@ -122,6 +127,12 @@ async def prepare(
     """
     video = start.video
     pacer = Pacer(start.pacing) if start.pacing is not None else None
+    buffer = start.request.streaming_buffer_seconds
+    gate = PlaybackGate(buffer, video.fps, video.num_frames) if buffer is not None else None
+    # A paced camera session: its interactions wait for their chunk's action window.
+    queue = InteractionQueue(
+        windows=gate is not None and "camera" in interaction_kinds(resources.engine)
+    )
     try:
         scripts = Scripts.from_start(start, interaction_kinds(resources.engine))
     except ScriptRefused as exc:
@@ -168,4 +179,4 @@ async def prepare(
         )
         ending.end(Outcome.STALLED, STALLED_OPENING)
         raise StartFailure(*STALLED_OPENING)
-    return Prepared(request, scripts, pacer)
+    return Prepared(request, scripts, pacer, gate, queue)

@@ -432,8 +432,8 @@ class _ViewerConnection:
             return protocol.Error.from_protocol_error(exc, request_id)
         if isinstance(message, protocol.Ping):
             return protocol.Pong()
-        if isinstance(message, protocol.Stop):
-            what, event_id = "session.stop", None
+        if isinstance(message, protocol.Stop | protocol.Playback):
+            what, event_id = message.TYPE, None
         else:
             what, event_id = "session.interaction", message.event_id
         return protocol.Error(

@@ -221,6 +221,15 @@ class PromptChange:
     """Chunk boundaries over which to blend; ``None`` means the engine's default."""
     camera: Camera | None = None
     """The camera motion or pose, already validated (finite, a unit quaternion)."""
+    window_offset: float = 0.0
+    """Where in the chunk's action window the change was received, as a fraction in
+    [0, 1) of the window: 0.0 applies it from the chunk's first frame, 0.5 from its
+    middle. Only a paced camera session (``streaming_buffer_seconds`` on an engine that
+    takes cameras) sets it: each chunk's window is as long as its media, so a key
+    pressed halfway through it belongs halfway through the chunk it steers. Always 0.0
+    otherwise. An engine may use it to place (or integrate) the change inside the
+    chunk; one that ignores it applies the change from the chunk's start, which is
+    still correct, only less precise."""
 
     @property
     def kinds(self) -> frozenset[str]:

@@ -616,7 +616,12 @@ class _Kit:
     def check_interact(self, full: _Run) -> None:
         """A change arrives while ``next_chunk`` waits in the last checkpoint of chunk 0,
         as one from a client arrives while the engine works: ``interact`` must return
-        then, and the change start at chunk 1."""
+        then, and the change start at chunk 1.
+
+        Listing it in chunk 1's ``started_event_ids`` is what the server counts on: an
+        interaction is pending until a chunk lists it there, and a session may have at
+        most `protocol.MAX_PENDING_INTERACTIONS` pending (`trio_vstream.interaction_queue`),
+        so an engine that never lists them ends its sessions' video requests after 64."""
         kinds = interaction_kinds(self.engine)
         if "prompt" in kinds:
             change = PromptChange("check-engine-1", "a blue square moving up", 0)

@@ -49,7 +49,12 @@ from trio_vstream.protocol._codec_options import (
     check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
-from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
+from trio_vstream.protocol._limits import (
+    DEFAULT_LIMITS,
+    MAX_PENDING_INTERACTIONS,
+    MAX_STREAMING_BUFFER_SECONDS,
+    Limits,
+)
 from trio_vstream.protocol._messages import (
     DEFAULT_TRANSITION_CHUNKS,
     PING_MESSAGE,
@@ -60,6 +65,7 @@ from trio_vstream.protocol._messages import (
     Interaction,
     InteractionQueued,
     Ping,
+    Playback,
     Pong,
     ServerMessage,
     SessionDone,
@@ -102,6 +108,8 @@ __all__ = [
     "FRAMES_PER_SCRIPT_CHUNK",
     "INTERACTION_SCRIPT_PARAM",
     "MAX_FPS",
+    "MAX_PENDING_INTERACTIONS",
+    "MAX_STREAMING_BUFFER_SECONDS",
     "PACING_PARAMS",
     "PING_MESSAGE",
     "STOP_MESSAGE",
@@ -126,6 +134,7 @@ __all__ = [
     "Limits",
     "Pacing",
     "Ping",
+    "Playback",
     "Pong",
     "PongReceived",
     "ProtocolError",

@@ -24,6 +24,9 @@ class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"
     EVENT_ID_CONFLICT = "event_id_conflict"
     INTERACTION_FAILED = "interaction_failed"
+    INTERACTION_QUEUE_FULL = "interaction_queue_full"
+    """An interaction found the session's pending queue full (``MAX_PENDING_INTERACTIONS``):
+    as in vllm-omni, the video request ends with this error (terminal)."""
     GENERATION_FAILED = "generation_failed"
     ENCODING_FAILED = "encoding_failed"
     INTERNAL_ERROR = "internal_error"

@@ -10,7 +10,12 @@ from typing import Final
 
 import attrs
 
-__all__ = ["DEFAULT_LIMITS", "Limits"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "MAX_PENDING_INTERACTIONS",
+    "MAX_STREAMING_BUFFER_SECONDS",
+    "Limits",
+]
 
 
 @attrs.frozen
@@ -29,3 +34,16 @@ class Limits:
 
 
 DEFAULT_LIMITS: Final = Limits()
+
+
+MAX_STREAMING_BUFFER_SECONDS: Final = 60.0
+"""The most ``session.start.streaming_buffer_seconds`` may ask for. The buffer is how far
+generation may run ahead of the client's playhead: a minute is far beyond any player's
+buffer (vllm-omni's player uses about a second), and a larger one is no longer pacing,
+only a way to make the server generate for minutes that nobody watches yet."""
+
+MAX_PENDING_INTERACTIONS: Final = 64
+"""How many of a session's interactions may be pending at once: accepted (acknowledged
+with ``session.interaction.queued``) but not yet listed in a chunk's
+``started_event_ids``. As in vllm-omni, the one that finds the queue full ends the video
+request with ``interaction_queue_full``, rather than being dropped in silence."""

@@ -1,6 +1,6 @@
 """Every message after ``session.start``, both ways, and their one (un)structuring converter.
 
-Client to server: `Stop`, `Ping`, `Interaction` (parsed by `parse_control`, built by
+Client to server: `Stop`, `Ping`, `Interaction`, `Playback` (parsed by `parse_control`, built by
 `start_message` / `interaction_message` or ``to_json``). Server to client: `VideoStart`,
 `ChunkMetadata`, `InteractionQueued`, `SessionDone`, `Pong`, `Error` (built by
 ``to_json``, parsed by `parse_server_message`, ours or the reference's), and to a
@@ -43,6 +43,7 @@ __all__ = [
     "Interaction",
     "InteractionQueued",
     "Ping",
+    "Playback",
     "Pong",
     "ServerMessage",
     "SessionDone",
@@ -103,11 +104,26 @@ class Interaction(_Message):
     camera: Camera | None = None
 
 
+@attrs.frozen
+class Playback(_Message):
+    """``session.playback``: where the client's displayed playhead is, in seconds of media.
+
+    vllm-omni's playback feedback, for a session that set ``streaming_buffer_seconds``:
+    generation waits at chunk boundaries while the media made is that far ahead of the
+    last position reported (`trio_vstream.pacing.PlaybackGate`). A finite number >= 0;
+    the parser refuses anything else. A session that did not ask for the buffer ignores
+    it.
+    """
+
+    TYPE: ClassVar[str] = "session.playback"
+    position_seconds: float
+
+
 #: The engine's default for `Interaction.transition_chunks` (not applied here: ``None``
 #: on the wire means "let the engine decide").
 DEFAULT_TRANSITION_CHUNKS: Final = 3
 
-ControlMessage: TypeAlias = Stop | Ping | Interaction
+ControlMessage: TypeAlias = Stop | Ping | Interaction | Playback
 
 STOP_MESSAGE: Final = '{"type":"session.stop"}'
 PING_MESSAGE: Final = '{"type":"session.ping"}'
@@ -316,6 +332,27 @@ def _parse_interaction(msg: dict[str, Any]) -> Interaction:
     )
 
 
+_PLAYBACK_POSITION: Final = "session.playback position_seconds must be a finite number >= 0"
+
+
+def _parse_playback(msg: dict[str, Any]) -> Playback:
+    """Missing, not a number (true is not one), negative or beyond a double: refused
+    (``invalid_message``); the session goes on. Other keys are ignored, as in `Stop`
+    and `Ping`: a client sends this every 100 ms, and one that adds a key of its own
+    must not get an error each time. NaN and Infinity never get here: they are not JSON
+    (``invalid_json``, from `load_json`)."""
+    value = msg.get("position_seconds")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{_PLAYBACK_POSITION}, got {show(value)}")
+    try:
+        position = float(value)
+    except OverflowError:  # an integer too large for a double
+        position = math.inf
+    if not math.isfinite(position) or position < 0:
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE, f"{_PLAYBACK_POSITION}, got {show(value)}")
+    return Playback(position)
+
+
 _CONTROL_TYPES: Final[Mapping[str, type[Stop | Ping]]] = {cls.TYPE: cls for cls in (Stop, Ping)}
 
 
@@ -336,6 +373,8 @@ def parse_control(raw: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> Contr
     msg_type = msg.get("type")
     if msg_type == Interaction.TYPE:
         return _parse_interaction(msg)
+    if msg_type == Playback.TYPE:
+        return _parse_playback(msg)
     cls = _CONTROL_TYPES.get(msg_type) if isinstance(msg_type, str) else None
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {msg_type}")

@@ -29,7 +29,7 @@ from trio_vstream.protocol._codec_options import (
     check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
-from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
+from trio_vstream.protocol._limits import DEFAULT_LIMITS, MAX_STREAMING_BUFFER_SECONDS, Limits
 from trio_vstream.protocol._messages import Interaction, parse_control
 from trio_vstream.protocol._wire import (
     REQUEST_CONVERTER,
@@ -121,6 +121,12 @@ class VideoRequest:
     frame_interpolation_model_path: str | None = None
     lora: dict[str, Any] | None = None
     extra_params: dict[str, Any] | None = None
+    streaming_buffer_seconds: float | None = field_with_checks(
+        gt=0, le=MAX_STREAMING_BUFFER_SECONDS
+    )
+    """vllm-omni's playback pacing: generation stays at most this many seconds of media
+    ahead of the playhead the client reports with ``session.playback`` (see
+    `trio_vstream.pacing.PlaybackGate`). None: unpaced, as before."""
 
 
 _REQUEST_FIELDS: Final = frozenset(f.name for f in attrs.fields(VideoRequest))

@@ -47,6 +47,8 @@ class Checks:
             return f"must be between {self.ge} and {self.le}, got {show(value)}"
         if self.ge is not None and self.le is None and value < self.ge:
             return f"must be >= {self.ge}, got {show(value)}"
+        if self.gt is not None and self.le is not None and not self.gt < value <= self.le:
+            return f"must be > {self.gt} and <= {self.le}, got {show(value)}"
         if self.gt is not None and not value > self.gt:
             return f"must be > {self.gt}, got {show(value)}"
         return None
@@ -98,7 +100,10 @@ def _structure_int(value: Any, _: Any) -> int:
 def _structure_float(value: Any, _: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise Invalid(f"must be a number, got {show(value)}")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # an integer too large for a double
+        result = math.inf
     if not math.isfinite(result):
         raise Invalid(f"must be a finite number, got {show(value)}")
     return result

@@ -1,0 +1,249 @@
+"""Interactions in a paced session: a paced camera session's action windows, the pending
+queue bounded at 64 in every session, and unpaced sessions left as they were.
+
+Sessions run over in-memory WebSockets on a clock that stands still until the test
+jumps it (`tests.session.playback_harness`), so an interaction's time of receipt, and
+so the chunk and the window offset it gets, are the test's choice. Chunks are half a
+second of media (4 frames at 8 fps): chunk k's action window is the half second from
+when its generation started.
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from tests.instrumented import CameraEngine, InstrumentedEngine
+from tests.session.playback_harness import CHUNK_FRAMES, Client, Harness, harness, settle
+from trio_vstream import protocol
+from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.outcomes import Outcome
+
+LIMIT = protocol.MAX_PENDING_INTERACTIONS
+
+
+def started(client: Client) -> list[list[str]]:
+    """Each media chunk's ``started_event_ids``, in order."""
+    return [chunk["started_event_ids"] for chunk in client.chunks]
+
+
+def offsets(h: Harness) -> dict[str, float]:
+    return {change.event_id: change.window_offset for change in h.stream().changes}
+
+
+async def test_the_next_chunk_starts_at_the_window_deadline_and_only_then(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0)  # the gate stays open
+        await settle()
+        assert h.engine.chunks_made == 1  # chunk 0 opened a window of 0.5 s
+        await client.playback(0.5)  # a report cannot release it ahead of the deadline
+        mock_clock.jump(0.49)
+        await settle()
+        assert h.engine.chunks_made == 1
+        mock_clock.jump(0.01)
+        await settle()
+        assert h.engine.chunks_made == 2
+        mock_clock.jump(0.5)
+        await settle()
+        assert h.engine.chunks_made == 3
+
+
+async def test_events_go_to_the_chunk_whose_window_they_fall_in_with_their_offset(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        # A buffer of one chunk: the gate closes after each, so the test decides when
+        # the next one starts, after its deadline.
+        client = await h.connect(streaming_buffer_seconds=0.5)
+        await settle()
+        t0 = trio.current_time()  # chunk 0 began here: its window is [t0, t0 + 0.5)
+        await client.camera("a")
+        mock_clock.jump(0.125)
+        await client.camera("b")
+        await settle()
+        # Acknowledged at once, held by the session: the engine has seen neither.
+        assert [m["event_id"] for m in client.of_type("session.interaction.queued")] == [
+            "a",
+            "b",
+        ]
+        assert h.stream().changes == []
+        mock_clock.jump(0.375)  # the deadline: chunk 1 may start, but the gate is shut
+        await settle()
+        assert trio.current_time() == t0 + 0.5
+        await client.camera("at-deadline")  # received exactly at the deadline
+        mock_clock.jump(0.25)
+        await client.camera("late")
+        await client.playback(0.5)  # the gate opens: chunk 1 starts at t0 + 0.75
+        await settle()
+        assert h.engine.chunks_made == 2
+        assert started(client) == [[], ["a", "b"]]
+        assert offsets(h) == {"a": 0.0, "b": 0.25}
+        # Chunk 1's window is [t0 + 0.75, t0 + 1.25): one event inside it, then chunk 2.
+        mock_clock.jump(0.25)
+        await client.camera("inside")
+        await client.playback(1.0)
+        mock_clock.jump(0.25)  # chunk 1's deadline
+        await settle()
+        assert h.engine.chunks_made == 3
+        # Received after chunk 0's deadline: the following chunk's, from its start (they
+        # came before its window opened), then the one inside it, halfway through.
+        assert started(client)[2] == ["at-deadline", "late", "inside"]
+        assert offsets(h) == {"a": 0.0, "b": 0.25, "at-deadline": 0.0, "late": 0.0, "inside": 0.5}
+        assert client.of_type("error") == []
+
+
+async def test_generation_slower_than_real_time_adds_no_wait(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    settings = SyntheticSettings(chunk_frames=CHUNK_FRAMES, steps=2, block_at_chunk=1)
+    async with harness(CameraEngine, settings) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0)
+        await settle()
+        mock_clock.jump(0.5)  # chunk 0's deadline: chunk 1 starts, and blocks
+        assert await trio.to_thread.run_sync(h.engine.blocks.wait_blocked, 1, 10)
+        mock_clock.jump(2.0)  # chunk 1 takes 2 s to make 0.5 s of media
+        h.engine.blocks.release()
+        await settle()
+        # Chunk 1's deadline passed while it was generated: chunk 2 went at once, and
+        # chunk 3 waits for chunk 2's own deadline.
+        assert h.engine.chunks_made == 3
+        mock_clock.jump(0.5)
+        await settle()
+        assert h.engine.chunks_made == 4
+        assert client.terminal == []
+
+
+async def test_an_interaction_the_engine_refuses_at_hand_over_gets_its_error_then(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        h.engine.refuse.add("refused")
+        client = await h.connect(streaming_buffer_seconds=10.0)
+        await settle()
+        await client.camera("refused")
+        await client.camera("taken")
+        await settle()
+        assert len(client.of_type("session.interaction.queued")) == 2
+        assert client.of_type("error") == []
+        mock_clock.jump(0.5)
+        await settle()
+        [error] = client.of_type("error")
+        assert error["code"] == "interaction_failed"
+        assert error["event_id"] == "refused"
+        assert "refused refused" in error["message"]
+        assert started(client)[1] == ["taken"]
+        assert client.terminal == [error]  # the session goes on
+        h.engine.refuse.clear()
+        await client.camera("refused")  # its id was freed: the client may retry with it
+        mock_clock.jump(0.5)
+        await settle()
+        assert started(client)[2] == ["refused"]
+
+
+async def test_what_is_checked_at_receipt_is_refused_at_receipt(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0)
+        await settle()
+        await client.camera("once")
+        await client.camera("once")
+        await settle()
+        [error] = client.of_type("error")
+        assert (error["code"], error["event_id"]) == ("event_id_conflict", "once")
+
+
+async def test_an_unpaced_camera_session_hands_interactions_over_at_once(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    settings = SyntheticSettings(chunk_frames=CHUNK_FRAMES, steps=2, block_at_chunk=0)
+    async with harness(CameraEngine, settings) as h:
+        client = await h.connect(num_frames=4 * CHUNK_FRAMES)
+        # Chunk 0 is being generated (held in its thread) when the camera comes.
+        assert await trio.to_thread.run_sync(h.engine.blocks.wait_blocked, 1, 10)
+        await client.camera("now")
+        await trio.testing.wait_all_tasks_blocked()
+        # Today's timing: the engine has it as soon as it came, from its chunk's start.
+        assert [(c.event_id, c.window_offset) for c in h.stream().changes] == [("now", 0.0)]
+        h.engine.blocks.release()
+        await settle()
+        assert started(client) == [["now"], [], [], []]  # no window, no deadline
+        assert client.terminal[-1]["type"] == "session.done"
+
+
+async def fill(client: Client, count: int, prefix: str = "e") -> None:
+    for n in range(count):
+        await client.camera(f"{prefix}{n}")
+
+
+async def prompt(client: Client, event_id: str) -> None:
+    await client.send(
+        {
+            "type": "session.interaction",
+            "interaction": {"event_id": event_id, "event": {"prompt": f"colour {event_id}"}},
+        }
+    )
+
+
+async def test_the_interaction_that_finds_the_queue_full_ends_the_video_request(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=0.5)
+        await settle()
+        await fill(client, LIMIT + 1)
+        await settle()
+        assert len(client.of_type("session.interaction.queued")) == LIMIT
+        [error] = client.terminal
+        assert error["code"] == "interaction_queue_full"
+        assert f"{LIMIT} interactions pending" in error["message"]
+        assert f"'e{LIMIT}'" in error["message"]  # names the one refused
+        assert client.closed
+        [summary] = h.summaries
+        assert summary.outcome is Outcome.FAILED
+        assert summary.error_code == "interaction_queue_full"
+        assert h.stream().closed == 1
+
+
+async def test_interactions_handed_to_the_engine_are_pending_until_a_chunk_starts_them(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # A paced session on a prompt-only engine: interactions go to the engine at once, and
+    # stay pending while the gate holds the chunk that would start them.
+    async with harness(InstrumentedEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=0.5)
+        await settle()
+        for n in range(LIMIT):
+            await prompt(client, f"p{n}")
+        await settle()
+        assert len(h.stream().changes) == LIMIT
+        await client.playback(0.5)  # the next chunk starts all 64: none pending now
+        await settle()
+        assert len(started(client)[1]) == LIMIT
+        for n in range(LIMIT):
+            await prompt(client, f"again{n}")
+        await settle()
+        assert client.terminal == []
+        assert len(client.of_type("session.interaction.queued")) == 2 * LIMIT
+        await client.camera("one-more")  # refused as a camera (prompt-only engine)
+        await prompt(client, "overflow")
+        await settle()
+        assert [e["code"] for e in client.of_type("error")] == [
+            "interaction_failed",
+            "interaction_queue_full",
+        ]
+        assert h.summaries[0].outcome is Outcome.FAILED
+
+
+async def test_a_paced_camera_video_all_made_ends_without_waiting_for_a_deadline(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0, num_frames=2 * CHUNK_FRAMES)
+        await settle()
+        mock_clock.jump(0.5)  # chunk 0's deadline: chunk 1, the last
+        await settle()
+        assert client.terminal[-1]["type"] == "session.done"
+        assert len(client.chunks) == 2
