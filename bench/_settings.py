@@ -111,6 +111,11 @@ class Settings:
     """D and A in turn, one press this often."""
     glass_warmup_s: float = 3.0
     """Seconds of video played before the first press: steady state."""
+    glass_buffer_s: float | None = None
+    glass_start_s: float | None = None
+    glass_chunk_frames: int | None = None
+    """The page's Live knobs (``LIVE.bufferSeconds``, ``LIVE.startSeconds``,
+    ``LIVE.chunkFrames`` in player.js) for trying others; None: the page's own."""
     glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
     """The glass server's shapes engine: one torch thread, so chromium has the other
     core of a 2-core machine to decode and show the video."""

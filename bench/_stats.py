@@ -180,6 +180,19 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "ratio",
         "per run: share of the presses' span the video played (from presented frames)",
     ),
+    "glass.chunk_margin_ms": (
+        "ms",
+        "a media chunk's arrival on the page -> its first frame presented (its slack)",
+    ),
+    "glass.key_to_arrival_ms": (
+        "ms",
+        "key press -> arrival of the chunk that started its camera (window wait, "
+        "generation, encode, transport)",
+    ),
+    "glass.arrival_to_frame_ms": (
+        "ms",
+        "that chunk's arrival -> the first presented frame showing it (the player's lag)",
+    ),
     "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
     "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
 }

@@ -182,6 +182,19 @@ def play_ratio(frames: Presented, start_s: float, end_s: float) -> float | None:
     return max(0.0, 1.0 - waited / (end_s - start_s))
 
 
+def chunk_margins_ms(frames: Presented, arrivals: Sequence[Sequence[float]]) -> list[float]:
+    """For each media chunk, how long before its first frame was presented it arrived
+    (``arrivals``: its media start in seconds and its arrival on the page's clock, ms):
+    the slack that the playhead's lag behind generation left it. A chunk whose frames
+    were never presented (skipped, or after the end) has none."""
+    margins: list[float] = []
+    for media_start, arrived in arrivals:
+        later = np.nonzero(frames.media >= media_start - 1e-3)[0]
+        if later.size:
+            margins.append(frames.shown[later[0]] * 1000.0 - arrived)
+    return margins
+
+
 def drive_page(url: str, s: Settings) -> dict[str, Any]:
     """One session on the page at ``url`` (blocking: Playwright's sync API): start with
     the page's defaults and the issue's prompt, press D/A in turn, stop. What the page
@@ -209,6 +222,18 @@ def drive_page(url: str, s: Settings) -> dict[str, Any]:
                           size: document.getElementById("size").value,
                           fps: document.getElementById("fps").value})"""
             )
+            # The page's Live knobs, where the settings try others (None: its own).
+            knobs = page.evaluate(
+                """async ([buffer, start, chunk]) => {
+                    const { LIVE } = await import("/static/player.js");
+                    if (buffer != null) LIVE.bufferSeconds = buffer;
+                    if (start != null) LIVE.startSeconds = start;
+                    if (chunk != null) LIVE.chunkFrames = chunk;
+                    return { ...LIVE };
+                }""",
+                [s.glass_buffer_s, s.glass_start_s, s.glass_chunk_frames],
+            )
+            defaults.update(knobs)
             page.evaluate(COLLECTOR, CANVAS)
             page.click("#start")
             page.wait_for_function(
@@ -265,7 +290,12 @@ def measure(result: dict[str, Any], s: Settings) -> dict[str, Any]:
     if keys:
         ratio = play_ratio(frames, keys[0][0], keys[-1][0] + s.glass_press_every_s)
     stats = result["stats"] or {}
+    margins = chunk_margins_ms(frames, stats.get("arrivals", []))
+    parts = stats.get("keyParts", [])
     return {
+        "chunk_margin_ms": margins,
+        "key_to_arrival_ms": [float(p[0]) for p in parts],
+        "arrival_to_frame_ms": [float(p[1]) for p in parts],
         "page_ms": [float(v) for v in stats.get("keyLatencies", [])],
         "pixel_ms": pixel_ms,
         "missed": missed,
@@ -309,6 +339,8 @@ class GlassScenario:
         self.figures.add(run, "glass.presented_frames", [figures["presented"]])
         if figures["play_ratio"] is not None:
             self.figures.add(run, "glass.play_ratio", [figures["play_ratio"]])
+        for name in ("chunk_margin_ms", "key_to_arrival_ms", "arrival_to_frame_ms"):
+            self.figures.add(run, f"glass.{name}", figures[name])
         for name in ("underruns", "stall_ms"):
             if figures[name] is not None:
                 self.figures.add(run, f"glass.{name}", [figures[name]])

@@ -96,7 +96,7 @@ def constants(page: Page) -> dict[str, float]:
     return page.evaluate(
         """async () => {
             const player = await import("/static/player.js");
-            return {buffer: player.LIVE_BUFFER_S, start: player.LIVE_START_S};
+            return {buffer: player.LIVE.bufferSeconds, start: player.LIVE.startSeconds};
         }"""
     )
 

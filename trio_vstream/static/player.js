@@ -12,18 +12,25 @@ const TRIM_KEEP_S = 4;
 const LIVE_LAG_MAX_S = 1.5;
 // ...to this far behind it (a little slack so the next chunk arrives before we stall).
 const LIVE_LAG_TARGET_S = 0.3;
-// Live mode's playback-paced generation (vllm-omni's session.start
-// streaming_buffer_seconds): the server generates at most this much media ahead of the
-// playhead the page reports, so a key press reaches the screen within about this plus a
-// chunk. Less risks underruns on a loaded machine; more adds it to every key's latency
-// (docs/player.md says what each knob costs).
-export const LIVE_BUFFER_S = 0.5;
+// Live mode's knobs (docs/player.md says what each costs). An object, not constants,
+// so that the bench can try other values in a page (tests read them from here).
+export const LIVE = {
+  // vllm-omni's session.start streaming_buffer_seconds: the server generates at most
+  // this much media ahead of the playhead the page reports. In steady state the
+  // playhead trails generation by about this much, so it adds to every key's latency;
+  // less leaves less room for a slow chunk and the video waits (an underrun).
+  bufferSeconds: 0.5,
+  // Playback starts once this much media is buffered ahead of the playhead (or the
+  // stream has ended). It must stay below bufferSeconds: the server holds back what lies
+  // beyond the window until the page plays, so a higher threshold would wait forever.
+  startSeconds: 0.1,
+  // Frames per chunk the page asks for (extra_params.chunk_frames, for engines that take
+  // it, such as shapes); null leaves it to the engine. A shorter chunk is a shorter wait
+  // for the next chunk to take a key, but the engine makes fewer frames a second.
+  chunkFrames: null,
+};
 // How often the page reports its playhead (session.playback), as vllm-omni's player does.
 const PLAYBACK_REPORT_MS = 100;
-// Live playback starts once this much media is buffered ahead of the playhead (or the
-// stream has ended). It must stay below LIVE_BUFFER_S: the server holds back what lies
-// beyond the window until the page plays, so a higher threshold would wait forever.
-export const LIVE_START_S = 0.1;
 // While the playhead does not move (paused by the user, say), generation waits and the
 // server's stall clock runs: a ping this often keeps the session alive.
 const PAUSED_PING_MS = 5000;
@@ -74,6 +81,9 @@ const CAMERA_KEYS = {
 };
 // Latencies kept for the running median.
 const LATENCY_WINDOW = 50;
+// Chunk arrival times kept for liveStats (the bench's chunk margins): ten minutes of
+// 8-frame chunks at 24 fps.
+const ARRIVALS_KEPT = 1800;
 
 // A share link is this page with ?watch=PATH: the session's watch_path on this server.
 const WATCH_PARAM = "watch";
@@ -319,6 +329,7 @@ class Session {
     this.running = false;     // video.start came and no terminal message yet
     this.awaitingFrame = [];  // started events whose first frame is not on screen yet
     this.keyLatencies = [];   // ms, camera interactions: key press -> first frame showing it
+    this.keyParts = [];       // ms, the same split: [press -> chunk arrived, arrived -> shown]
     // Playback-paced generation (Live): the page reports the playhead it presents.
     this.paced = request?.streaming_buffer_seconds != null;
     this.presentedTime = null;   // media time of the newest frame presented, seconds
@@ -330,6 +341,7 @@ class Session {
     this.underruns = 0;          // times playback waited for media after it had begun
     this.stallMs = 0;            // the time it waited, ms (a running stall included)
     this.stalledSince = null;    // when the running stall began
+    this.arrivals = [];          // [media start s, performance.now()] of recent media chunks
 
     this.video = $("video");
     this.openMediaSource();
@@ -435,6 +447,8 @@ class Session {
       underruns: this.underruns,
       stallMs: this.stallTotalMs(),
       keyLatencies: [...this.keyLatencies],
+      keyParts: this.keyParts.map((pair) => [...pair]),
+      arrivals: this.arrivals.map((pair) => [...pair]),
     };
   }
 
@@ -503,6 +517,9 @@ class Session {
       if (record.camera) {
         this.keyLatencies.push(ms);
         if (this.keyLatencies.length > LATENCY_WINDOW) this.keyLatencies.shift();
+        // Where the time went: the press to its chunk's arrival, and on to the screen.
+        this.keyParts.push([record.startedAt - record.sentAt, when - record.startedAt]);
+        if (this.keyParts.length > LATENCY_WINDOW) this.keyParts.shift();
       }
     }
     this.renderLatency();
@@ -560,14 +577,14 @@ class Session {
     this.maybePlay();
   }
 
-  // Start playing once there is media: at once, or for Live (paced) once LIVE_START_S
+  // Start playing once there is media: at once, or for Live (paced) once LIVE.startSeconds
   // is buffered ahead of the playhead, or the stream has ended.
   maybePlay() {
     if (this.playRequested || !this.sourceBuffer) return;
     if (this.paced && !this.ending) {
       const ranges = this.sourceBuffer.buffered;
       if (ranges.length === 0) return;
-      if (ranges.end(ranges.length - 1) - this.video.currentTime < LIVE_START_S) return;
+      if (ranges.end(ranges.length - 1) - this.video.currentTime < LIVE.startSeconds) return;
     }
     // Muted, so browsers let it start without another click.
     this.playRequested = true;
@@ -681,6 +698,11 @@ class Session {
     this.times.firstChunk ??= now;
     this.times.lastChunk = now;
     this.chunks += 1;
+    // Media times advance in onChunkEvents, as the metadata comes: this chunk's start.
+    if (meta?.kind === "media") {
+      this.arrivals.push([(this.mediaFrames - meta.num_frames) / this.fps, now]);
+      if (this.arrivals.length > ARRIVALS_KEPT) this.arrivals.shift();
+    }
     this.queue.push(data);
     this.pump();
   }
@@ -799,6 +821,7 @@ class Session {
       record.marker.classList.add("placed");
       if (record.sentAt != null) {
         record.startTime = at;
+        record.startedAt = performance.now(); // its chunk's metadata arrived
         this.awaitingFrame.push(record);
       }
     }
@@ -900,8 +923,9 @@ function buildRequest() {
   if ($("live").checked) {
     // Generation paced by the playhead this page reports (session.playback), and the
     // chunks sent at the pace they play.
-    request.streaming_buffer_seconds = LIVE_BUFFER_S;
+    request.streaming_buffer_seconds = LIVE.bufferSeconds;
     request.extra_params = { pace_to_media_time: true };
+    if (LIVE.chunkFrames != null) request.extra_params.chunk_frames = LIVE.chunkFrames;
   }
   return { request, exact };
 }
