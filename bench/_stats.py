@@ -193,6 +193,11 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "ms",
         "that chunk's arrival -> the first presented frame showing it (the player's lag)",
     ),
+    "glass.engine_chunk_ms": (
+        "ms",
+        "per run: the engine's mean time per chunk (the server's /metrics), the floor "
+        "under the playhead's lag",
+    ),
     "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
     "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
 }

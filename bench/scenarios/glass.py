@@ -33,6 +33,7 @@ import base64
 import itertools
 import math
 import shlex
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -260,7 +261,10 @@ def drive_page(url: str, s: Settings) -> dict[str, Any]:
             }
         finally:
             browser.close()
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
     return {
+        "engine_chunk_ms": engine_chunk_ms(metrics),
         "defaults": defaults,
         "stats": stats,
         "log": log,
@@ -268,6 +272,19 @@ def drive_page(url: str, s: Settings) -> dict[str, Any]:
         "errors": errors,
         "presses": presses,
     }
+
+
+def engine_chunk_ms(metrics: str) -> float | None:
+    """The mean time the engine took per chunk, from the server's ``/metrics`` text
+    (``trio_vstream_engine_chunk_seconds``: its sum over its count); None without one."""
+    values: dict[str, float] = {}
+    for line in metrics.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"trio_vstream_engine_chunk_seconds_{part}{{"):
+                values[part] = values.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
+    if not values.get("count"):
+        return None
+    return 1000.0 * values["sum"] / values["count"]
 
 
 def measure(result: dict[str, Any], s: Settings) -> dict[str, Any]:
@@ -293,6 +310,7 @@ def measure(result: dict[str, Any], s: Settings) -> dict[str, Any]:
     margins = chunk_margins_ms(frames, stats.get("arrivals", []))
     parts = stats.get("keyParts", [])
     return {
+        "engine_chunk_ms": result["engine_chunk_ms"],
         "chunk_margin_ms": margins,
         "key_to_arrival_ms": [float(p[0]) for p in parts],
         "arrival_to_frame_ms": [float(p[1]) for p in parts],
@@ -341,6 +359,8 @@ class GlassScenario:
             self.figures.add(run, "glass.play_ratio", [figures["play_ratio"]])
         for name in ("chunk_margin_ms", "key_to_arrival_ms", "arrival_to_frame_ms"):
             self.figures.add(run, f"glass.{name}", figures[name])
+        if figures["engine_chunk_ms"] is not None:
+            self.figures.add(run, "glass.engine_chunk_ms", [figures["engine_chunk_ms"]])
         for name in ("underruns", "stall_ms"):
             if figures[name] is not None:
                 self.figures.add(run, f"glass.{name}", [figures[name]])

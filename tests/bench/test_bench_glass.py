@@ -13,6 +13,8 @@ from bench.scenarios.glass import (
     CANVAS,
     STALL_SLACK_S,
     Presented,
+    chunk_margins_ms,
+    engine_chunk_ms,
     play_ratio,
     presented_frames,
     turn_latency_ms,
@@ -103,3 +105,22 @@ def test_presented_frames_find_the_object_across_the_torus_edge() -> None:
     steps = np.diff(frames.x)
     assert steps == pytest.approx([2.0, 2.0, 2.0], abs=0.2)  # unwrapped, not a jump back
     assert frames.shown[0] == pytest.approx(10.0)
+
+
+def test_chunk_margins_run_from_arrival_to_the_first_frame_presented() -> None:
+    shown = steady(16)  # frames 0..15 shown from 10 s on
+    frames = frames_at(shown, [0.0] * 16)
+    arrivals = [[0.0, 9_900.0], [8 / FPS, shown[8] * 1000 - 40.0], [1.0, 20_000.0]]
+    # The third chunk's frames were never presented: no margin.
+    assert chunk_margins_ms(frames, arrivals) == pytest.approx([100.0, 40.0])
+
+
+def test_engine_chunk_ms_is_the_mean_of_the_servers_histogram() -> None:
+    text = """# HELP trio_vstream_engine_chunk_seconds ...
+trio_vstream_engine_chunk_seconds_bucket{le="0.1",model="shapes"} 3.0
+trio_vstream_engine_chunk_seconds_count{model="shapes"} 4.0
+trio_vstream_engine_chunk_seconds_sum{model="shapes"} 0.9
+trio_vstream_engine_chunk_seconds_created{model="shapes"} 1.7e9
+"""
+    assert engine_chunk_ms(text) == pytest.approx(225.0)
+    assert engine_chunk_ms("") is None
