@@ -67,6 +67,7 @@ def test_error_code_values_are_the_wire_strings() -> None:
         "INVALID_REQUEST": "invalid_request",
         "EVENT_ID_CONFLICT": "event_id_conflict",
         "INTERACTION_FAILED": "interaction_failed",
+        "INTERACTION_QUEUE_FULL": "interaction_queue_full",
         "GENERATION_FAILED": "generation_failed",
         "ENCODING_FAILED": "encoding_failed",
         "INTERNAL_ERROR": "internal_error",

@@ -113,10 +113,24 @@ class Client:
 
 @attrs.define
 class Harness:
-    server: VideoServer
     engine: InstrumentedEngine
     nursery: trio.Nursery
+    server: VideoServer = attrs.field(init=False)
     summaries: list[SessionSummary] = attrs.field(factory=list)
+    _ended: trio.Event = attrs.field(factory=trio.Event)
+
+    def session_ended(self, summary: SessionSummary) -> None:
+        self.summaries.append(summary)
+        self._ended.set()
+        self._ended = trio.Event()
+
+    async def ended(self, count: int = 1) -> None:
+        """Wait until ``count`` sessions have ended, then `settle`. (A session's end
+        waits for its engine stream's close, which runs in a thread `settle` cannot
+        see, started as it is without ``trio.to_thread``.)"""
+        while len(self.summaries) < count:
+            await self._ended.wait()
+        await settle()
 
     async def connect(self, start: dict[str, Any] | None = None, **fields: Any) -> Client:
         """A new session: connected, its ``session.start`` sent (START with ``fields``)."""
@@ -146,12 +160,14 @@ async def harness(
     """A server (never listening) whose sessions the test opens with `Harness.connect`."""
     session.setdefault("served_model", "synthetic")
     engine = engine_class(settings or SyntheticSettings(chunk_frames=CHUNK_FRAMES, steps=2))
-    summaries: list[SessionSummary] = []
-    server = VideoServer(
-        engine, ServerConfig(session=SessionConfig(**session)), on_session_end=summaries.append
-    )
     async with trio.open_nursery() as nursery:
-        if server.batcher is not None:  # as `VideoServer.run` starts it
-            nursery.start_soon(server.batcher.run)
-        yield Harness(server, engine, nursery, summaries)
+        found = Harness(engine, nursery)
+        found.server = VideoServer(
+            engine,
+            ServerConfig(session=SessionConfig(**session)),
+            on_session_end=found.session_ended,
+        )
+        if found.server.batcher is not None:  # as `VideoServer.run` starts it
+            nursery.start_soon(found.server.batcher.run)
+        yield found
         nursery.cancel_scope.cancel()

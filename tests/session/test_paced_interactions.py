@@ -60,6 +60,7 @@ async def test_events_go_to_the_chunk_whose_window_they_fall_in_with_their_offse
         await settle()
         t0 = trio.current_time()  # chunk 0 began here: its window is [t0, t0 + 0.5)
         await client.camera("a")
+        await settle()  # received now, before the clock moves
         mock_clock.jump(0.125)
         await client.camera("b")
         await settle()
@@ -73,6 +74,7 @@ async def test_events_go_to_the_chunk_whose_window_they_fall_in_with_their_offse
         await settle()
         assert trio.current_time() == t0 + 0.5
         await client.camera("at-deadline")  # received exactly at the deadline
+        await settle()
         mock_clock.jump(0.25)
         await client.camera("late")
         await client.playback(0.5)  # the gate opens: chunk 1 starts at t0 + 0.75
@@ -84,6 +86,7 @@ async def test_events_go_to_the_chunk_whose_window_they_fall_in_with_their_offse
         mock_clock.jump(0.25)
         await client.camera("inside")
         await client.playback(1.0)
+        await settle()
         mock_clock.jump(0.25)  # chunk 1's deadline
         await settle()
         assert h.engine.chunks_made == 3
@@ -137,6 +140,7 @@ async def test_an_interaction_the_engine_refuses_at_hand_over_gets_its_error_the
         assert client.terminal == [error]  # the session goes on
         h.engine.refuse.clear()
         await client.camera("refused")  # its id was freed: the client may retry with it
+        await settle()
         mock_clock.jump(0.5)
         await settle()
         assert started(client)[2] == ["refused"]
@@ -168,7 +172,7 @@ async def test_an_unpaced_camera_session_hands_interactions_over_at_once(
         # Today's timing: the engine has it as soon as it came, from its chunk's start.
         assert [(c.event_id, c.window_offset) for c in h.stream().changes] == [("now", 0.0)]
         h.engine.blocks.release()
-        await settle()
+        await h.ended()
         assert started(client) == [["now"], [], [], []]  # no window, no deadline
         assert client.terminal[-1]["type"] == "session.done"
 
@@ -194,7 +198,7 @@ async def test_the_interaction_that_finds_the_queue_full_ends_the_video_request(
         client = await h.connect(streaming_buffer_seconds=0.5)
         await settle()
         await fill(client, LIMIT + 1)
-        await settle()
+        await h.ended()
         assert len(client.of_type("session.interaction.queued")) == LIMIT
         [error] = client.terminal
         assert error["code"] == "interaction_queue_full"
@@ -229,7 +233,7 @@ async def test_interactions_handed_to_the_engine_are_pending_until_a_chunk_start
         assert len(client.of_type("session.interaction.queued")) == 2 * LIMIT
         await client.camera("one-more")  # refused as a camera (prompt-only engine)
         await prompt(client, "overflow")
-        await settle()
+        await h.ended()
         assert [e["code"] for e in client.of_type("error")] == [
             "interaction_failed",
             "interaction_queue_full",
@@ -244,6 +248,6 @@ async def test_a_paced_camera_video_all_made_ends_without_waiting_for_a_deadline
         client = await h.connect(streaming_buffer_seconds=10.0, num_frames=2 * CHUNK_FRAMES)
         await settle()
         mock_clock.jump(0.5)  # chunk 0's deadline: chunk 1, the last
-        await settle()
+        await h.ended()
         assert client.terminal[-1]["type"] == "session.done"
         assert len(client.chunks) == 2

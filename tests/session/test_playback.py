@@ -140,7 +140,7 @@ async def test_a_stop_ends_a_paused_session_at_once_and_closes_the_engine_stream
         await settle()
         assert len(client.of_type("session.pong")) == 1
         await client.send({"type": "session.stop"})
-        await settle()
+        await h.ended()
         # The clock never moved: nothing waited for a report, a step or a timeout.
         assert trio.current_time() == paused_at
         assert client.terminal == [
@@ -169,6 +169,7 @@ async def test_a_paused_session_is_not_progress_but_pings_keep_it_alive(
             mock_clock.jump(STALL * 0.6)
             await pinged.send({"type": "session.ping"})
             await settle()
+        await h.ended()
         # The silent one was not kept alive by being paused, nor by the other's pings.
         assert silent.terminal == [
             {
@@ -190,7 +191,7 @@ async def test_a_session_without_a_buffer_is_unpaced_and_ignores_reports(
     async with harness() as h:
         client = await h.connect(num_frames=8 * CHUNK_FRAMES)
         await client.playback(0.0)
-        await settle()
+        await h.ended()
         assert h.engine.chunks_made == 8  # every chunk, with no report past 0.0
         assert client.terminal[-1]["type"] == "session.done"
         assert client.of_type("error") == []
@@ -278,7 +279,7 @@ async def test_the_start_is_still_refused_with_a_bad_buffer(
 ) -> None:
     async with harness() as h:
         client = await h.connect({**START, "streaming_buffer_seconds": 0})
-        await settle()
+        await h.ended()
         [error] = client.terminal
         assert error["code"] == "invalid_request"
         assert "streaming_buffer_seconds must be > 0 and <= 60.0" in error["message"]
@@ -292,7 +293,7 @@ async def test_a_video_all_made_ends_without_waiting_for_the_playhead(
         # Two chunks fill the 1.0 s window and are the whole video: its end (the engine's
         # call that says so) waits for no report.
         client = await h.connect(streaming_buffer_seconds=1.0, num_frames=2 * CHUNK_FRAMES)
-        await settle()
+        await h.ended()
         assert client.terminal[-1]["type"] == "session.done"
         assert client.terminal[-1]["stopped"] is False
         assert len(client.chunks) == 2
