@@ -4,8 +4,9 @@ Per run, one shapes server and Debian's chromium (through Playwright, as
 ``tests/player`` drive it) on the player page with its defaults: Live on (the page
 opts into ``streaming_buffer_seconds`` and reports its playhead), the engine's size and
 fps, the length a live session gets. The prompt is the issue's, an object standing
-still; once it plays, the scenario presses D and A in turn every ``glass_press_every_s``
-for ``glass_seconds``, and reads two figures for each press:
+still; once it plays, the scenario presses D and A in turn about every
+``glass_press_every_s`` (seeded random pauses, `PRESS_JITTER`) for ``glass_seconds``,
+and reads two figures for each press:
 
 * the page's own "Key to frame": from the key's ``event.timeStamp`` to the first frame
   the video element presents (``requestVideoFrameCallback``) at or after the media time
@@ -32,6 +33,7 @@ from __future__ import annotations
 import base64
 import itertools
 import math
+import random
 import shlex
 import urllib.request
 from collections.abc import Sequence
@@ -56,6 +58,11 @@ KEYS: Final = (("d", 1.0), ("a", -1.0))
 """D moves the object right (+x), A left: pressed in turn."""
 CANVAS: Final = 64
 """Presented frames are read back at this size (the object is a few pixels wide)."""
+PRESS_JITTER: Final = 0.2
+"""Each pause between presses is the setting's, times a seeded random factor within
+this of 1: at 3 s, 2.4 to 3.6 s. A pause of whole chunks (3 s is nine 8-frame chunks at
+24 fps) would press every key at the same point of a chunk's window, and the wait for the
+next boundary, part of every latency, would be the same for all of a run's presses."""
 TURN_FRAMES: Final = 3
 """A turn counts when this many consecutive presented frames move the key's way."""
 STALL_SLACK_S: Final = 0.025
@@ -196,11 +203,13 @@ def chunk_margins_ms(frames: Presented, arrivals: Sequence[Sequence[float]]) -> 
     return margins
 
 
-def drive_page(url: str, s: Settings) -> dict[str, Any]:
+def drive_page(url: str, s: Settings, rng: random.Random) -> dict[str, Any]:
     """One session on the page at ``url`` (blocking: Playwright's sync API): start with
     the page's defaults and the issue's prompt, press D/A in turn, stop. What the page
     and the collector measured."""
     from playwright.sync_api import sync_playwright
+
+    every_ms = s.glass_press_every_s * 1000
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
@@ -247,7 +256,7 @@ def drive_page(url: str, s: Settings) -> dict[str, Any]:
                 key = KEYS[k % len(KEYS)][0]
                 page.keyboard.press(key)
                 presses.append((float(page.evaluate("() => performance.now()")), key))
-                page.wait_for_timeout(s.glass_press_every_s * 1000)
+                page.wait_for_timeout(rng.uniform(1 - PRESS_JITTER, 1 + PRESS_JITTER) * every_ms)
             stats = page.evaluate("""async () => (await import("/static/player.js")).liveStats()""")
             page.click("#stop")
             page.wait_for_function(
@@ -347,7 +356,8 @@ class GlassScenario:
             served = servers["server"]
             url = f"http://{served.endpoint.host_header}"
             progress(f"{tag}: chromium on {url}, {s.glass_seconds:g} s of D/A presses")
-            result = await trio.to_thread.run_sync(drive_page, url, s)
+            rng = random.Random(f"glass-{s.seed}-{run}")  # the same pauses every time
+            result = await trio.to_thread.run_sync(drive_page, url, s, rng)
         figures = measure(result, s)
         for problem in figures["page_errors"]:
             progress(f"  !! glass: the page raised {problem}")
