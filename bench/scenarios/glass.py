@@ -44,7 +44,7 @@ import attrs
 import numpy as np
 import trio
 
-from bench._output import markdown_table, progress
+from bench._output import markdown_table, progress, read_file
 from bench._report import figure_rows, make_verdict
 from bench._settings import Settings
 from bench._stats import Figures, percentile
@@ -352,6 +352,7 @@ class GlassScenario:
     async def run(self, run: int, log_dir: Path) -> None:
         s = self.settings
         tag = f"run {run + 1}/{s.repeat} glass"
+        load_before = read_file("/proc/loadavg").split()[:3]
         async with serving({"server": self.target}, log_dir, f"glass-{run}", tag) as servers:
             served = servers["server"]
             url = f"http://{served.endpoint.host_header}"
@@ -374,7 +375,15 @@ class GlassScenario:
         for name in ("underruns", "stall_ms"):
             if figures[name] is not None:
                 self.figures.add(run, f"glass.{name}", [figures[name]])
-        self.runs.append({"run": run, **figures})
+        # Other work on the machine slows the engine, and so every figure: say how much.
+        load = {
+            "loadavg_before": load_before,
+            "loadavg_after": read_file("/proc/loadavg").split()[:3],
+        }
+        progress(
+            f"{tag}: load average {' '.join(load_before)} -> {' '.join(load['loadavg_after'])}"
+        )
+        self.runs.append({"run": run, **load, **figures})
 
     def _run_stat(self, name: str, q: float) -> float | None:
         """The median over runs of each run's ``q``-th percentile: runs on a shared
@@ -419,6 +428,13 @@ class GlassScenario:
             f"after {s.glass_warmup_s:g} s of playing",
             "",
             f"Server: `{shlex.join(self.target.command or ())}`",
+            "",
+            "Load average (1 min) per run, before -> after: "
+            + ", ".join(
+                f"{run['loadavg_before'][0]} -> {run['loadavg_after'][0]}"
+                for run in self.runs
+                if run.get("loadavg_before") and run.get("loadavg_after")
+            ),
             "",
             markdown_table(header, figure_rows(self.figures)),
         ]
