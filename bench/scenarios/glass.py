@@ -424,7 +424,7 @@ class GlassScenario:
         header = ("metric", "unit", "median", "p99", "run medians (min - max)", "n")
         return [
             f"Glass: the player page in chromium with its defaults, prompt {GLASS_PROMPT!r}; "
-            f"D and A in turn every {s.glass_press_every_s:g} s for {s.glass_seconds:g} s, "
+            f"D and A in turn about every {s.glass_press_every_s:g} s for {s.glass_seconds:g} s, "
             f"after {s.glass_warmup_s:g} s of playing",
             "",
             f"Server: `{shlex.join(self.target.command or ())}`",
