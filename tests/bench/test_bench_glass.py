@@ -9,6 +9,7 @@ import base64
 import numpy as np
 import pytest
 
+from bench import run as bench
 from bench.scenarios.glass import (
     CANVAS,
     STALL_SLACK_S,
@@ -124,3 +125,15 @@ trio_vstream_engine_chunk_seconds_created{model="shapes"} 1.7e9
 """
     assert engine_chunk_ms(text) == pytest.approx(225.0)
     assert engine_chunk_ms("") is None
+
+
+def test_glass_is_asked_for_by_name_and_starts_its_own_server() -> None:
+    parse = bench.build_parser().parse_args
+    assert "glass" not in bench.settings_from(parse([])).scenarios
+    assert bench.settings_from(parse(["--scenario", "glass"])).scenarios == ("glass",)
+    with pytest.raises(SystemExit):
+        bench.settings_from(parse(["--scenario", "glass", "--url", "ws://h:1/v"]))
+    quick = bench.settings_from(parse(["--quick", "--scenario", "glass"]))
+    # Short, and still more than one press each way.
+    assert quick.glass_seconds / quick.glass_press_every_s >= 3
+    assert quick.glass_seconds < bench.Settings(scenarios=()).glass_seconds
