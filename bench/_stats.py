@@ -193,6 +193,11 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "ms",
         "that chunk's arrival -> the first presented frame showing it (the player's lag)",
     ),
+    "glass.chunk_interarrival_ms": ("ms", "between two media chunks' arrivals on the page"),
+    "glass.delivery_rtf": (
+        "x",
+        "per run: media seconds arrived per wall second, first to last chunk (paced: 1)",
+    ),
     "glass.engine_chunk_ms": (
         "ms",
         "per run: the engine's mean time per chunk (the server's /metrics), the floor "

@@ -203,6 +203,15 @@ def chunk_margins_ms(frames: Presented, arrivals: Sequence[Sequence[float]]) -> 
     return margins
 
 
+def delivery_rtf(arrivals: Sequence[Sequence[float]]) -> float | None:
+    """Media seconds delivered per wall second, from the first media chunk's arrival to
+    the last one's: below 1, generation fell behind the playhead it is paced by, and the
+    video must wait sooner or later."""
+    if len(arrivals) < 2 or arrivals[-1][1] <= arrivals[0][1]:
+        return None
+    return (arrivals[-1][0] - arrivals[0][0]) / ((arrivals[-1][1] - arrivals[0][1]) / 1000.0)
+
+
 def drive_page(url: str, s: Settings, rng: random.Random) -> dict[str, Any]:
     """One session on the page at ``url`` (blocking: Playwright's sync API): start with
     the page's defaults and the issue's prompt, press D/A in turn, stop. What the page
@@ -316,11 +325,14 @@ def measure(result: dict[str, Any], s: Settings) -> dict[str, Any]:
     if keys:
         ratio = play_ratio(frames, keys[0][0], keys[-1][0] + s.glass_press_every_s)
     stats = result["stats"] or {}
-    margins = chunk_margins_ms(frames, stats.get("arrivals", []))
+    arrivals = stats.get("arrivals", [])
+    margins = chunk_margins_ms(frames, arrivals)
     parts = stats.get("keyParts", [])
     return {
         "engine_chunk_ms": result["engine_chunk_ms"],
         "chunk_margin_ms": margins,
+        "chunk_interarrival_ms": [b[1] - a[1] for a, b in itertools.pairwise(arrivals)],
+        "delivery_rtf": delivery_rtf(arrivals),
         "key_to_arrival_ms": [float(p[0]) for p in parts],
         "arrival_to_frame_ms": [float(p[1]) for p in parts],
         "page_ms": [float(v) for v in stats.get("keyLatencies", [])],
@@ -370,6 +382,9 @@ class GlassScenario:
             self.figures.add(run, "glass.play_ratio", [figures["play_ratio"]])
         for name in ("chunk_margin_ms", "key_to_arrival_ms", "arrival_to_frame_ms"):
             self.figures.add(run, f"glass.{name}", figures[name])
+        self.figures.add(run, "glass.chunk_interarrival_ms", figures["chunk_interarrival_ms"])
+        if figures["delivery_rtf"] is not None:
+            self.figures.add(run, "glass.delivery_rtf", [figures["delivery_rtf"]])
         if figures["engine_chunk_ms"] is not None:
             self.figures.add(run, "glass.engine_chunk_ms", [figures["engine_chunk_ms"]])
         for name in ("underruns", "stall_ms"):

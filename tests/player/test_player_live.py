@@ -123,6 +123,11 @@ def reports_checked(log: list[tuple[str, dict[str, Any]]]) -> list[float]:
 
 def test_live_paces_generation_by_the_playhead_it_reports(page: Page) -> None:
     knobs = constants(page)
+    # Even from any slack at all, after 2 chunks.
+    page.evaluate(
+        """async () => Object.assign((await import("/static/player.js")).LIVE,
+                                     {slackSeconds: 0, slackChunks: 2})"""
+    )
     # Playback starts with less than the window buffered: the server holds back what
     # lies beyond it until the page plays, so a threshold at or above it never starts.
     assert 0 < knobs["start"] < knobs["buffer"]
@@ -145,6 +150,10 @@ def test_live_paces_generation_by_the_playhead_it_reports(page: Page) -> None:
     assert not [m for d, m in log[done:] if d == "sent" and m["type"] == "session.playback"]
     figure = page.locator("#fig-underruns")
     expect(figure).to_have_attribute("data-count", "0")
+    # A prompt-only engine's stream is paced by the playhead alone: playing faster would
+    # only play it faster, so the page never catches up (the shapes test shows it does).
+    stats = page.evaluate('async () => (await import("/static/player.js")).liveStats()')
+    assert stats["catchUps"] == 0 and stats["playbackRate"] == 1
     expect(page.locator("#errors")).to_be_empty()
 
 

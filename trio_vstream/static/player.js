@@ -28,7 +28,19 @@ export const LIVE = {
   // it, such as shapes); null leaves it to the engine. A shorter chunk is a shorter wait
   // for the next chunk to take a key, but the engine makes fewer frames a second.
   chunkFrames: null,
+  // Catching up: the lag behind generation only grows (a slow chunk makes the video
+  // wait, and it stays that much further behind), so when every one of the last
+  // slackChunks chunks arrived more than slackSeconds before the playhead needed it,
+  // the page plays at catchUpRate until one arrives with less: the lag comes down to what
+  // the engine's slowest recent chunk needs, and a key shows that much sooner. 1 turns
+  // it off.
+  catchUpRate: 1.1,
+  slackSeconds: 0.09,
+  slackChunks: 15,
 };
+// Media arriving faster than this (media seconds per wall second) is not paced in real
+// time: catching up would not shorten the lag (see Session.catchUp).
+const CATCH_UP_PACED_RATE = 1.05;
 // How often the page reports its playhead (session.playback), as vllm-omni's player does.
 const PLAYBACK_REPORT_MS = 100;
 // While the playhead does not move (paused by the user, say), generation waits and the
@@ -342,6 +354,9 @@ class Session {
     this.stallMs = 0;            // the time it waited, ms (a running stall included)
     this.stalledSince = null;    // when the running stall began
     this.arrivals = [];          // [media start s, performance.now()] of recent media chunks
+    this.slacks = [];            // s, the last media chunks' slack (see catchUp)
+    this.catchUpRate = 1;        // the playbackRate the page last set
+    this.catchUps = 0;           // times it began to catch up
 
     this.video = $("video");
     this.openMediaSource();
@@ -398,6 +413,30 @@ class Session {
     }
   }
 
+  // Live catch-up (see LIVE): `slack`, how long before the playhead needs it a media
+  // chunk arrived. It helps only where the server paces generation in real time (a
+  // camera engine's action windows): a stream that keeps up with the faster playhead
+  // is paced by the playhead itself (the buffer window), so playing faster would only
+  // play it faster for good. Only the page's own rates are changed, never the user's.
+  catchUp(slack) {
+    if (!this.paced || !this.started) return;
+    this.slacks.push(slack);
+    if (this.slacks.length > LIVE.slackChunks) this.slacks.shift();
+    const recent = this.arrivals.slice(-LIVE.slackChunks);
+    const [first, last] = [recent[0], recent.at(-1)];
+    const wall = (last[1] - first[1]) / 1000;
+    const realTime = wall > 0 && (last[0] - first[0]) / wall < CATCH_UP_PACED_RATE;
+    const ample = realTime && cameraOffered() && this.slacks.length >= LIVE.slackChunks &&
+      Math.min(...this.slacks) > LIVE.slackSeconds;
+    const rate = ample ? LIVE.catchUpRate : 1;
+    const current = this.video.playbackRate;
+    if (current !== rate && (current === 1 || current === this.catchUpRate)) {
+      this.video.playbackRate = rate;
+      this.catchUpRate = rate;
+      if (rate !== 1) this.catchUps += 1;
+    }
+  }
+
   // Underruns: playback that had begun waits for media ("waiting") until it plays again.
   watchStalls() {
     this.onWaiting = () => {
@@ -447,6 +486,8 @@ class Session {
       underruns: this.underruns,
       stallMs: this.stallTotalMs(),
       keyLatencies: [...this.keyLatencies],
+      playbackRate: this.video.playbackRate,
+      catchUps: this.catchUps,
       keyParts: this.keyParts.map((pair) => [...pair]),
       arrivals: this.arrivals.map((pair) => [...pair]),
     };
@@ -700,8 +741,10 @@ class Session {
     this.chunks += 1;
     // Media times advance in onChunkEvents, as the metadata comes: this chunk's start.
     if (meta?.kind === "media") {
-      this.arrivals.push([(this.mediaFrames - meta.num_frames) / this.fps, now]);
+      const mediaStart = (this.mediaFrames - meta.num_frames) / this.fps;
+      this.arrivals.push([mediaStart, now]);
       if (this.arrivals.length > ARRIVALS_KEPT) this.arrivals.shift();
+      this.catchUp(mediaStart - this.video.currentTime);
     }
     this.queue.push(data);
     this.pump();
