@@ -26,6 +26,7 @@ SCENARIOS: Final = (
     "batching",
     "effect",
     "streaming",
+    "glass",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -33,13 +34,14 @@ server rather than from whatever memory the other scenarios left to the allocato
 the server itself (it serves a model the harness builds, so neither --url nor --compare).
 """
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
-OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect", "streaming")
+OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect", "streaming", "glass")
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
 """What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
 ``effect`` (~3 min) are asked for by name: together they would more than double the
 default run, and they measure the shapes engine rather than the transport; so does
-``streaming`` (~5 min)."""
+``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
+for by name too."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -125,6 +127,20 @@ class Settings:
     """Measurements of each configuration per run, alternated; the verdict takes medians."""
     paused_window_s: float = 3.0
     """Seconds the active sessions' fps is measured, once the paused ones are waiting."""
+    glass_seconds: float = 30.0
+    """How long the glass scenario presses keys (its play ratio's span)."""
+    glass_press_every_s: float = 3.0
+    """D and A in turn, one press this often."""
+    glass_warmup_s: float = 3.0
+    """Seconds of video played before the first press: steady state."""
+    glass_buffer_s: float | None = None
+    glass_start_s: float | None = None
+    glass_chunk_frames: int | None = None
+    """The page's Live knobs (``LIVE.bufferSeconds``, ``LIVE.startSeconds``,
+    ``LIVE.chunkFrames`` in player.js) for trying others; None: the page's own."""
+    glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
+    """The glass server's shapes engine: one torch thread, so chromium has the other
+    core of a 2-core machine to decode and show the video."""
 
     @property
     def size(self) -> str:
@@ -159,6 +175,9 @@ class Settings:
             "streaming_seconds": 2.0,
             "paused_reps": 1,
             "paused_window_s": 1.0,
+            "glass_seconds": 6.0,
+            "glass_press_every_s": 2.0,
+            "glass_warmup_s": 1.5,
         }
         base.update(overrides)
         return cls(**base)

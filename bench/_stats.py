@@ -220,6 +220,46 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "count",
         "paused-sessions check: sessions that failed (a paused one refused, or ended)",
     ),
+    "glass.page_key_to_frame_ms": (
+        "ms",
+        "the page's Key to frame: key press -> first presented frame at the media time "
+        "where the chunk that started it begins",
+    ),
+    "glass.pixel_key_to_frame_ms": (
+        "ms",
+        "key press -> first presented frame whose motion turned the key's way (pixels only)",
+    ),
+    "glass.missed_turns": ("count", "per run: presses whose turn no presented frame showed"),
+    "glass.presented_frames": ("count", "per run: frames the video element presented"),
+    "glass.play_ratio": (
+        "ratio",
+        "per run: share of the presses' span the video played (from presented frames)",
+    ),
+    "glass.chunk_margin_ms": (
+        "ms",
+        "a media chunk's arrival on the page -> its first frame presented (its slack)",
+    ),
+    "glass.key_to_arrival_ms": (
+        "ms",
+        "key press -> arrival of the chunk that started its camera (window wait, "
+        "generation, encode, transport)",
+    ),
+    "glass.arrival_to_frame_ms": (
+        "ms",
+        "that chunk's arrival -> the first presented frame showing it (the player's lag)",
+    ),
+    "glass.chunk_interarrival_ms": ("ms", "between two media chunks' arrivals on the page"),
+    "glass.delivery_rtf": (
+        "x",
+        "per run: media seconds arrived per wall second, first to last chunk (paced: 1)",
+    ),
+    "glass.engine_chunk_ms": (
+        "ms",
+        "per run: the engine's mean time per chunk (the server's /metrics), the floor "
+        "under the playhead's lag",
+    ),
+    "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
+    "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
 }
 
 

@@ -28,6 +28,9 @@
   and without ``streaming_buffer_seconds``: time to first chunk, chunk inter-arrival,
   real-time factor, and a simulated real-time viewer's chunks on time, continuous play
   ratio, underruns and stall time; and whether paused sessions cost the others anything.
+* ``glass`` (by name, not in ``all``): the player page in chromium with its defaults on
+  the shapes model, D and A pressed in turn: key to presented frame, from the page's
+  figure and from the presented frames' pixels, and the continuous play ratio.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -114,6 +117,7 @@ from bench.scenarios.diffusers import (
 )
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
+from bench.scenarios.glass import GlassScenario
 from bench.scenarios.streaming import StreamingScenario
 from trio_vstream.client import check_startup
 
@@ -439,6 +443,11 @@ async def main_async(args: argparse.Namespace) -> int:
             streaming = StreamingScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await streaming.run(run, Path(log_dir))
+        glass: GlassScenario | None = None
+        if "glass" in s.scenarios:
+            glass = GlassScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await glass.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -472,10 +481,15 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
-    sections: list[BatchingScenario | EffectScenario | StreamingScenario] = []
+    Section = BatchingScenario | EffectScenario | StreamingScenario | GlassScenario
+    sections: list[Section] = []
     section_verdicts: list[dict[str, Any]] = []
-    named: tuple[tuple[str, BatchingScenario | EffectScenario | StreamingScenario | None], ...]
-    named = (("batching", batching), ("effect", effect), ("streaming", streaming))
+    named: tuple[tuple[str, Section | None], ...] = (
+        ("batching", batching),
+        ("effect", effect),
+        ("streaming", streaming),
+        ("glass", glass),
+    )
     for name, section in named:
         if section is not None:
             judged = section.evaluate()

@@ -276,3 +276,29 @@ def test_a_prompt_only_engine_shows_no_camera_controls(
         interactions = cameras_sent(sent)
         assert interactions == [{"event_id": "interaction-1", "event": {"prompt": "a blue square"}}]
         expect(page.locator("#errors")).to_be_empty()
+
+
+def test_live_catches_up_while_chunks_arrive_early_and_stops_when_one_is_late(
+    shapes_page: Page,
+) -> None:
+    page = shapes_page
+    # Catch up from any slack at all, after 3 chunks: it must start (chunks arrive before
+    # the playhead needs them), and stop once one arrives with none left.
+    page.evaluate(
+        """async () => Object.assign((await import("/static/player.js")).LIVE,
+                                     {slackSeconds: 0, slackChunks: 3})"""
+    )
+    start_shapes(page, "a red circle still on a navy background", seconds=60)
+    wait_playing(page, 0.3)
+    # wait_for_function does not await a promise: the module is fetched once, here.
+    page.evaluate('async () => { window.player = await import("/static/player.js"); }')
+    page.wait_for_function("() => window.player.liveStats().playbackRate > 1")
+    page.wait_for_function(
+        """() => {
+            const stats = window.player.liveStats();
+            return stats.catchUps >= 1 && stats.playbackRate === 1;
+        }"""
+    )
+    page.click("#stop")
+    expect(page.locator("#status")).to_contain_text("session.done")
+    expect(page.locator("#errors")).to_be_empty()

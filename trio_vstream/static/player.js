@@ -12,6 +12,40 @@ const TRIM_KEEP_S = 4;
 const LIVE_LAG_MAX_S = 1.5;
 // ...to this far behind it (a little slack so the next chunk arrives before we stall).
 const LIVE_LAG_TARGET_S = 0.3;
+// Live mode's knobs (docs/player.md says what each costs). An object, not constants,
+// so that the bench can try other values in a page (tests read them from here).
+export const LIVE = {
+  // vllm-omni's session.start streaming_buffer_seconds: the server generates at most
+  // this much media ahead of the playhead the page reports. In steady state the
+  // playhead trails generation by about this much, so it adds to every key's latency;
+  // less leaves less room for a slow chunk and the video waits (an underrun).
+  bufferSeconds: 0.5,
+  // Playback starts once this much media is buffered ahead of the playhead (or the
+  // stream has ended). It must stay below bufferSeconds: the server holds back what lies
+  // beyond the window until the page plays, so a higher threshold would wait forever.
+  startSeconds: 0.1,
+  // Frames per chunk the page asks for (extra_params.chunk_frames, for engines that take
+  // it, such as shapes); null leaves it to the engine. A shorter chunk is a shorter wait
+  // for the next chunk to take a key, but the engine makes fewer frames a second.
+  chunkFrames: null,
+  // Catching up: the lag behind generation only grows (a slow chunk makes the video
+  // wait, and it stays that much further behind), so when every one of the last
+  // slackChunks chunks arrived more than slackSeconds before the playhead needed it,
+  // the page plays at catchUpRate until one arrives with less: the lag comes down to what
+  // the engine's slowest recent chunk needs, and a key shows that much sooner. 1 turns
+  // it off.
+  catchUpRate: 1.1,
+  slackSeconds: 0.09,
+  slackChunks: 15,
+};
+// Media arriving faster than this (media seconds per wall second) is not paced in real
+// time: catching up would not shorten the lag (see Session.catchUp).
+const CATCH_UP_PACED_RATE = 1.05;
+// How often the page reports its playhead (session.playback), as vllm-omni's player does.
+const PLAYBACK_REPORT_MS = 100;
+// While the playhead does not move (paused by the user, say), generation waits and the
+// server's stall clock runs: a ping this often keeps the session alive.
+const PAUSED_PING_MS = 5000;
 const DEFAULT_ENDPOINT = "/v1/realtime/video";
 // An interaction's life, in order; "failed" can happen at any point.
 const EVENT_STATES = ["sent", "queued", "started", "active", "completed"];
@@ -59,6 +93,9 @@ const CAMERA_KEYS = {
 };
 // Latencies kept for the running median.
 const LATENCY_WINDOW = 50;
+// Chunk arrival times kept for liveStats (the bench's chunk margins): ten minutes of
+// 8-frame chunks at 24 fps.
+const ARRIVALS_KEPT = 1800;
 
 // A share link is this page with ?watch=PATH: the session's watch_path on this server.
 const WATCH_PARAM = "watch";
@@ -303,7 +340,23 @@ class Session {
     this.times = { sent: null, videoStart: null, firstChunk: null, lastChunk: null };
     this.running = false;     // video.start came and no terminal message yet
     this.awaitingFrame = [];  // started events whose first frame is not on screen yet
-    this.keyLatencies = [];   // ms, camera interactions: sent -> first frame showing it
+    this.keyLatencies = [];   // ms, camera interactions: key press -> first frame showing it
+    this.keyParts = [];       // ms, the same split: [press -> chunk arrived, arrived -> shown]
+    // Playback-paced generation (Live): the page reports the playhead it presents.
+    this.paced = request?.streaming_buffer_seconds != null;
+    this.presentedTime = null;   // media time of the newest frame presented, seconds
+    this.presentedFrames = 0;    // frames presented (requestVideoFrameCallback calls)
+    this.reported = null;        // the last position_seconds sent
+    this.reportedAt = 0;         // when a report or a ping last went (performance.now())
+    this.reports = 0;            // session.playback messages sent
+    this.started = false;        // playback has begun (the first "playing")
+    this.underruns = 0;          // times playback waited for media after it had begun
+    this.stallMs = 0;            // the time it waited, ms (a running stall included)
+    this.stalledSince = null;    // when the running stall began
+    this.arrivals = [];          // [media start s, performance.now()] of recent media chunks
+    this.slacks = [];            // s, the last media chunks' slack (see catchUp)
+    this.catchUpRate = 1;        // the playbackRate the page last set
+    this.catchUps = 0;           // times it began to catch up
 
     this.video = $("video");
     this.openMediaSource();
@@ -334,6 +387,110 @@ class Session {
     });
     this.ws.addEventListener("close", (event) => this.onClose(event));
     this.ticker = setInterval(() => this.render(), 250);
+    if (this.paced) this.reporter = setInterval(() => this.reportPlayback(), PLAYBACK_REPORT_MS);
+  }
+
+  // vllm-omni's session.playback: the playhead as shown, the media time of the newest
+  // frame presented (currentTime where requestVideoFrameCallback is missing). Never
+  // advanced to hide a stall: a stalled playhead holds generation back, which is the
+  // point. Sent when it moved; while it does not, a ping now and then keeps the
+  // session's stall clock from running out.
+  reportPlayback() {
+    if (!this.running || this.ws.readyState !== WebSocket.OPEN) return;
+    if (this.frameCallback == null && this.video.readyState >= 2) {
+      this.presentedTime = Math.max(this.presentedTime ?? 0, this.video.currentTime);
+    }
+    const position = this.presentedTime;
+    const now = performance.now();
+    if (position != null && Number.isFinite(position) && position > (this.reported ?? -1)) {
+      this.ws.send(JSON.stringify({ type: "session.playback", position_seconds: position }));
+      this.reported = position;
+      this.reportedAt = now;
+      this.reports += 1;
+    } else if (now - this.reportedAt >= PAUSED_PING_MS) {
+      this.ws.send(JSON.stringify({ type: "session.ping" }));
+      this.reportedAt = now;
+    }
+  }
+
+  // Live catch-up (see LIVE): `slack`, how long before the playhead needs it a media
+  // chunk arrived. It helps only where the server paces generation in real time (a
+  // camera engine's action windows): a stream that keeps up with the faster playhead
+  // is paced by the playhead itself (the buffer window), so playing faster would only
+  // play it faster for good. Only the page's own rates are changed, never the user's.
+  catchUp(slack) {
+    if (!this.paced || !this.started) return;
+    this.slacks.push(slack);
+    if (this.slacks.length > LIVE.slackChunks) this.slacks.shift();
+    const recent = this.arrivals.slice(-LIVE.slackChunks);
+    const [first, last] = [recent[0], recent.at(-1)];
+    const wall = (last[1] - first[1]) / 1000;
+    const realTime = wall > 0 && (last[0] - first[0]) / wall < CATCH_UP_PACED_RATE;
+    const ample = realTime && cameraOffered() && this.slacks.length >= LIVE.slackChunks &&
+      Math.min(...this.slacks) > LIVE.slackSeconds;
+    const rate = ample ? LIVE.catchUpRate : 1;
+    const current = this.video.playbackRate;
+    if (current !== rate && (current === 1 || current === this.catchUpRate)) {
+      this.video.playbackRate = rate;
+      this.catchUpRate = rate;
+      if (rate !== 1) this.catchUps += 1;
+    }
+  }
+
+  // Underruns: playback that had begun waits for media ("waiting") until it plays again.
+  watchStalls() {
+    this.onWaiting = () => {
+      if (!this.started || this.video.seeking || this.video.ended || this.stalledSince != null) return;
+      this.underruns += 1;
+      this.stalledSince = performance.now();
+      this.renderStalls();
+    };
+    this.onPlaying = () => {
+      this.started = true;
+      this.endStall();
+    };
+    this.video.addEventListener("waiting", this.onWaiting);
+    this.video.addEventListener("playing", this.onPlaying);
+  }
+
+  endStall() {
+    if (this.stalledSince == null) return;
+    this.stallMs += performance.now() - this.stalledSince;
+    this.stalledSince = null;
+    this.renderStalls();
+  }
+
+  stallTotalMs() {
+    return this.stallMs + (this.stalledSince == null ? 0 : performance.now() - this.stalledSince);
+  }
+
+  renderStalls() {
+    const figure = $("fig-underruns");
+    if (!figure) return;
+    const ms = this.stallTotalMs();
+    figure.textContent = this.started ? `${this.underruns} (${formatMs(ms)})` : "–";
+    figure.dataset.count = String(this.underruns);
+    figure.dataset.ms = ms.toFixed(1);
+  }
+
+  // What the page measured, for tests and the bench (read-only copies).
+  liveStats() {
+    return {
+      paced: this.paced,
+      bufferSeconds: this.request?.streaming_buffer_seconds ?? null,
+      presentedTime: this.presentedTime,
+      presentedFrames: this.presentedFrames,
+      reported: this.reported,
+      reports: this.reports,
+      started: this.started,
+      underruns: this.underruns,
+      stallMs: this.stallTotalMs(),
+      keyLatencies: [...this.keyLatencies],
+      playbackRate: this.video.playbackRate,
+      catchUps: this.catchUps,
+      keyParts: this.keyParts.map((pair) => [...pair]),
+      arrivals: this.arrivals.map((pair) => [...pair]),
+    };
   }
 
   openMediaSource() {
@@ -362,6 +519,7 @@ class Session {
     };
     this.video.addEventListener("timeupdate", this.onTimeUpdate);
     this.watchFrames();
+    this.watchStalls();
   }
 
   // When the first frame of a chunk that starts an interaction is shown: each presented
@@ -374,6 +532,10 @@ class Session {
     }
     const onFrame = (now, frame) => {
       this.frameCallback = this.video.requestVideoFrameCallback(onFrame);
+      this.presentedFrames += 1;
+      // A frame on screen ends a stall (Chromium may say "playing" a little later).
+      if (this.started) this.endStall();
+      this.presentedTime = Math.max(this.presentedTime ?? 0, frame.mediaTime);
       this.frameShown(frame.mediaTime, frame.expectedDisplayTime ?? now);
     };
     this.frameCallback = this.video.requestVideoFrameCallback(onFrame);
@@ -391,10 +553,14 @@ class Session {
       record.latencyMs = ms;
       record.item.dataset.latencyMs = ms.toFixed(1);
       record.item.dataset.shownAt = String(mediaTime); // the media time of that frame
-      record.item.querySelector(".event-shown").textContent = `, on screen ${formatMs(ms)} after sending`;
+      const after = record.camera ? "the key" : "sending";
+      record.item.querySelector(".event-shown").textContent = `, on screen ${formatMs(ms)} after ${after}`;
       if (record.camera) {
         this.keyLatencies.push(ms);
         if (this.keyLatencies.length > LATENCY_WINDOW) this.keyLatencies.shift();
+        // Where the time went: the press to its chunk's arrival, and on to the screen.
+        this.keyParts.push([record.startedAt - record.sentAt, when - record.startedAt]);
+        if (this.keyParts.length > LATENCY_WINDOW) this.keyParts.shift();
       }
     }
     this.renderLatency();
@@ -413,6 +579,7 @@ class Session {
       return;
     }
     this.sourceBuffer.addEventListener("updateend", () => {
+      this.maybePlay();
       this.followLiveEdge();
       this.pump();
       this.render();
@@ -432,6 +599,7 @@ class Session {
     if (this.trim(false)) return;
     if (this.queue.length === 0) {
       if (this.ending && this.mediaSource.readyState === "open") this.mediaSource.endOfStream();
+      if (this.ending && this.paced) this.maybePlay();
       return;
     }
     try {
@@ -447,11 +615,21 @@ class Session {
       }
       return;
     }
-    if (!this.playRequested) {
-      // Muted, so browsers let it start without another click.
-      this.playRequested = true;
-      this.video.play().catch(() => setStatus("Streaming: press play to watch.", "streaming"));
+    this.maybePlay();
+  }
+
+  // Start playing once there is media: at once, or for Live (paced) once LIVE.startSeconds
+  // is buffered ahead of the playhead, or the stream has ended.
+  maybePlay() {
+    if (this.playRequested || !this.sourceBuffer) return;
+    if (this.paced && !this.ending) {
+      const ranges = this.sourceBuffer.buffered;
+      if (ranges.length === 0) return;
+      if (ranges.end(ranges.length - 1) - this.video.currentTime < LIVE.startSeconds) return;
     }
+    // Muted, so browsers let it start without another click.
+    this.playRequested = true;
+    this.video.play().catch(() => setStatus("Streaming: press play to watch.", "streaming"));
   }
 
   // Remove what lies far behind the playhead; true when a remove() was started.
@@ -561,6 +739,13 @@ class Session {
     this.times.firstChunk ??= now;
     this.times.lastChunk = now;
     this.chunks += 1;
+    // Media times advance in onChunkEvents, as the metadata comes: this chunk's start.
+    if (meta?.kind === "media") {
+      const mediaStart = (this.mediaFrames - meta.num_frames) / this.fps;
+      this.arrivals.push([mediaStart, now]);
+      if (this.arrivals.length > ARRIVALS_KEPT) this.arrivals.shift();
+      this.catchUp(mediaStart - this.video.currentTime);
+    }
     this.queue.push(data);
     this.pump();
   }
@@ -569,6 +754,7 @@ class Session {
     this.closed = true;
     this.running = false;
     clearInterval(this.ticker);
+    clearInterval(this.reporter);
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
     if (!this.terminal && !this.opened && this.received === 0) {
       // A handshake answered with 401, 403 or 503: browsers hide the status (code 1006).
@@ -602,21 +788,26 @@ class Session {
   }
 
   interact(prompt, transitionChunks) {
-    return this.sendInteraction({ prompt }, transitionChunks, prompt, false);
+    return this.sendInteraction({ prompt }, transitionChunks, prompt, false, performance.now());
   }
 
-  // A camera as vllm-omni sends it: {mode, data: {translation, rotation}}.
-  interactCamera(camera, label) {
-    return this.sendInteraction({ multi_modal_data: { camera } }, 0, `camera ${label}`, true);
+  // A camera as vllm-omni sends it: {mode, data: {translation, rotation}}. `pressedAt`:
+  // when the key or button was pressed (its event's timeStamp, on performance.now()'s
+  // clock), where key-to-frame latency starts.
+  interactCamera(camera, label, pressedAt) {
+    return this.sendInteraction({ multi_modal_data: { camera } }, 0, `camera ${label}`, true, pressedAt);
   }
 
-  sendInteraction(event, transitionChunks, label, camera) {
+  sendInteraction(event, transitionChunks, label, camera, pressedAt) {
     const eventId = `interaction-${this.nextEvent++}`;
     const interaction = { event_id: eventId, event };
     if (transitionChunks != null) interaction.transition_chunks = transitionChunks;
     this.ws.send(JSON.stringify({ type: "session.interaction", interaction }));
     const record = this.addEvent(eventId, label);
-    record.sentAt = performance.now();
+    // From the press (or the send, for a prompt) to the first frame presented that shows it.
+    // A timeStamp that is not on that clock (0, or from the future) counts from now.
+    const now = performance.now();
+    record.sentAt = pressedAt > 0 && pressedAt <= now && now - pressedAt < 1000 ? pressedAt : now;
     record.camera = camera;
     this.setEventState(eventId, "sent");
     return eventId;
@@ -673,6 +864,7 @@ class Session {
       record.marker.classList.add("placed");
       if (record.sentAt != null) {
         record.startTime = at;
+        record.startedAt = performance.now(); // its chunk's metadata arrived
         this.awaitingFrame.push(record);
       }
     }
@@ -710,7 +902,13 @@ class Session {
       end = ranges.end(ranges.length - 1);
       ahead = Math.max(0, end - this.video.currentTime);
     }
-    $("fig-buffered").textContent = ahead == null ? "–" : `${ahead.toFixed(2)} s`;
+    const buffered = $("fig-buffered");
+    buffered.textContent = ahead == null ? "–"
+      : this.paced ? `${ahead.toFixed(2)} s (window ${this.request.streaming_buffer_seconds} s)`
+      : `${ahead.toFixed(2)} s`;
+    if (ahead == null) delete buffered.dataset.seconds;
+    else buffered.dataset.seconds = ahead.toFixed(3);
+    this.renderStalls();
     if (this.frameCallback == null && this.video.readyState >= 2) {
       this.frameShown(this.video.currentTime, performance.now());
     }
@@ -720,9 +918,12 @@ class Session {
 
   dispose() {
     clearInterval(this.ticker);
+    clearInterval(this.reporter);
     if (this.frameCallback != null) this.video.cancelVideoFrameCallback(this.frameCallback);
     this.frameCallback = undefined;
     this.video.removeEventListener("timeupdate", this.onTimeUpdate);
+    this.video.removeEventListener("waiting", this.onWaiting);
+    this.video.removeEventListener("playing", this.onPlaying);
     if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
   }
 }
@@ -762,7 +963,13 @@ function buildRequest() {
     if ($("length-unit").value === "seconds") request.seconds = $("length").value.trim();
     else request.num_frames = length;
   }
-  if ($("live").checked) request.extra_params = { pace_to_media_time: true };
+  if ($("live").checked) {
+    // Generation paced by the playhead this page reports (session.playback), and the
+    // chunks sent at the pace they play.
+    request.streaming_buffer_seconds = LIVE.bufferSeconds;
+    request.extra_params = { pace_to_media_time: true };
+    if (LIVE.chunkFrames != null) request.extra_params.chunk_frames = LIVE.chunkFrames;
+  }
   return { request, exact };
 }
 
@@ -774,6 +981,19 @@ function expectedShape(request) {
   if (Number.isInteger(request.num_frames) && request.num_frames > 0) frames = request.num_frames;
   else if (request.seconds) frames = Number(request.seconds) * fps || frames;
   return { fps, frames };
+}
+
+// The length field's default, until the user edits it: a Live session runs until
+// stopped (the server's most frames, --max-num-frames), since the engine's default clip
+// (2 s for shapes) ends before a person can steer; otherwise the engine's default.
+function fillLength() {
+  const d = server.defaults;
+  if (!d || server.lengthEdited) return;
+  const frames = $("live").checked && server.maxFrames ? server.maxFrames : d.num_frames;
+  // Whole seconds read better; frames when the default is not a whole number of them.
+  const seconds = frames / d.fps;
+  $("length-unit").value = Number.isInteger(seconds) ? "seconds" : "frames";
+  $("length").value = Number.isInteger(seconds) ? seconds : frames;
 }
 
 function start() {
@@ -872,16 +1092,22 @@ function showCameraControls() {
 // Sends a camera interaction in the running session; its event id, or null when no
 // session is streaming. Exported for tests, which also send what the controls cannot
 // (a "target" pose, say).
-export function sendCamera(camera, label) {
+export function sendCamera(camera, label, pressedAt = performance.now()) {
   if (!session?.running || session.ws.readyState !== WebSocket.OPEN) return null;
-  return session.interactCamera(camera, label);
+  return session.interactCamera(camera, label, pressedAt);
 }
 
-function sendControl(name) {
+// What the running (or last) session measured: its playhead reports, underruns and
+// key-to-frame latencies. For tests and the bench; null before the first session.
+export function liveStats() {
+  return session ? session.liveStats() : null;
+}
+
+function sendControl(name, pressedAt) {
   if (!cameraOffered()) return null;
   const control = CAMERA_CONTROLS[name];
   const data = { translation: control.translation, rotation: control.rotation };
-  return sendCamera({ mode: "velocity", data }, control.label);
+  return sendCamera({ mode: "velocity", data }, control.label, pressedAt);
 }
 
 // Typing goes to the field: letters and arrows there are text editing, not steering.
@@ -905,7 +1131,7 @@ window.addEventListener("keydown", (event) => {
   cameraButton(name)?.classList.add("pressed");
   // One press, one interaction: a held key's auto-repeat does not flood the server.
   if (event.repeat) return;
-  sendControl(name);
+  sendControl(name, event.timeStamp);
 });
 window.addEventListener("keyup", (event) => {
   const name = CAMERA_KEYS[event.code];
@@ -915,7 +1141,7 @@ window.addEventListener("blur", () => {
   for (const button of document.querySelectorAll("[data-camera].pressed")) button.classList.remove("pressed");
 });
 for (const button of document.querySelectorAll("[data-camera]")) {
-  button.addEventListener("click", () => sendControl(button.dataset.camera));
+  button.addEventListener("click", (event) => sendControl(button.dataset.camera, event.timeStamp));
 }
 
 function save() {
@@ -960,16 +1186,15 @@ async function loadDefaults() {
     const d = server.defaults;
     // Once per page: a later reload of the defaults (after a key is entered or
     // forgotten) must not undo what the user typed meanwhile.
+    const limits = info.limits;
+    server.maxFrames = Number.isInteger(limits?.max_num_frames) && limits.max_num_frames > 0
+      ? limits.max_num_frames : null;
     if (d && !server.formFilled) {
       server.formFilled = true;
       $("size").value = `${d.width}x${d.height}`;
       $("fps").value = d.fps;
-      // Whole seconds read better; frames when the default is not a whole number of them.
-      const seconds = d.num_frames / d.fps;
-      $("length-unit").value = Number.isInteger(seconds) ? "seconds" : "frames";
-      $("length").value = Number.isInteger(seconds) ? seconds : d.num_frames;
+      fillLength();
     }
-    const limits = info.limits;
     if (limits) {
       $("size-hint").textContent =
         `At most ${limits.max_width}×${limits.max_height} and ${limits.max_num_frames} frames.`;
@@ -995,6 +1220,10 @@ $("prompt").addEventListener("keydown", (event) => {
     $("start-form").requestSubmit();
   }
 });
+for (const id of ["length", "length-unit"]) {
+  $(id).addEventListener("input", () => { server.lengthEdited = true; });
+}
+$("live").addEventListener("change", fillLength);
 $("stop").addEventListener("click", () => session?.stop());
 $("save").addEventListener("click", save);
 $("watch-save").addEventListener("click", save);
