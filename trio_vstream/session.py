@@ -489,7 +489,7 @@ class Session:
             index += 1
             frames = frame_count(chunk.frames)
             self._interactions.queue.started(chunk.started_event_ids)
-            self._interactions.queue.open_window(began, frames / self._fps)
+            self._interactions.queue.open_window(began, frames / self._fps, snap=1 / self._fps)
             if self._gate is not None:
                 self._gate.generated(frames)
             waited = self._checkpoint.take_waited()

@@ -150,6 +150,36 @@ def test_an_offset_is_always_below_one(start: float, length: float) -> None:
     assert 0.99 < offset < 1.0
 
 
+@pytest.mark.parametrize(
+    ("began", "opens_at"),
+    [
+        (10.5, 10.5),  # on the deadline
+        (10.503, 10.5),  # woke 3 ms late: the window keeps to the media clock
+        (10.54, 10.5),  # within one frame (1/24 s)
+        (10.55, 10.55),  # later than a frame: generation was slower than real time
+        (10.49, 10.49),  # before the deadline (the first chunk, or an unpaced session)
+    ],
+)
+def test_a_chunk_that_woke_within_a_frame_of_its_deadline_opens_its_window_there(
+    began: float, opens_at: float
+) -> None:
+    queue = InteractionQueue(windows=True)
+    queue.open_window(10.0, 0.5)
+    queue.open_window(began, 0.5, snap=1 / 24)
+    assert queue.deadline == pytest.approx(opens_at + 0.5)
+
+
+def test_windows_that_snap_never_drift_from_the_media_clock() -> None:
+    """A hundred chunks, each woken 4 ms after its deadline: the hundredth window still
+    ends at exactly a hundred chunks' media time."""
+    queue = InteractionQueue(windows=True)
+    queue.open_window(0.0, 0.5)
+    for _ in range(99):
+        assert queue.deadline is not None
+        queue.open_window(queue.deadline + 0.004, 0.5, snap=1 / 24)
+    assert queue.deadline == pytest.approx(50.0)
+
+
 def test_an_unpaced_queue_has_no_deadline() -> None:
     queue = InteractionQueue()
     queue.open_window(10.0, 0.5)
