@@ -302,3 +302,36 @@ def test_live_catches_up_while_chunks_arrive_early_and_stops_when_one_is_late(
     page.click("#stop")
     expect(page.locator("#status")).to_contain_text("session.done")
     expect(page.locator("#errors")).to_be_empty()
+
+
+def test_live_sends_the_engines_live_defaults_unless_the_form_sets_them(
+    shapes_page: Page,
+) -> None:
+    """shapes suggests 3 steps without guidance for live sessions (/v1/models
+    live_defaults): Live sends them for empty fields, a typed Steps wins, Live off sends
+    the engine's ordinary defaults (nothing)."""
+    page = shapes_page
+    sent = sent_messages(page)
+    starts = []
+    for live, steps in ((True, ""), (True, "5"), (False, "")):
+        page.fill("#steps", steps)
+        if live:
+            page.check("#live")
+        else:
+            page.uncheck("#live")
+        page.fill("#length", "1")
+        page.select_option("#length-unit", "seconds")
+        page.click("#start")
+        expect(page.locator("#status")).to_contain_text("session.done")
+        starts.append(next(m for m in reversed(sent) if m["type"] == "session.start"))
+    assert (starts[0]["num_inference_steps"], starts[0]["guidance_scale"]) == (3, 1.0)
+    assert (starts[1]["num_inference_steps"], starts[1]["guidance_scale"]) == (5, 1.0)
+    assert "num_inference_steps" not in starts[2] and "guidance_scale" not in starts[2]
+    # What a server suggests is read as data: only known fields with finite numbers.
+    kept = page.evaluate(
+        """async () => (await import("/static/player.js")).liveDefaults({
+            num_inference_steps: 2, guidance_scale: "1", flow_shift: null,
+            prompt: "x", __proto__: {seed: 1}})"""
+    )
+    assert kept == {"num_inference_steps": 2}
+    expect(page.locator("#errors")).to_be_empty()

@@ -37,7 +37,13 @@ export const LIVE = {
   catchUpRate: 1.1,
   slackSeconds: 0.09,
   slackChunks: 15,
+  // Send the engine's suggestions for live sessions (/v1/models live_defaults: cheaper
+  // steps or no guidance branch, so a chunk is made sooner after the key) for fields the
+  // form leaves empty. false sends the engine's ordinary defaults.
+  engineLiveDefaults: true,
 };
+// The live_defaults fields the page sends (what the server lets an engine suggest).
+const LIVE_DEFAULT_FIELDS = ["num_inference_steps", "guidance_scale", "flow_shift"];
 // Media arriving faster than this (media seconds per wall second) is not paced in real
 // time: catching up would not shorten the lag (see Session.catchUp).
 const CATCH_UP_PACED_RATE = 1.05;
@@ -117,7 +123,7 @@ const watchPath = readWatchPath(location.search);
 
 const server = {
   model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
-  formFilled: false, interactionKinds: null,
+  formFilled: false, interactionKinds: null, liveDefaults: {},
 };
 let session = null;
 
@@ -939,6 +945,17 @@ function numberField(id) {
   return input.value.trim() === "" ? undefined : Number(input.value);
 }
 
+// An engine's live_defaults as the page sends them: known fields with finite numbers.
+export function liveDefaults(suggested) {
+  const kept = {};
+  if (suggested == null || typeof suggested !== "object") return kept;
+  for (const key of LIVE_DEFAULT_FIELDS) {
+    const value = suggested[key];
+    if (typeof value === "number" && Number.isFinite(value)) kept[key] = value;
+  }
+  return kept;
+}
+
 function buildRequest() {
   const request = { prompt: $("prompt").value };
   const exact = {};
@@ -969,6 +986,11 @@ function buildRequest() {
     request.streaming_buffer_seconds = LIVE.bufferSeconds;
     request.extra_params = { pace_to_media_time: true };
     if (LIVE.chunkFrames != null) request.extra_params.chunk_frames = LIVE.chunkFrames;
+    if (LIVE.engineLiveDefaults) {
+      for (const [key, value] of Object.entries(server.liveDefaults)) {
+        if (request[key] === undefined) request[key] = value;
+      }
+    }
   }
   return { request, exact };
 }
@@ -1182,6 +1204,7 @@ async function loadDefaults() {
     server.endpoint = info.endpoint ?? DEFAULT_ENDPOINT;
     server.defaults = info.video_defaults ?? null;
     server.interactionKinds = Array.isArray(info.interaction_kinds) ? info.interaction_kinds : null;
+    server.liveDefaults = liveDefaults(info.live_defaults);
     showCameraControls();
     const d = server.defaults;
     // Once per page: a later reload of the defaults (after a key is entered or
