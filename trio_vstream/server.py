@@ -57,7 +57,7 @@ from trio_vstream import (
 )
 from trio_vstream.engine_calls import AbandonedCalls
 from trio_vstream.engines.base import Engine
-from trio_vstream.engines.interfaces import interaction_kinds, max_batch
+from trio_vstream.engines.interfaces import audio_format, interaction_kinds, max_batch
 from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder
@@ -178,6 +178,7 @@ class VideoServer:
         """Engine calls still running after their sessions ended (see ``health``)."""
         progress = EngineProgress()
         batch = max_batch(engine)
+        audio_format(engine)  # an engine's sound the server cannot carry fails here, at start
         # A batching engine's steps all go through its batcher, one batch at a time:
         # step slots on top would only make sessions wait for each other's turns.
         self.batcher = StepBatcher(batch, progress, self.metrics.batch_run) if batch > 1 else None

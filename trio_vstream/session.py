@@ -146,6 +146,9 @@ class Session:
         self._calls = SessionCalls(resources)
         """Its worker-thread calls and its engine stream (`trio_vstream.session_calls`)."""
         self._encoder: FragmentedMP4Encoder | None = None
+        self._audio_rate: int | None = None
+        """The stream's audio sample rate; None for a stream without sound."""
+        self._audio_channels = 1
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
@@ -315,7 +318,11 @@ class Session:
         video_start = protocol.VideoStart(
             self.request_id,
             start.format,
-            config_echo(start, stream.seed if supports_seed(stream) else None),
+            config_echo(
+                start,
+                stream.seed if supports_seed(stream) else None,
+                audio=(self._audio_rate, self._audio_channels) if self._audio_rate else None,
+            ),
             **taps.video_start_fields,
         )
         await self._sender.send(video_start)
@@ -341,6 +348,8 @@ class Session:
 
     def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
         self._encoder = encoder
+        self._audio_rate = encoder.audio_sample_rate
+        self._audio_channels = encoder.audio_channels
 
     # --------------------------------------------------------- receive loop
 
@@ -540,7 +549,7 @@ class Session:
                     encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                 )
                 try:
-                    frames, data = await self._calls.call(
+                    frames, audio_samples, data = await self._calls.call(
                         encoding, lambda _result: close_quietly(encoder)
                     )
                 except EncodingAbandoned:
@@ -567,7 +576,7 @@ class Session:
                 now = trio.current_time()
                 self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
                 self._frames_generated += frames
-                await self._send_chunk("media", frames, data, chunk)
+                await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
                 self._touch()
 
     async def _take_encode_slot(self, first_frame: int) -> bool:
@@ -602,6 +611,7 @@ class Session:
         chunk: Chunk | None,
         *,
         deadline: float | None = None,
+        audio_samples: int | None = None,
     ) -> None:
         assert self.request_id is not None
         metadata = protocol.ChunkMetadata(
@@ -614,6 +624,11 @@ class Session:
             active_event_ids=chunk.active_event_ids if chunk is not None else (),
             completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
             transport_chunk_index=self._chunks_sent,
+            # Only a stream with sound: how much of it this chunk covers (its frames'
+            # duration exactly; the container may carry some of it in the next chunk;
+            # a trailer covers none, though it carries the last AAC frames).
+            num_audio_samples=(audio_samples or 0) if self._audio_rate is not None else None,
+            audio_sample_rate=self._audio_rate,
         )
         await self._sender.send(metadata, data, deadline=deadline)
         if self._taps:
