@@ -188,17 +188,25 @@ def decode_audio(fmp4: bytes) -> tuple[int, np.ndarray] | None:
                 return None
             stream = source.streams.audio[0]
             rate = stream.codec_context.sample_rate
+            channels = stream.codec_context.channels
+            # Read here: a stream's fields are garbage once its container is closed.
+            time_base = stream.time_base
+            start: int | None = None  # a viewer's stream begins mid-way
             end = 0
             pieces: list[np.ndarray] = []
             for packet in source.demux(stream):
                 if packet.pts is not None and packet.duration:
                     end = max(end, packet.pts + packet.duration)
                 for frame in packet.decode():
+                    if start is None and frame.pts is not None:
+                        start = frame.pts
                     pieces.append(frame.to_ndarray().astype(np.float32, copy=False))
     except (av.error.FFmpegError, ValueError, OSError) as exc:
         raise RemuxError(f"the received audio is unreadable: {exc}") from exc
     if not pieces:
-        return rate, np.zeros((stream.codec_context.channels, 0), np.float32)
+        return rate, np.zeros((channels, 0), np.float32)
     pcm = np.concatenate(pieces, axis=1)
+    if not time_base or start is None:
+        return rate, pcm
     # The track's timescale is its sample rate here; converted all the same.
-    return rate, pcm[:, : int(end * stream.time_base * rate)] if stream.time_base else pcm
+    return rate, pcm[:, : int((end - start) * time_base * rate)]
