@@ -308,7 +308,7 @@ class FragmentedMP4Encoder:
 
     @staticmethod
     def _open_audio(rate: int, channels: int) -> av.AudioCodecContext:
-        if isinstance(rate, bool) or rate not in AUDIO_SAMPLE_RATES:
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate not in AUDIO_SAMPLE_RATES:
             raise EncodingError(
                 f"audio_sample_rate must be one of {sorted(AUDIO_SAMPLE_RATES)}, got {rate!r}"
             )

@@ -11,8 +11,9 @@ import pytest
 
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream.client._mp4 import decode_audio
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.base import Checkpoint, Chunk, EngineConfigError, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.video import audio_samples_through
 
 START = {"type": "session.start", "prompt": "a tone", "size": "32x32", "fps": 7, "num_frames": 17}
@@ -88,3 +89,20 @@ async def test_sound_of_the_wrong_length_fails_the_session(
     assert "audio samples" in error["message"], error
     # The chunk before it went out whole; the broken one did not.
     assert len([m for m in transcript.of_type("video.chunk_metadata")]) == 1
+
+
+async def test_a_client_cannot_claim_sound_in_its_session_start(start_server: Any) -> None:
+    """``audio`` is the server's word in ``video.start``, not a request field."""
+    running = await start_server(SyntheticSettings(chunk_frames=3))
+    claim = {"sample_rate": 48000, "channels": 2, "codec": "mp4a.40.2"}
+    transcript = await running.run_session({**START, "audio": claim})
+    (error,) = transcript.terminal
+    assert error["code"] == "invalid_request" and "audio" in error["message"]
+    assert not transcript.of_type("video.start")
+
+
+def test_an_engine_whose_sound_the_server_cannot_carry_fails_at_start_up() -> None:
+    engine = InstrumentedEngine(SyntheticSettings())
+    engine.audio_sample_rate = 96000
+    with pytest.raises(EngineConfigError, match="audio_sample_rate must be one of"):
+        VideoServer(engine, ServerConfig(host="127.0.0.1", port=0))

@@ -134,16 +134,19 @@ def audio_format(engine: Engine) -> AudioFormat | None:
     """The sound ``engine`` makes, or None; raises `EngineConfigError` for a rate or a
     channel count the server cannot carry (at the server's start-up)."""
     name = engine.name
-    if not supports_audio(engine):
+    rate = getattr(engine, "audio_sample_rate", None)
+    if rate is None:
         return None
-    rate, channels = engine.audio_sample_rate, engine.audio_channels
-    if isinstance(rate, bool) or rate not in AUDIO_SAMPLE_RATES:
+    # Read without the Protocol: a rate without a channel count is a mistake to report,
+    # not an engine to serve silently.
+    channels = getattr(engine, "audio_channels", None)
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate not in AUDIO_SAMPLE_RATES:
         raise EngineConfigError(
             f"engine {name}: audio_sample_rate must be one of "
             f"{sorted(AUDIO_SAMPLE_RATES)}, got {rate!r}"
         )
     if isinstance(channels, bool) or channels not in range(1, AUDIO_MAX_CHANNELS + 1):
-        raise EngineConfigError(f"engine {name}: audio_channels must be 1 or 2")
+        raise EngineConfigError(f"engine {name}: audio_channels must be 1 or 2, got {channels!r}")
     return AudioFormat(rate, channels)
 
 
