@@ -145,7 +145,11 @@ def audio_format(engine: Engine) -> AudioFormat | None:
             f"engine {name}: audio_sample_rate must be one of "
             f"{sorted(AUDIO_SAMPLE_RATES)}, got {rate!r}"
         )
-    if isinstance(channels, bool) or channels not in range(1, AUDIO_MAX_CHANNELS + 1):
+    if (
+        isinstance(channels, bool)
+        or not isinstance(channels, int)
+        or not 1 <= channels <= AUDIO_MAX_CHANNELS
+    ):
         raise EngineConfigError(f"engine {name}: audio_channels must be 1 or 2, got {channels!r}")
     return AudioFormat(rate, channels)
 
