@@ -196,3 +196,12 @@ def test_engine_audio_is_brought_to_float32_or_refused() -> None:
         audio_to_float32_array(np.full(10, np.nan, np.float32), channels=1, samples=10)
     with pytest.raises(EngineError, match="without audio"):
         audio_to_float32_array(None, channels=1, samples=10)
+
+
+def test_a_torch_tensor_of_any_float_type_is_taken() -> None:
+    """A vocoder's output: a (channels, samples) bf16 tensor (on a GPU, in a real model)."""
+    torch = pytest.importorskip("torch")
+    wave = torch.linspace(-0.5, 0.5, 20).reshape(2, 10).to(torch.bfloat16)
+    audio = audio_to_float32_array(wave, channels=2, samples=10)
+    assert audio.shape == (2, 10) and audio.dtype == np.float32
+    np.testing.assert_allclose(audio, wave.float().numpy())
