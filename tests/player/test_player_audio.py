@@ -85,3 +85,34 @@ def test_a_stream_without_sound_shows_no_unmute_button(browser: Browser, tmp_pat
         wait_playing(page, 0.5)
         expect(page.locator("#fig-codec")).not_to_contain_text("mp4a")
         expect(page.locator("#unmute")).to_be_hidden()
+
+
+def test_a_viewer_of_a_stream_with_sound_plays_it_and_can_unmute(
+    browser: Browser, page: Page
+) -> None:
+    """A watch link's page (MSE ``sequence`` mode, joined mid-stream) takes both tracks."""
+    start(page, seconds=20)
+    wait_playing(page, 0.3)
+    link = page.locator("#share-link").input_value()
+    context = browser.new_context(viewport={"width": 1000, "height": 900})
+    viewer = context.new_page()
+    viewer.set_default_timeout(WAIT_MS)
+    script_errors: list[str] = []
+    viewer.on("pageerror", lambda error: script_errors.append(str(error)))
+    try:
+        viewer.goto(link)
+        expect(viewer.locator("#status")).to_contain_text("Watching live")
+        wait_playing(viewer, 1.0)
+        expect(viewer.locator("#fig-codec")).to_contain_text("mp4a.40.2")
+        button = viewer.locator("#unmute")
+        expect(button).to_be_visible()
+        button.click()
+        assert viewer.evaluate("() => document.getElementById('video').muted") is False
+        viewer.wait_for_function(
+            "() => document.getElementById('video').webkitAudioDecodedByteCount > 0"
+        )
+        expect(viewer.locator("#errors")).to_be_empty()
+    finally:
+        context.close()
+        page.click("#stop")
+    assert script_errors == []
