@@ -31,7 +31,8 @@ class StreamTiming:
     ``video.start`` only when the client sent one, and its default is not announced.
     Reads the track timescale (``moov/trak/mdia/mdhd``) and the first fragment's sample
     duration (``trun``, else ``tfhd``, else ``moov/mvex/trex``). Only the first track is
-    read: servers of this protocol send one video track. Anything unreadable leaves the
+    read: servers of this protocol send the video first (a stream with sound has its AAC
+    track second, in the ``moov`` and in every ``moof``). Anything unreadable leaves the
     rate unknown rather than raising, since the video itself may still be fine.
     """
 
