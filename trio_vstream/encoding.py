@@ -45,6 +45,21 @@ percent of the bitrate at the usual chunk lengths (docs/benchmarks.md, "Keyframe
 ``keyframe_interval`` (chunks from one forced IDR to the next; 0 leaves keyframes to
 x264, every 250 frames and at scene cuts) exists for that measurement. A caller's ``g``
 (or ``keyint``) only adds keyframes between those: it cannot remove the forced ones.
+
+Sound, when the engine makes it (``audio_sample_rate``): a second track, AAC-LC from
+FFmpeg's own encoder, in the same ``moov`` and in every ``moof`` beside the video (one
+``traf`` each, the video's first, so a fragment still starts where a viewer can join).
+Each chunk's PCM covers exactly its frames (`trio_vstream.video.audio_samples_through`);
+AAC codes 1024-sample frames and its encoder holds one back, so a FIFO keeps the samples
+that do not fill a frame yet and the packets come out a frame or two behind: a fragment
+carries the audio encoded so far, and its timestamps (``tfdt``, per-sample durations) say
+where it belongs, so the two tracks stay in step to the sample even though a fragment's
+audio ends a little before its video. The encoder's priming (1024 samples of silence
+before the first real one) is cut by the audio track's edit list (``elst``
+media_time=1024), and ``close`` codes what is left in the FIFO as a short last frame
+whose sample duration is the real count: the joined stream decodes to exactly the PCM
+the engine returned, no sample more or less. A stopped session gets no trailer, so its
+last one to two AAC frames are not sent.
 """
 
 from __future__ import annotations
@@ -62,6 +77,7 @@ from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from trio_vstream.image_header import ImageHeaderError, read_image_header
 from trio_vstream.protocol import CodecOptionError, check_codec_options
+from trio_vstream.video import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES, audio_samples_through
 
 __all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
 
@@ -96,6 +112,15 @@ DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320
 MAX_IMAGE_SIDE = 16384
 
 _TRACK_ID = 1
+_AUDIO_TRACK_ID = 2
+_AAC_FRAME = 1024
+"""Samples in one AAC-LC frame (one MP4 sample)."""
+_AAC_PRIMING = 1024
+"""Samples of priming FFmpeg's AAC encoder puts before the first real one (its
+``initial_padding``): the first packet's pts is -1024, which `encode` checks."""
+_AUDIO_SAMPLE_FLAGS = 0x02000000  # every AAC frame decodes on its own
+AUDIO_CODEC_STRING: Final = "mp4a.40.2"
+"""RFC 6381 codecs value of the audio track (AAC-LC), for MSE ``addSourceBuffer``."""
 _MOVIE_TIMESCALE = 1000
 _SAMPLE_FLAGS_SYNC = 0x02000000  # sample_depends_on=2 (an IDR depends on nothing)
 _SAMPLE_FLAGS_NON_SYNC = 0x01010000  # sample_depends_on=1, sample_is_non_sync_sample=1
@@ -190,6 +215,8 @@ class FragmentedMP4Encoder:
         fps: int,
         codec_options: Mapping[str, str] | None = None,
         keyframe_interval: int = 1,
+        audio_sample_rate: int | None = None,
+        audio_channels: int = 1,
     ) -> None:
         for name, value in (("width", width), ("height", height), ("fps", fps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -260,6 +287,14 @@ class FragmentedMP4Encoder:
             raise EncodingError(f"unknown libx264 codec option(s): {', '.join(unused)}")
 
         self._ctx: av.VideoCodecContext | None = ctx
+        self._audio: av.AudioCodecContext | None = None
+        self._audio_channels = audio_channels
+        self._audio_rate = audio_sample_rate
+        self._audio_fifo = np.zeros((audio_channels, 0), dtype=np.float32)
+        self._audio_fed = 0  # samples handed to the AAC encoder
+        self._audio_written = 0  # track time of the next AAC sample (priming included)
+        if audio_sample_rate is not None:
+            self._audio = self._open_audio(audio_sample_rate, audio_channels)
         self._reformatter = VideoReformatter()
         self._avcc: bytes | None = None
         if ctx.extradata:
@@ -271,9 +306,49 @@ class FragmentedMP4Encoder:
         self._closed = False
         self._failed: str | None = None
 
+    @staticmethod
+    def _open_audio(rate: int, channels: int) -> av.AudioCodecContext:
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate not in AUDIO_SAMPLE_RATES:
+            raise EncodingError(
+                f"audio_sample_rate must be one of {sorted(AUDIO_SAMPLE_RATES)}, got {rate!r}"
+            )
+        if isinstance(channels, bool) or channels not in range(1, AUDIO_MAX_CHANNELS + 1):
+            raise EncodingError(f"audio_channels must be 1 or 2, got {channels!r}")
+        try:
+            actx = av.CodecContext.create("aac", "w")
+            assert isinstance(actx, av.AudioCodecContext)
+            actx.sample_rate = rate
+            actx.layout = "mono" if channels == 1 else "stereo"
+            actx.format = "fltp"
+            actx.time_base = Fraction(1, rate)
+            actx.bit_rate = 64000 * channels
+            actx.open()
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise EncodingError(f"the AAC encoder could not be opened: {exc}") from exc
+        if actx.frame_size != _AAC_FRAME or not actx.extradata:
+            raise EncodingError("the AAC encoder is not the AAC-LC one this muxer expects")
+        return actx
+
     @property
     def frames_encoded(self) -> int:
         return self._frames_encoded
+
+    @property
+    def audio_sample_rate(self) -> int | None:
+        """Samples per second of the audio track; None for a stream without sound."""
+        return self._audio_rate
+
+    @property
+    def audio_channels(self) -> int:
+        return self._audio_channels
+
+    def audio_samples_for(self, frames: int) -> int:
+        """How many audio samples the next chunk of ``frames`` frames must carry."""
+        assert self._audio_rate is not None
+        done = self._frames_encoded
+        return audio_samples_through(
+            done + frames, self._audio_rate, self._fps
+        ) - audio_samples_through(done, self._audio_rate, self._fps)
 
     @property
     def init_segment(self) -> bytes | None:
@@ -289,15 +364,25 @@ class FragmentedMP4Encoder:
             return None
         return "avc1." + self._avcc[9:12].hex()
 
-    def encode(self, frames: np.ndarray, *, abandon: Callable[[], bool] | None = None) -> bytes:
-        """One chunk's frames as fMP4 bytes (the init segment first, the first time).
+    def encode(
+        self,
+        frames: np.ndarray,
+        *,
+        audio: np.ndarray | None = None,
+        abandon: Callable[[], bool] | None = None,
+    ) -> bytes:
+        """One chunk's frames (and sound) as fMP4 bytes (the init segment first, the first
+        time).
 
+        ``audio``, for an encoder with an audio track and only then: (channels, samples)
+        float32 in [-1, 1], exactly `audio_samples_for` this chunk's frames.
         ``abandon`` is asked before each frame: a stopped session does not wait for a
         whole chunk's encode (tens of milliseconds at 832x480 on a small CPU) whose
         bytes it will never send. It raises `EncodingAbandoned`.
         """
         self._check_usable()
         self._validate(frames)
+        self._validate_audio(audio, frames.shape[0])
         ctx = self._ctx
         assert ctx is not None
         count = frames.shape[0]
@@ -331,6 +416,8 @@ class FragmentedMP4Encoder:
             )
             raise EncodingError(self._failed)
 
+        audio_packets = self._encode_audio(audio, final=False) if audio is not None else []
+
         out = []
         if not self._init_written:
             if self._avcc is None:
@@ -339,10 +426,59 @@ class FragmentedMP4Encoder:
             self._init_bytes = self._init_segment()
             out.append(self._init_bytes)
             self._init_written = True
-        out.append(self._fragment(packets))
+        out.append(self._fragment(packets, audio_packets))
         self._frames_encoded += count
         self._chunks_encoded += 1
         return b"".join(out)
+
+    def _validate_audio(self, audio: object, frames: int) -> None:
+        if self._audio is None:
+            if audio is not None:
+                raise EncodingError("audio given to an encoder opened without an audio track")
+            return
+        expected = self.audio_samples_for(frames)
+        shape = f"({self._audio_channels}, {expected}) float32"
+        if not isinstance(audio, np.ndarray):
+            raise EncodingError(f"expected the chunk's audio as a {shape} numpy array")
+        if audio.shape != (self._audio_channels, expected) or audio.dtype != np.float32:
+            raise EncodingError(
+                f"expected the chunk's audio as {shape}, got {tuple(audio.shape)} {audio.dtype}"
+            )
+
+    def _encode_audio(self, pcm: np.ndarray | None, *, final: bool) -> list[av.Packet]:
+        """Feed the FIFO's whole AAC frames (and, ``final``, its rest) to the encoder;
+        the packets it returns, each a whole frame the track has not had yet."""
+        actx = self._audio
+        assert actx is not None and self._audio_rate is not None
+        if pcm is not None:
+            self._audio_fifo = np.concatenate([self._audio_fifo, pcm], axis=1)
+        fifo = self._audio_fifo
+        usable = fifo.shape[1] if final else fifo.shape[1] - fifo.shape[1] % _AAC_FRAME
+        packets: list[av.Packet] = []
+        try:
+            for begin in range(0, usable, _AAC_FRAME):
+                block = np.ascontiguousarray(fifo[:, begin : min(begin + _AAC_FRAME, usable)])
+                frame = av.AudioFrame.from_ndarray(block, format="fltp", layout=actx.layout.name)
+                frame.sample_rate = self._audio_rate
+                frame.pts = self._audio_fed
+                self._audio_fed += block.shape[1]
+                packets.extend(actx.encode(frame))
+            if final:
+                packets.extend(actx.encode(None))
+        except (av.error.FFmpegError, ValueError, MemoryError) as exc:
+            self._failed = f"the AAC encoder failed: {exc}"
+            raise EncodingError(self._failed) from exc
+        self._audio_fifo = fifo[:, usable:]
+        for packet in packets:
+            # Where the track is: priming first, then the engine's samples, in order.
+            if packet.pts is None or packet.pts + _AAC_PRIMING != self._audio_written:
+                self._failed = (
+                    f"the AAC encoder put a packet at {packet.pts}, not at "
+                    f"{self._audio_written - _AAC_PRIMING}: the audio would drift"
+                )
+                raise EncodingError(self._failed)
+            self._audio_written += int(packet.duration or _AAC_FRAME)
+        return packets
 
     def _forces_keyframe(self) -> bool:
         interval = self._keyframe_interval
@@ -359,11 +495,15 @@ class FragmentedMP4Encoder:
             leftover = ctx.encode(None)
         except (av.error.FFmpegError, ValueError) as exc:
             raise EncodingError(f"libx264 failed while flushing: {exc}") from exc
+        # The audio still in the FIFO and in the AAC encoder: a last, short frame.
+        audio_left = self._encode_audio(None, final=True) if self._audio is not None else []
+        self._audio = None
         out = []
-        if leftover:
-            # Unreachable with a zero-delay encoder (encode() checks one packet per frame), but
-            # if the codec ever emits a final packet it belongs in the stream, not on the floor.
-            out.append(self._fragment(leftover))
+        if leftover or audio_left:
+            # Unreachable for video with a zero-delay encoder (encode() checks one packet
+            # per frame), but if the codec ever emits a final packet it belongs in the
+            # stream, not on the floor.
+            out.append(self._fragment(leftover, audio_left))
         # An mfra holding only its mfro: it marks the end of the stream the way FFmpeg's
         # trailer does, without an index that would grow with every fragment.
         out.append(_box(b"mfra", _full_box(b"mfro", 0, 0, struct.pack(">I", 8 + 16))))
@@ -408,7 +548,7 @@ class FragmentedMP4Encoder:
             struct.pack(">IH10x", 0x00010000, 0x0100),
             _UNITY_MATRIX,
             bytes(24),
-            struct.pack(">I", _TRACK_ID + 1),
+            struct.pack(">I", (_AUDIO_TRACK_ID if self._audio is not None else _TRACK_ID) + 1),
         )  # fmt: skip
         tkhd = _full_box(
             b"tkhd", 0, 0x3,  # track enabled, in movie
@@ -444,34 +584,128 @@ class FragmentedMP4Encoder:
             b"trex", 0, 0,
             struct.pack(">IIIII", _TRACK_ID, 1, self._frame_duration, 0, _SAMPLE_FLAGS_NON_SYNC),
         )  # fmt: skip
-        return ftyp + _box(b"moov", mvhd, trak, _box(b"mvex", trex))
+        if self._audio is None:
+            return ftyp + _box(b"moov", mvhd, trak, _box(b"mvex", trex))
+        audio_trex = _full_box(
+            b"trex", 0, 0,
+            struct.pack(">IIIII", _AUDIO_TRACK_ID, 1, _AAC_FRAME, 0, _AUDIO_SAMPLE_FLAGS),
+        )  # fmt: skip
+        return ftyp + _box(
+            b"moov", mvhd, trak, self._audio_trak(dinf), _box(b"mvex", trex, audio_trex)
+        )
 
-    def _fragment(self, packets: list[av.Packet]) -> bytes:
+    def _audio_trak(self, dinf: bytes) -> bytes:
+        """The AAC track's ``trak``: an ``mp4a`` sample entry with its ``esds``, and the
+        edit list that cuts the encoder's priming (see the module docstring)."""
+        actx = self._audio
+        assert actx is not None and self._audio_rate is not None
+        rate, channels = self._audio_rate, self._audio_channels
+        tkhd = _full_box(
+            b"tkhd", 0, 0x3,
+            # alternate_group 1, volume 1.0; an audio track has no size.
+            struct.pack(">IIIII8xhhhH", 0, 0, _AUDIO_TRACK_ID, 0, 0, 0, 1, 0x0100, 0),
+            _UNITY_MATRIX,
+            struct.pack(">II", 0, 0),
+        )  # fmt: skip
+        # One edit: from track time 1024 (the first real sample) on, for the whole rest
+        # (a segment_duration of 0 in a fragmented file: its length is not known yet).
+        elst = _full_box(b"elst", 0, 0, struct.pack(">IIiHH", 1, 0, _AAC_PRIMING, 1, 0))
+        mdhd = _full_box(b"mdhd", 0, 0, struct.pack(">IIIIHH", 0, 0, rate, 0, 0x55C4, 0))
+        hdlr = _full_box(b"hdlr", 0, 0, struct.pack(">I4s12x", 0, b"soun"), b"SoundHandler\x00")
+        smhd = _full_box(b"smhd", 0, 0, struct.pack(">hH", 0, 0))
+        mp4a = _box(
+            b"mp4a",
+            struct.pack(">6xH8xHHHH", 1, channels, 16, 0, 0),
+            struct.pack(">I", rate << 16),
+            _esds(bytes(actx.extradata or b""), actx.bit_rate or 0),
+        )
+        stbl = _box(
+            b"stbl",
+            _full_box(b"stsd", 0, 0, struct.pack(">I", 1), mp4a),
+            _full_box(b"stts", 0, 0, struct.pack(">I", 0)),
+            _full_box(b"stsc", 0, 0, struct.pack(">I", 0)),
+            _full_box(b"stsz", 0, 0, struct.pack(">II", 0, 0)),
+            _full_box(b"stco", 0, 0, struct.pack(">I", 0)),
+        )
+        return _box(
+            b"trak",
+            tkhd,
+            _box(b"edts", elst),
+            _box(b"mdia", mdhd, hdlr, _box(b"minf", smhd, dinf, stbl)),
+        )
+
+    def _fragment(self, packets: list[av.Packet], audio: list[av.Packet] | None = None) -> bytes:
+        """One ``moof`` + ``mdat``: the video's ``traf`` (if it has frames), then the
+        audio's (if any AAC frame is ready); the ``mdat`` holds their samples in that order."""
         samples = [_to_sample(bytes(p)) for p in packets]
         entries: list[int] = []
         for packet, sample in zip(packets, samples, strict=True):
             entries.append(len(sample))
             entries.append(_SAMPLE_FLAGS_SYNC if packet.is_keyframe else _SAMPLE_FLAGS_NON_SYNC)
+        audio_samples = [bytes(p) for p in audio or ()]
+        audio_entries: list[int] = []
+        audio_time = self._audio_written
+        for packet, sample in zip(audio or (), audio_samples, strict=True):
+            duration = int(packet.duration or _AAC_FRAME)
+            audio_entries += [duration, len(sample)]
+            audio_time -= duration  # where this fragment's first AAC frame starts
         self._sequence_number += 1
         base_decode_time = self._frames_encoded * self._frame_duration
+        video_bytes = sum(len(sample) for sample in samples)
 
         def moof(data_offset: int) -> bytes:
-            tfhd = _full_box(
-                b"tfhd", 0, 0x020000 | 0x000008,  # default-base-is-moof, default duration
-                struct.pack(">II", _TRACK_ID, self._frame_duration),
-            )  # fmt: skip
-            tfdt = _full_box(b"tfdt", 1, 0, struct.pack(">Q", base_decode_time))
-            trun = _full_box(
-                b"trun", 0, 0x000001 | 0x000200 | 0x000400,  # data offset, sizes, flags
-                struct.pack(f">Ii{len(entries)}I", len(samples), data_offset, *entries),
-            )  # fmt: skip
+            trafs = []
+            if samples:
+                tfhd = _full_box(
+                    b"tfhd", 0, 0x020000 | 0x000008,  # default-base-is-moof, default duration
+                    struct.pack(">II", _TRACK_ID, self._frame_duration),
+                )  # fmt: skip
+                tfdt = _full_box(b"tfdt", 1, 0, struct.pack(">Q", base_decode_time))
+                trun = _full_box(
+                    b"trun", 0, 0x000001 | 0x000200 | 0x000400,  # data offset, sizes, flags
+                    struct.pack(f">Ii{len(entries)}I", len(samples), data_offset, *entries),
+                )  # fmt: skip
+                trafs.append(_box(b"traf", tfhd, tfdt, trun))
+            if audio_samples:
+                tfhd = _full_box(b"tfhd", 0, 0x020000, struct.pack(">I", _AUDIO_TRACK_ID))
+                tfdt = _full_box(b"tfdt", 1, 0, struct.pack(">Q", audio_time))
+                trun = _full_box(
+                    b"trun", 0, 0x000001 | 0x000100 | 0x000200,  # data offset, durations, sizes
+                    struct.pack(
+                        f">Ii{len(audio_entries)}I",
+                        len(audio_samples), data_offset + video_bytes, *audio_entries,
+                    ),
+                )  # fmt: skip
+                trafs.append(_box(b"traf", tfhd, tfdt, trun))
             mfhd = _full_box(b"mfhd", 0, 0, struct.pack(">I", self._sequence_number))
-            return _box(b"moof", mfhd, _box(b"traf", tfhd, tfdt, trun))
+            return _box(b"moof", mfhd, *trafs)
 
         moof_size = len(moof(0))
-        mdat_payload = b"".join(samples)
+        mdat_payload = b"".join(samples) + b"".join(audio_samples)
         mdat_header = struct.pack(">I4s", 8 + len(mdat_payload), b"mdat")
         return moof(moof_size + len(mdat_header)) + mdat_header + mdat_payload
+
+
+def _descriptor(tag: int, *payload: bytes) -> bytes:
+    """An MPEG-4 descriptor (ISO/IEC 14496-1 8.3.3): tag, a 4-byte size, the payload."""
+    body = b"".join(payload)
+    size = len(body)
+    return bytes([tag, 0x80 | (size >> 21) & 0x7F, 0x80 | (size >> 14) & 0x7F,
+                  0x80 | (size >> 7) & 0x7F, size & 0x7F]) + body  # fmt: skip
+
+
+def _esds(audio_specific_config: bytes, bit_rate: int) -> bytes:
+    """The ``esds`` of an AAC track: its AudioSpecificConfig (the encoder's extradata)."""
+    decoder_config = _descriptor(
+        0x04,
+        # objectTypeIndication 0x40 (MPEG-4 audio), streamType 5 (audio) << 2 | 1,
+        # bufferSizeDB 0, max and average bit rate.
+        struct.pack(">BB3sII", 0x40, 0x15, bytes(3), bit_rate, bit_rate),
+        _descriptor(0x05, audio_specific_config),
+    )
+    es = _descriptor(0x03, struct.pack(">HB", _AUDIO_TRACK_ID, 0), decoder_config,
+                     _descriptor(0x06, b"\x02"))  # fmt: skip
+    return _full_box(b"esds", 0, 0, es)
 
 
 def fragment_starts_with_keyframe(data: bytes) -> bool:

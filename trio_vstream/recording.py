@@ -442,6 +442,7 @@ class _Writer:
         self.part = self.recorder.open_part(self.part_path)
         request = json.loads(json.dumps(video_start.config))
         request.pop("image_reference", None)  # recorded as "image" (see _image)
+        audio = request.pop("audio", None)  # the server's word, not the client's request
         self.record = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -464,6 +465,9 @@ class _Writer:
             "truncated": False,
             "truncation": None,
         }
+        if audio is not None:
+            # The stream has sound (its MP4 keeps it); each chunk then says how much.
+            self.record["audio"] = audio
         for entry in start.interaction_script:
             message = protocol.Interaction(
                 entry.event_id, entry.prompt, entry.transition_chunks, entry.camera
@@ -518,6 +522,11 @@ class _Writer:
                 "started_event_ids": list(metadata.started_event_ids),
                 "active_event_ids": list(metadata.active_event_ids),
                 "completed_event_ids": list(metadata.completed_event_ids),
+                **(
+                    {"audio_samples": metadata.num_audio_samples}
+                    if metadata.num_audio_samples is not None
+                    else {}
+                ),
             }
         )
 
@@ -647,8 +656,9 @@ def _start_size(
 def _remux(source: Path, target: Path) -> int:
     """Copy the fMP4's packets into a progressive MP4 (``faststart``); returns how many.
 
-    No re-encoding: the file holds the very bytes the client decoded. A stream without
-    its trailer (a stopped or failed session) remuxes the same way.
+    No re-encoding: the file holds the very bytes the client decoded, its sound too
+    (the AAC track, when the stream has one). A stream without its trailer (a stopped or
+    failed session) remuxes the same way.
     """
     temp = target.with_name(f".{target.name}.part")
     frames = 0
@@ -657,16 +667,18 @@ def _remux(source: Path, target: Path) -> int:
             if not reading.streams.video:
                 raise OSError(errno.EINVAL, "the recorded stream holds no video", str(source))
             in_stream = reading.streams.video[0]
+            in_streams = [in_stream, *reading.streams.audio[:1]]
             with av.open(
                 str(temp), mode="w", format="mp4", options={"movflags": "+faststart"}
             ) as output:
-                out_stream = output.add_stream_from_template(in_stream)
-                for packet in reading.demux(in_stream):
+                out = {s.index: output.add_stream_from_template(s) for s in in_streams}
+                for packet in reading.demux(in_streams):
                     if packet.dts is None:  # the demuxer's end-of-stream marker
                         continue
-                    packet.stream = out_stream
+                    is_video = packet.stream.index == in_stream.index
+                    packet.stream = out[packet.stream.index]
                     output.mux(packet)
-                    frames += 1
+                    frames += is_video
         os.replace(temp, target)
     finally:
         with contextlib.suppress(OSError):

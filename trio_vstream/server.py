@@ -57,7 +57,12 @@ from trio_vstream import (
 )
 from trio_vstream.engine_calls import AbandonedCalls
 from trio_vstream.engines.base import Engine
-from trio_vstream.engines.interfaces import interaction_kinds, live_settings, max_batch
+from trio_vstream.engines.interfaces import (
+    audio_format,
+    interaction_kinds,
+    live_settings,
+    max_batch,
+)
 from trio_vstream.logsafe import get_logger
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.recording import Recorder
@@ -181,6 +186,7 @@ class VideoServer:
         """What the engine suggests for live sessions (`engines.interfaces.live_settings`):
         read, and checked, once at start-up."""
         batch = max_batch(engine)
+        audio_format(engine)  # an engine's sound the server cannot carry fails here, at start
         # A batching engine's steps all go through its batcher, one batch at a time:
         # step slots on top would only make sessions wait for each other's turns.
         self.batcher = StepBatcher(batch, progress, self.metrics.batch_run) if batch > 1 else None

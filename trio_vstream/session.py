@@ -146,6 +146,8 @@ class Session:
         self._calls = SessionCalls(resources)
         """Its worker-thread calls and its engine stream (`trio_vstream.session_calls`)."""
         self._encoder: FragmentedMP4Encoder | None = None
+        self._audio: tuple[int, int] | None = None
+        """The stream's sound: (sample rate, channels); None for a stream without it."""
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
@@ -315,7 +317,7 @@ class Session:
         video_start = protocol.VideoStart(
             self.request_id,
             start.format,
-            config_echo(start, stream.seed if supports_seed(stream) else None),
+            config_echo(start, stream.seed if supports_seed(stream) else None, audio=self._audio),
             **taps.video_start_fields,
         )
         await self._sender.send(video_start)
@@ -341,6 +343,8 @@ class Session:
 
     def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
         self._encoder = encoder
+        rate = encoder.audio_sample_rate
+        self._audio = (rate, encoder.audio_channels) if rate else None
 
     # --------------------------------------------------------- receive loop
 
@@ -540,7 +544,7 @@ class Session:
                     encode_chunk, encoder, chunk, width, height, self._stopping.is_set
                 )
                 try:
-                    frames, data = await self._calls.call(
+                    frames, audio_samples, data = await self._calls.call(
                         encoding, lambda _result: close_quietly(encoder)
                     )
                 except EncodingAbandoned:
@@ -567,7 +571,7 @@ class Session:
                 now = trio.current_time()
                 self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
                 self._frames_generated += frames
-                await self._send_chunk("media", frames, data, chunk)
+                await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
                 self._touch()
 
     async def _take_encode_slot(self, first_frame: int) -> bool:
@@ -602,6 +606,7 @@ class Session:
         chunk: Chunk | None,
         *,
         deadline: float | None = None,
+        audio_samples: int | None = None,
     ) -> None:
         assert self.request_id is not None
         metadata = protocol.ChunkMetadata(
@@ -614,6 +619,10 @@ class Session:
             active_event_ids=chunk.active_event_ids if chunk is not None else (),
             completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
             transport_chunk_index=self._chunks_sent,
+            # With sound: the samples of this chunk's frames (the container may carry some
+            # in the next chunk; a trailer covers none, though it carries the last ones).
+            num_audio_samples=(audio_samples or 0) if self._audio else None,
+            audio_sample_rate=self._audio[0] if self._audio else None,
         )
         await self._sender.send(metadata, data, deadline=deadline)
         if self._taps:

@@ -33,7 +33,7 @@ import trio
 from trio_vstream.encoding import FragmentedMP4Encoder
 from trio_vstream.engine_calls import EngineCall
 from trio_vstream.engines.base import Chunk, Engine, EngineStream, GenerationRequest
-from trio_vstream.engines.frames import frames_to_uint8_array
+from trio_vstream.engines.frames import audio_to_float32_array, frames_to_uint8_array
 from trio_vstream.logsafe import get_logger
 from trio_vstream.session_resources import ServerResources
 from trio_vstream.steps import SessionCheckpoint
@@ -243,12 +243,17 @@ def encode_chunk(
     width: int,
     height: int,
     abandon: Callable[[], bool],
-) -> tuple[int, bytes]:
-    """A session's encode, in a worker thread: tensor to array, then H.264 into fMP4
-    (its frame count and bytes). An `EngineCall`: a GPU tensor's copy to the host may
-    block for good on a hung kernel."""
+) -> tuple[int, int | None, bytes]:
+    """A session's encode, in a worker thread: tensor to array, then H.264 (and AAC, for
+    an engine that makes sound) into fMP4: its frame count, its audio sample count (None
+    without sound) and bytes. An `EngineCall`: a GPU tensor's copy to the host may block
+    for good on a hung kernel."""
     frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
-    return frames.shape[0], encoder.encode(frames, abandon=abandon)
+    if encoder.audio_sample_rate is None:
+        return frames.shape[0], None, encoder.encode(frames, abandon=abandon)
+    samples = encoder.audio_samples_for(frames.shape[0])
+    audio = audio_to_float32_array(chunk.audio, channels=encoder.audio_channels, samples=samples)
+    return frames.shape[0], samples, encoder.encode(frames, audio=audio, abandon=abandon)
 
 
 def close_quietly(encoder: FragmentedMP4Encoder) -> None:

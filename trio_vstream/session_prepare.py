@@ -28,7 +28,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from trio_vstream import protocol
 from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_image
 from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
-from trio_vstream.engines.interfaces import interaction_kinds
+from trio_vstream.engines.interfaces import audio_format, interaction_kinds
 from trio_vstream.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.logsafe import get_logger
@@ -151,10 +151,16 @@ async def prepare(
         except EncodingError as exc:
             raise invalid_start(f"image_reference: {exc}") from exc
     options = start.codec_options
+    sound = audio_format(resources.engine)  # checked at the server's start already
     try:
         encoder = await calls.in_thread(
             lambda: FragmentedMP4Encoder(
-                width=video.width, height=video.height, fps=video.fps, codec_options=options
+                width=video.width,
+                height=video.height,
+                fps=video.fps,
+                codec_options=options,
+                audio_sample_rate=sound.sample_rate if sound is not None else None,
+                audio_channels=sound.channels if sound is not None else 1,
             )
         )
     except EncodingError as exc:

@@ -74,13 +74,20 @@ def generation_request(
     )
 
 
-def config_echo(start: protocol.SessionStart, engine_seed: object) -> dict[str, Any]:
+def config_echo(
+    start: protocol.SessionStart, engine_seed: object, audio: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """The request as used, for ``video.start``: with the engine's seed (``engine_seed``,
-    what its stream says it drew) when the client chose none.
+    what its stream says it drew) when the client chose none, and, for a stream with
+    sound (``audio``: its sample rate and channels), an ``audio`` entry saying so
+    (`protocol.audio_config`): a client or page learns it before the first chunk.
 
     Only a whole number is a seed: anything else the stream holds (None, a bool) is not
     echoed, and neither is it over the client's own choice.
     """
-    if "seed" in start.config or not isinstance(engine_seed, int) or isinstance(engine_seed, bool):
-        return start.config
-    return {**start.config, "seed": engine_seed}
+    config = start.config
+    if audio is not None:
+        config = {**config, "audio": protocol.audio_config(*audio)}
+    if "seed" in config or not isinstance(engine_seed, int) or isinstance(engine_seed, bool):
+        return config
+    return {**config, "seed": engine_seed}

@@ -40,3 +40,24 @@ class Camera:
     """(x, y, z): a per-step motion (``velocity``) or a position (``target``)."""
     rotation: tuple[float, float, float, float]
     """(qx, qy, qz, qw): a unit quaternion, the same two readings as ``translation``."""
+
+
+AUDIO_SAMPLE_RATES: frozenset[int] = frozenset(
+    {8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000}
+)
+"""The sample rates an engine's audio may have: AAC's, up to 48 kHz (an MP4 sample entry
+holds the rate in 16 bits, and the page's browsers all play these)."""
+
+AUDIO_MAX_CHANNELS = 2
+"""Mono or stereo."""
+
+
+def audio_samples_through(frames: int, sample_rate: int, fps: int) -> int:
+    """How many audio samples cover a video's first ``frames`` frames: ``frames * rate /
+    fps`` rounded half up, in integers (no float error, however long the stream).
+
+    Why cumulative: a chunk's audio is ``audio_samples_through(end) -
+    audio_samples_through(start)`` samples, so the per-chunk roundings never add up;
+    after any number of chunks the audio is off the video by less than one sample.
+    """
+    return (2 * frames * sample_rate + fps) // (2 * fps)

@@ -82,6 +82,7 @@ VIEWER_CONFIG_KEYS: Final = frozenset(
         "seed",
         "quality",
         "generate_sound",
+        "audio",  # the server's: the stream has sound (a page needs it for its MSE type)
         "sound_duration",
         "enable_frame_interpolation",
         "frame_interpolation_exp",

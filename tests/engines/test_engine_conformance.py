@@ -25,6 +25,10 @@ REQUEST = GenerationRequest(
 
 ENGINES = [
     pytest.param(lambda: load_engine("synthetic", {}), id="synthetic"),
+    pytest.param(
+        lambda: load_engine("synthetic", {"audio_tone": "440", "audio_sample_rate": "44100"}),
+        id="synthetic-with-sound",
+    ),
     # Batches (max_batch 8): the kit also steps three streams together. Seconds of
     # sampling on a CPU (3 to 9 s measured on a loaded 2-core machine).
     pytest.param(

@@ -15,12 +15,15 @@ from trio_vstream.engines import Engine, EngineConfigError, load_engine
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.interfaces import (
     DEFAULT_INTERACTION_KINDS,
+    AudioFormat,
     SupportsBatching,
     SupportsInteractionKinds,
+    audio_format,
     interaction_kinds,
     live_settings,
     max_batch,
     missing_members,
+    supports_audio,
     supports_batching,
     supports_device,
     supports_interaction_kinds,
@@ -67,6 +70,40 @@ def test_an_engine_that_declares_nothing_keeps_the_contract_and_gets_the_default
     assert not supports_device(engine) and not supports_seed(engine.open_stream(REQUEST))
     assert interaction_kinds(engine) == DEFAULT_INTERACTION_KINDS == {"prompt"}
     assert max_batch(engine) == 1
+    assert not supports_audio(engine) and audio_format(engine) is None
+
+
+def test_an_engine_with_sound_declares_its_rate_and_channels() -> None:
+    engine = BareEngine()
+    engine.audio_sample_rate = 24000  # type: ignore[attr-defined]
+    engine.audio_channels = 2  # type: ignore[attr-defined]
+    assert supports_audio(engine)
+    assert audio_format(engine) == AudioFormat(24000, 2)
+    engine.audio_sample_rate = None  # type: ignore[attr-defined]
+    assert not supports_audio(engine) and audio_format(engine) is None  # silent as configured
+
+
+@pytest.mark.parametrize(
+    ("rate", "channels", "match"),
+    [
+        (96000, 1, "audio_sample_rate must be one of"),
+        (True, 1, "audio_sample_rate must be one of"),
+        (48000.0, 1, "audio_sample_rate must be one of"),
+        ("48000", 1, "audio_sample_rate must be one of"),
+        (48000, 3, "audio_channels must be 1 or 2, got 3"),
+        (48000, True, "audio_channels must be 1 or 2"),
+        (48000, None, "audio_channels must be 1 or 2, got None"),
+    ],
+)
+def test_sound_the_server_cannot_carry_fails_at_start_up(
+    rate: object, channels: object, match: str
+) -> None:
+    engine = BareEngine()
+    engine.audio_sample_rate = rate  # type: ignore[attr-defined]
+    if channels is not None:
+        engine.audio_channels = channels  # type: ignore[attr-defined]
+    with pytest.raises(EngineConfigError, match=f"engine bare: {match}"):
+        audio_format(engine)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.testing import RULES, EngineContractError, check_engine
 from trio_vstream.engines.transitions import PromptSchedule
-from trio_vstream.video import VideoDefaults
+from trio_vstream.video import VideoDefaults, audio_samples_through
 
 REQUEST = GenerationRequest(request_id="toy", prompt="red", width=8, height=4, fps=8, num_frames=6)
 """Three chunks of two frames."""
@@ -204,6 +204,37 @@ class WrongFrames(ToyStream):
         return None if chunk is None else attrs.evolve(chunk, frames=chunk.frames / 255.0)
 
 
+class Sounds(ToyStream):
+    """Silence, each chunk exactly as long as its frames (cumulative rounding: at 11025 Hz
+    and 8 fps the three chunks carry 2756, 2757 and 2756 samples)."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        chunk = super().next_chunk(checkpoint)
+        if chunk is None:
+            return None
+        rate, fps = 11025, self.request.fps
+        first = 2 * chunk.index
+        samples = audio_samples_through(first + 2, rate, fps) - audio_samples_through(
+            first, rate, fps
+        )
+        return attrs.evolve(chunk, audio=np.zeros(self.samples(chunk.index, samples), np.float32))
+
+    def samples(self, index: int, exact: int) -> int:
+        return exact
+
+
+class RoundsEachChunk(Sounds):
+    """Rounds each chunk's length on its own (2756 every time): one sample short at the
+    second chunk, and the sound drifts off the picture over a long stream."""
+
+    def samples(self, index: int, exact: int) -> int:
+        return round(2 * 11025 / self.request.fps)
+
+
+def sounding(stream_class: type[ToyStream], rate: int = 11025) -> Callable[[], ToyEngine]:
+    return engine_with(stream_class, audio_sample_rate=rate, audio_channels=1)
+
+
 class MixesRows(ToyEngine):
     """Batches, and gives every row of a batch the first row's result."""
 
@@ -226,6 +257,10 @@ def test_a_toy_engine_that_keeps_the_rules_passes() -> None:
     check_engine(ToyEngine, REQUEST)
 
 
+def test_a_toy_engine_with_sound_of_exactly_its_frames_length_passes() -> None:
+    check_engine(sounding(Sounds), REQUEST)
+
+
 def test_a_toy_engine_that_batches_rows_correctly_passes() -> None:
     check_engine(engine_with(ToyStream, max_batch=4), REQUEST, batch_atol=0)
 
@@ -241,6 +276,8 @@ BROKEN = {
     "float frames": (engine_with(WrongFrames), {}, "chunks"),
     "batched rows differ": (MixesRows, {}, "batching"),
     "no open_stream": (Incomplete, {}, "interface"),
+    "audio rounded chunk by chunk": (sounding(RoundsEachChunk), {}, "audio"),
+    "audio at a rate AAC lacks": (sounding(Sounds, rate=96000), {}, "audio"),
 }
 
 

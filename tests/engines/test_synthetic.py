@@ -16,6 +16,7 @@ from trio_vstream.engines.base import (
     PromptChange,
     checkpoint_calling,
 )
+from trio_vstream.engines.interfaces import supports_audio
 from trio_vstream.engines.synthetic import (
     SyntheticEngine,
     SyntheticSettings,
@@ -23,6 +24,7 @@ from trio_vstream.engines.synthetic import (
     parse_settings,
     session_settings,
 )
+from trio_vstream.video import audio_samples_through
 
 
 def request(**overrides: object) -> GenerationRequest:
@@ -194,3 +196,42 @@ def test_same_seed_same_frames() -> None:
     c = drain(engine.open_stream(request(seed=6)))
     assert all(np.array_equal(x.frames, y.frames) for x, y in zip(a, b, strict=True))  # type: ignore[attr-defined]
     assert not np.array_equal(a[0].frames, c[0].frames)  # type: ignore[attr-defined]
+
+
+def test_audio_tone_makes_a_sine_continuous_across_chunks() -> None:
+    engine = create_engine(audio_tone="440", audio_sample_rate="44100", chunk_frames="3")
+    assert supports_audio(engine)
+    assert (engine.audio_sample_rate, engine.audio_channels) == (44100, 1)
+    stream = engine.open_stream(request(fps=16, num_frames=10))
+    chunks = drain(stream)
+    # 44100 / 16 = 2756.25 samples a frame: after 3, 6, 9, 10 frames the stream is at
+    # 8268.75, 16537.5, 24806.25, 27562.5 samples, rounded 8269, 16538, 24806, 27563;
+    # each chunk carries the difference, not its own rounding (8269 every time).
+    sizes = [chunk.audio.shape[0] for chunk in chunks]  # type: ignore[attr-defined]
+    assert sizes == [8269, 8269, 8268, 2757]
+    assert sum(sizes) == audio_samples_through(10, 44100, 16) == 27563
+    joined = np.concatenate([chunk.audio for chunk in chunks])  # type: ignore[attr-defined]
+    assert joined.dtype == np.float32
+    expected = 0.5 * np.sin(2 * np.pi * 440 * np.arange(27563) / 44100)
+    np.testing.assert_allclose(joined, expected, atol=1e-6)
+
+
+def test_without_audio_tone_the_engine_is_silent() -> None:
+    engine = create_engine()
+    assert not supports_audio(engine)
+    assert all(chunk.audio is None for chunk in drain(engine.open_stream(request())))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"audio_tone": "0"}, "audio_tone must be >= 1"),
+        ({"audio_tone": "nan"}, "audio_tone must be >= 1"),
+        ({"audio_tone": "30000"}, "below half the sample rate"),
+        ({"audio_tone": "440", "audio_sample_rate": "96000"}, "audio_sample_rate must be one"),
+        ({"audio_sample_rate": "48k"}, "audio_sample_rate must be an integer"),
+    ],
+)
+def test_audio_args_are_checked(args: dict[str, str], match: str) -> None:
+    with pytest.raises(EngineConfigError, match=match):
+        create_engine(**args)

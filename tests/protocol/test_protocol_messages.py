@@ -10,6 +10,7 @@ import pytest
 
 from tests.protocol.test_protocol_validation import ODD_VALUES, PNG_URL, start
 from trio_vstream.protocol import (
+    AUDIO_CODEC,
     PING_MESSAGE,
     STOP_MESSAGE,
     ChunkMetadata,
@@ -24,6 +25,7 @@ from trio_vstream.protocol import (
     SessionDone,
     Stop,
     VideoStart,
+    audio_config,
     interaction_message,
     parse_control,
     parse_server_message,
@@ -321,6 +323,33 @@ def test_parse_reference_chunk_metadata_without_transport_index() -> None:
     assert parse_server_message(raw) == ChunkMetadata(
         "video_stream-abc", "media", 2, 11, None, (), (), (), -1
     )
+
+
+def test_chunk_metadata_of_a_stream_with_sound_carries_vllm_omnis_audio_fields() -> None:
+    message = ChunkMetadata(
+        "r", "media", 8, 100, 0, (), (), (), 0, num_audio_samples=16000, audio_sample_rate=48000
+    )
+    wire = json.loads(message.to_json())
+    assert (wire["num_audio_samples"], wire["audio_sample_rate"]) == (16000, 48000)
+    assert parse_server_message(message.to_json()) == message
+    # Without sound the keys are left out (the wire stays the reference's), and a server
+    # that writes them as null reads the same.
+    silent = ChunkMetadata("r", "media", 8, 100, 0, (), (), (), 0)
+    assert "num_audio_samples" not in silent.to_json()
+    nulls = {**json.loads(silent.to_json()), "num_audio_samples": None, "audio_sample_rate": None}
+    assert parse_server_message(json.dumps(nulls)) == silent
+
+
+def test_chunk_metadata_with_audio_fields_of_the_wrong_type_is_refused() -> None:
+    raw = json.loads(ChunkMetadata("r", "media", 8, 100, 0, (), (), (), 0).to_json())
+    with pytest.raises(ProtocolError) as caught:
+        parse_server_message(json.dumps({**raw, "num_audio_samples": "many"}))
+    assert caught.value.code is ErrorCode.INVALID_MESSAGE
+
+
+def test_audio_config_names_the_codec() -> None:
+    assert audio_config(48000, 2) == {"sample_rate": 48000, "channels": 2, "codec": "mp4a.40.2"}
+    assert AUDIO_CODEC == "mp4a.40.2"
 
 
 def test_parse_minimal_chunk_metadata() -> None:

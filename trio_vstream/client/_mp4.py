@@ -19,8 +19,9 @@ from typing import Any
 
 import av
 import av.error
+import numpy as np
 
-__all__ = ["RemuxError", "StreamTiming", "remux_to_mp4"]
+__all__ = ["RemuxError", "StreamTiming", "decode_audio", "remux_to_mp4"]
 
 
 class StreamTiming:
@@ -30,7 +31,8 @@ class StreamTiming:
     ``video.start`` only when the client sent one, and its default is not announced.
     Reads the track timescale (``moov/trak/mdia/mdhd``) and the first fragment's sample
     duration (``trun``, else ``tfhd``, else ``moov/mvex/trex``). Only the first track is
-    read: servers of this protocol send one video track. Anything unreadable leaves the
+    read: servers of this protocol send the video first (a stream with sound has its AAC
+    track second, in the ``moov`` and in every ``moof``). Anything unreadable leaves the
     rate unknown rather than raising, since the video itself may still be fine.
     """
 
@@ -136,17 +138,21 @@ def remux_to_mp4(fmp4: bytes, path: str | os.PathLike[str]) -> int:
             if not source.streams.video:
                 raise RemuxError("the received data holds no video stream")
             in_stream = source.streams.video[0]
+            # The sound too, when the stream has it (its edit list, cutting the AAC
+            # priming, is carried over by the muxer from the packets' timestamps).
+            in_streams = [in_stream, *source.streams.audio[:1]]
             with av.open(
                 temp_name, mode="w", format="mp4", options={"movflags": "+faststart"}
             ) as output:
-                out_stream = _add_stream_like(output, in_stream)
+                out_streams = {s.index: _add_stream_like(output, s) for s in in_streams}
                 try:
-                    for packet in source.demux(in_stream):
+                    for packet in source.demux(in_streams):
                         if packet.dts is None:  # the demuxer's end-of-stream marker
                             continue
-                        packet.stream = out_stream
+                        is_video = packet.stream.index == in_stream.index
+                        packet.stream = out_streams[packet.stream.index]
                         output.mux(packet)
-                        frames += 1
+                        frames += is_video
                 except av.error.FFmpegError as exc:
                     if frames == 0:
                         raise RemuxError(f"the received video is unreadable: {exc}") from exc
@@ -166,3 +172,42 @@ def _add_stream_like(output: Any, template: Any) -> Any:
     if hasattr(output, "add_stream_from_template"):
         return output.add_stream_from_template(template)
     return output.add_stream(template=template)  # pragma: no cover
+
+
+def decode_audio(fmp4: bytes) -> tuple[int, np.ndarray] | None:
+    """The sound of a received stream: (sample rate, (channels, samples) float32 PCM), or
+    None for a stream without an audio track.
+
+    Decoded as a player plays it: FFmpeg honours the track's edit list (the AAC encoder's
+    priming is cut), and the last AAC frame is cut where its sample duration says the
+    track ends (a decoder always outputs a whole 1024-sample frame; the stream's last one
+    is shorter). So a whole stream gives back exactly the PCM its engine made.
+    """
+    try:
+        with av.open(io.BytesIO(fmp4), mode="r") as source:
+            if not source.streams.audio:
+                return None
+            stream = source.streams.audio[0]
+            rate = stream.codec_context.sample_rate
+            channels = stream.codec_context.channels
+            # Read here: a stream's fields are garbage once its container is closed.
+            time_base = stream.time_base
+            start: int | None = None  # a viewer's stream begins mid-way
+            end = 0
+            pieces: list[np.ndarray] = []
+            for packet in source.demux(stream):
+                if packet.pts is not None and packet.duration:
+                    end = max(end, packet.pts + packet.duration)
+                for frame in packet.decode():
+                    if start is None and frame.pts is not None:
+                        start = frame.pts
+                    pieces.append(frame.to_ndarray().astype(np.float32, copy=False))
+    except (av.error.FFmpegError, ValueError, OSError) as exc:
+        raise RemuxError(f"the received audio is unreadable: {exc}") from exc
+    if not pieces:
+        return rate, np.zeros((channels, 0), np.float32)
+    pcm = np.concatenate(pieces, axis=1)
+    if not time_base or start is None:
+        return rate, pcm
+    # The track's timescale is its sample rate here; converted all the same.
+    return rate, pcm[:, : int((end - start) * time_base * rate)]

@@ -8,7 +8,9 @@ cannot hit a chunk boundary by timing) but as ``extra_params.interaction_script`
 project's extension: the server hands each one to the engine right before its recorded
 chunk, as the live one was. On the same engine (same engine args) and device that gives
 the same frames, and this command checks it: each interaction must start at its
-recorded chunk again, and the frames must decode equal to the recorded MP4's. A
+recorded chunk again, and the frames must decode equal to the recorded MP4's, and the sound
+too (a stream with sound: as many samples, and the same waveform, correlation >= 0.999
+after decoding both). A
 recording that did not complete (stopped, failed, client gone), or that stopped short
 of its session (``"truncated"``: the server's ``--record-max-bytes``), is replayed up
 to as many frames as it holds: the replay stops itself there.
@@ -55,7 +57,7 @@ from trio_vstream.client._cli import (
     _image_data_url,
     _UsageError,
 )
-from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
+from trio_vstream.client._mp4 import RemuxError, decode_audio, remux_to_mp4
 from trio_vstream.client._results import ReceivedChunk, StreamConnectError, StreamResult
 from trio_vstream.client._stream import stream_video
 from trio_vstream.recording import FORMAT, READABLE_VERSIONS
@@ -90,6 +92,9 @@ class ReplayPlan:
     expected_chunks: dict[str, int]
     """Each replayed interaction's event id, and the generation chunk it started in."""
     recorded_frames: int
+    recorded_audio_samples: int | None = None
+    """Samples of sound the recording holds (its chunks' ``audio_samples``); None for a
+    stream without sound."""
     recorded_video: Path | None
     complete: bool
     """The recorded session completed: the replay must give exactly as many frames."""
@@ -108,6 +113,9 @@ class ReplayReport:
     """Where each event id started in the replay (from its chunks' metadata)."""
     mismatches: list[str] = attrs.field(factory=list)
     frames_compared: int = 0
+    audio_correlation: float | None = None
+    """How alike the replay's sound and the recording's are (Pearson, over the samples
+    both hold); None without sound."""
 
     @property
     def identical(self) -> bool:
@@ -151,6 +159,7 @@ def load_recording(
     if isinstance(seed, int) and not isinstance(seed, bool):
         fields["seed"] = seed
     fields.pop("image_reference", None)
+    fields.pop("audio", None)  # the server's echo (a recording keeps it apart), not a field
     if image is not None:
         try:
             fields["image_reference"] = {"image_url": _image_data_url(image)}
@@ -196,6 +205,13 @@ def load_recording(
         for chunk in chunks
         if isinstance(chunk, dict) and chunk.get("kind") == "media"
     )
+    audio_samples = None
+    if isinstance(record.get("audio"), dict):
+        audio_samples = sum(
+            chunk.get("audio_samples", 0)
+            for chunk in chunks
+            if isinstance(chunk, dict) and chunk.get("kind") == "media"
+        )
     video = record.get("file")
     recorded_video = None
     if isinstance(video, dict) and isinstance(video.get("name"), str):
@@ -206,6 +222,7 @@ def load_recording(
         start_fields=fields,
         expected_chunks=expected,
         recorded_frames=frames,
+        recorded_audio_samples=audio_samples,
         recorded_video=recorded_video,
         complete=record.get("outcome") == "completed" and not record.get("truncated"),
         skipped=tuple(skipped),
@@ -350,7 +367,71 @@ async def replay(
         report.frames_compared, first = different
         if first is not None:
             report.mismatches.append(first)
+    if plan.recorded_audio_samples is not None:
+        await _compare_audio(plan, result, report)
     return report
+
+
+AUDIO_MIN_CORRELATION: Final = 0.999
+"""The least correlation of the replay's sound with the recording's that counts as the
+same: the same engine and seed give the same PCM, and the AAC encoder is deterministic,
+so this is 1.0 but for a decoder's rounding."""
+
+
+async def _compare_audio(plan: ReplayPlan, result: StreamResult, report: ReplayReport) -> None:
+    """The sound, as the frames are compared: its length (the chunks' sample counts) and
+    its waveform (decoded from the recorded MP4 and from the replay)."""
+    recorded = plan.recorded_audio_samples
+    assert recorded is not None
+    got = result.audio_samples
+    if result.audio_sample_rate is None:
+        report.mismatches.append("the replay has no sound, the recording has")
+        return
+    if plan.complete and got != recorded:
+        report.mismatches.append(f"the replay has {got} audio samples, the recording {recorded}")
+    elif got < recorded and result.frames >= plan.recorded_frames:  # frames short: said
+        report.mismatches.append(
+            f"the replay has only {got} audio samples, the recording {recorded}"
+        )
+    if plan.recorded_video is None:
+        return
+    video = result.video
+    path = plan.recorded_video
+    correlation, problem = await trio.to_thread.run_sync(
+        _audio_correlation, path, video, min(recorded, got)
+    )
+    report.audio_correlation = correlation
+    if problem is not None:
+        report.mismatches.append(problem)
+    elif correlation is not None and correlation < AUDIO_MIN_CORRELATION:
+        report.mismatches.append(
+            f"the sound differs from the recording's (correlation {correlation:.4f})"
+        )
+
+
+def _audio_correlation(
+    recorded: Path, replayed: bytes, samples: int
+) -> tuple[float | None, str | None]:
+    """The correlation of the two sounds' first ``samples`` samples, or why there is none."""
+    try:
+        theirs = decode_audio(recorded.read_bytes())
+        ours = decode_audio(replayed)
+    except (OSError, RemuxError) as exc:
+        return None, f"cannot compare the sound with {recorded}: {exc}"
+    if theirs is None or ours is None:
+        return (
+            None,
+            f"cannot compare the sound: {recorded if theirs is None else 'the replay'} has none",
+        )
+    count = min(samples, theirs[1].shape[1], ours[1].shape[1])
+    if count == 0:
+        return None, None
+    a, b = theirs[1][:, :count].ravel(), ours[1][:, :count].ravel()
+    if np.array_equal(a, b):
+        return 1.0, None
+    if not a.any() or not b.any():  # silence against sound: no correlation to speak of
+        return 0.0, None
+    return float(np.corrcoef(a, b)[0, 1]), None
 
 
 def _first_difference(recorded: Path, replayed: bytes, count: int) -> tuple[int, str | None]:
@@ -472,6 +553,12 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         )
     if report.frames_compared:
         print(f"frames compared with the recording: {report.frames_compared}", file=out)
+    if report.audio_correlation is not None:
+        print(
+            f"sound compared with the recording: {result.audio_samples} samples, "
+            f"correlation {report.audio_correlation:.4f}",
+            file=out,
+        )
     for mismatch in report.mismatches:
         print(f"differs: {mismatch}", file=err)
     if result.error is not None:

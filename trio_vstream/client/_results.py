@@ -144,6 +144,13 @@ class ReceivedChunk:
             return 0
         return self.metadata.num_frames
 
+    @property
+    def num_audio_samples(self) -> int:
+        """The PCM samples this chunk's frames cover; 0 without sound."""
+        if self.metadata is None or self.metadata.kind != "media":
+            return 0
+        return self.metadata.num_audio_samples or 0
+
 
 @attrs.define(kw_only=True)
 class StreamResult:
@@ -264,6 +271,20 @@ class StreamResult:
         return sum(chunk.num_frames for chunk in self.chunks)
 
     @property
+    def audio_sample_rate(self) -> int | None:
+        """The stream's sound: its samples per second, as ``video.start`` (or a viewer's
+        ``watch.start``) announced it; None for a stream without sound."""
+        start = self.video_start or self.watch_start
+        audio = start.config.get("audio") if start is not None else None
+        rate = audio.get("sample_rate") if isinstance(audio, dict) else None
+        return rate if isinstance(rate, int) and not isinstance(rate, bool) else None
+
+    @property
+    def audio_samples(self) -> int:
+        """Samples of sound delivered (each chunk's ``num_audio_samples``); 0 without."""
+        return sum(chunk.num_audio_samples for chunk in self.chunks)
+
+    @property
     def time_to_video_start(self) -> float | None:
         """From sending session.start: the server's latency, not the network handshake."""
         return _since(self.start_sent_at, self.video_start_at)
@@ -308,6 +329,9 @@ class StreamResult:
             "time_to_first_chunk_s": _round(self.time_to_first_chunk),
             "elapsed_s": _round(self.elapsed),
             "frames": self.frames,
+            "audio": None
+            if self.audio_sample_rate is None
+            else {"sample_rate": self.audio_sample_rate, "samples": self.audio_samples},
             "delivered_fps": _round(self.delivered_fps, 2),
             "bytes": self.byte_count,
             "chunks": len(self.chunks),

@@ -254,6 +254,14 @@ class Chunk:
     started_event_ids: tuple[str, ...] = ()
     active_event_ids: tuple[str, ...] = ()
     completed_event_ids: tuple[str, ...] = ()
+    audio: Any = attrs.field(default=None, eq=False)
+    """The sound of these frames, from an engine that makes sound
+    (`interfaces.SupportsAudio`), else None: PCM in [-1, 1] as a numpy array or a torch
+    tensor, float (float32 preferred), shape ``(samples,)`` for mono or ``(channels,
+    samples)``. It covers exactly the chunk's frames: ``audio_samples_through(end) -
+    audio_samples_through(start)`` samples (`trio_vstream.video`), where ``start`` and
+    ``end`` count the stream's frames before and after this chunk, so the sound never
+    drifts from the picture. The server refuses a chunk whose count is off."""
 
 
 @runtime_checkable

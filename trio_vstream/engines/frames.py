@@ -13,7 +13,7 @@ import numpy as np
 
 from trio_vstream.engines.base import EngineError
 
-__all__ = ["frames_to_uint8_array"]
+__all__ = ["audio_to_float32_array", "frame_count", "frames_to_uint8_array"]
 
 
 def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray:
@@ -48,3 +48,37 @@ def frame_count(frames: Any) -> int:
         return int(shape[0]) if shape is not None else len(frames)
     except (TypeError, IndexError, ValueError):
         return 0
+
+
+def audio_to_float32_array(audio: Any, *, channels: int, samples: int) -> np.ndarray:
+    """Bring a chunk's sound to a contiguous (channels, samples) float32 numpy array.
+
+    Runs in the encode's worker thread, like `frames_to_uint8_array` (a GPU tensor is
+    copied here). ``samples`` is what the chunk's frames need
+    (`trio_vstream.video.audio_samples_through`): any other count is the engine's bug, and
+    an error here rather than sound that slides off the picture. Mono may come as
+    ``(samples,)``. Values are clipped to [-1, 1]; a NaN or an infinity is refused (the
+    encoder would turn it into noise at full scale).
+    """
+    if audio is None:
+        raise EngineError("engine makes sound but returned a chunk without audio")
+    if not isinstance(audio, np.ndarray):
+        to_cpu = getattr(audio, "cpu", None)
+        # A torch tensor, on whatever device and in whatever float type (bf16 has no numpy).
+        audio = to_cpu().float().numpy() if to_cpu is not None else np.asarray(audio)
+    if audio.ndim == 1 and channels == 1:
+        audio = audio[None, :]
+    if audio.ndim != 2 or audio.shape[0] != channels or audio.dtype.kind != "f":
+        raise EngineError(
+            f"engine produced audio of shape {tuple(audio.shape)} {audio.dtype}, expected "
+            f"({channels}, {samples}) float"
+        )
+    if audio.shape[1] != samples:
+        raise EngineError(
+            f"engine produced {audio.shape[1]} audio samples for a chunk whose frames need "
+            f"exactly {samples}"
+        )
+    out = np.ascontiguousarray(audio, dtype=np.float32)
+    if not np.isfinite(out).all():
+        raise EngineError("engine produced audio samples that are not finite")
+    return np.clip(out, -1.0, 1.0)  # a copy: the engine's own array is left alone

@@ -13,6 +13,8 @@ its models) rather than with ``getattr`` and a default scattered through the ser
 * `SupportsSeed`, for a stream: the seed it uses, echoed to a client that chose none.
 * `SupportsLiveSettings`: the sampling settings it suggests for live (paced,
   steered) sessions, where a chunk's time is a person's wait; read with `live_settings`.
+* `SupportsAudio`: it makes sound, at this sample rate and channel count; every chunk then
+  carries its ``audio`` (`trio_vstream.engines.base.Chunk`); read with `audio_format`.
 
 Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
 capability existed (before cameras, before batching) still satisfies
@@ -29,20 +31,27 @@ import math
 from collections.abc import Mapping
 from typing import Protocol, TypeGuard, runtime_checkable
 
+import attrs
+
 from trio_vstream.engines.base import Engine, EngineConfigError
+from trio_vstream.video import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES
 
 __all__ = [
     "DEFAULT_INTERACTION_KINDS",
     "INTERACTION_KINDS",
+    "AudioFormat",
+    "SupportsAudio",
     "SupportsBatching",
     "SupportsDevice",
     "SupportsInteractionKinds",
     "SupportsLiveSettings",
     "SupportsSeed",
+    "audio_format",
     "interaction_kinds",
     "live_settings",
     "max_batch",
     "missing_members",
+    "supports_audio",
     "supports_batching",
     "supports_device",
     "supports_interaction_kinds",
@@ -116,6 +125,61 @@ class SupportsLiveSettings(Protocol):
     """
 
     live_settings: Mapping[str, int | float]
+
+
+@runtime_checkable
+class SupportsAudio(Protocol):
+    """An engine that makes sound: each chunk's ``Chunk.audio`` is that chunk's PCM.
+
+    The server then muxes an AAC track beside the video (every chunk carries both), says
+    so in ``video.start``'s config and each ``video.chunk_metadata``, and checks that each
+    chunk's audio covers exactly its frames (see ``Chunk.audio``).
+    """
+
+    audio_sample_rate: int | None
+    """Samples per second, one of `trio_vstream.video.AUDIO_SAMPLE_RATES`; ``None`` for an
+    engine that declares the attribute but makes no sound (as configured)."""
+    audio_channels: int
+    """1 (mono) or 2 (stereo)."""
+
+
+@attrs.frozen
+class AudioFormat:
+    """What an engine's sound is: its sample rate and channel count."""
+
+    sample_rate: int
+    channels: int
+
+
+def supports_audio(engine: object) -> TypeGuard[SupportsAudio]:
+    """Whether ``engine`` makes sound: it declares a sample rate that is not None."""
+    return (
+        isinstance(engine, SupportsAudio) and getattr(engine, "audio_sample_rate", None) is not None
+    )
+
+
+def audio_format(engine: Engine) -> AudioFormat | None:
+    """The sound ``engine`` makes, or None; raises `EngineConfigError` for a rate or a
+    channel count the server cannot carry (at the server's start-up)."""
+    name = engine.name
+    rate = getattr(engine, "audio_sample_rate", None)
+    if rate is None:
+        return None
+    # Read without the Protocol: a rate without a channel count is a mistake to report,
+    # not an engine to serve silently.
+    channels = getattr(engine, "audio_channels", None)
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate not in AUDIO_SAMPLE_RATES:
+        raise EngineConfigError(
+            f"engine {name}: audio_sample_rate must be one of "
+            f"{sorted(AUDIO_SAMPLE_RATES)}, got {rate!r}"
+        )
+    if (
+        isinstance(channels, bool)
+        or not isinstance(channels, int)
+        or not 1 <= channels <= AUDIO_MAX_CHANNELS
+    ):
+        raise EngineConfigError(f"engine {name}: audio_channels must be 1 or 2, got {channels!r}")
+    return AudioFormat(rate, channels)
 
 
 def supports_interaction_kinds(engine: object) -> TypeGuard[SupportsInteractionKinds]:

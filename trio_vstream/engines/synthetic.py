@@ -15,6 +15,12 @@ returns, so that a long run (the soak) can block many sessions without piling up
 threads that never end. All four are engine args (every session) and
 ``extra_params`` of a ``session.start`` (that session alone), so a soak can mix
 faulty sessions with healthy ones on one server.
+
+``audio_tone`` (Hz) makes it an engine with sound (`interfaces.SupportsAudio`): a sine at
+half scale, mono, at ``audio_sample_rate`` (48000 by default), continuous across chunks
+(sample n of the stream is ``0.5 * sin(2 pi f n / rate)``), each chunk's samples exactly
+its frames' duration. Known to the sample, so a test can check the sound end to end on
+a CPU: its count, its phase (no drift), its correlation after the AAC round trip.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.logsafe import get_logger
-from trio_vstream.video import VideoDefaults
+from trio_vstream.video import AUDIO_SAMPLE_RATES, VideoDefaults, audio_samples_through
 
 logger = get_logger(__name__)
 
@@ -67,6 +73,9 @@ class SyntheticSettings:
     block_seconds: float | None = None
     """How long a ``block_at_chunk`` block lasts (None: until the engine releases it)."""
     concurrency: int | None = None
+    audio_tone: float | None = None
+    """Hz of the sine the engine sounds; None (the default) makes no sound."""
+    audio_sample_rate: int = 48000
 
 
 def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
@@ -83,6 +92,16 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
             if value == 0:
                 raise EngineConfigError(f"synthetic engine: {name} must be > 0, got {raw}")
             values[name] = value
+        elif name == "audio_tone":
+            values[name] = parse_number_arg("synthetic", name, raw, float, minimum=1)
+        elif name == "audio_sample_rate":
+            rate = parse_number_arg("synthetic", name, raw, int, minimum=1)
+            if rate not in AUDIO_SAMPLE_RATES:
+                raise EngineConfigError(
+                    f"synthetic engine: {name} must be one of {sorted(AUDIO_SAMPLE_RATES)}, "
+                    f"got {raw}"
+                )
+            values[name] = rate
         elif name == "concurrency":
             # 0 means no limit, as in "any number of steps at once".
             values[name] = parse_number_arg("synthetic", name, raw, int, minimum=0) or None
@@ -90,7 +109,14 @@ def parse_settings(args: Mapping[str, str]) -> SyntheticSettings:
             minimum = 0 if name.endswith("_at_chunk") else 1
             values[name] = parse_number_arg("synthetic", name, raw, int, minimum=minimum)
     # Each value has its field's type, parsed above by name: a dict cannot say so.
-    return SyntheticSettings(**values)  # type: ignore[arg-type]
+    settings = SyntheticSettings(**values)  # type: ignore[arg-type]
+    tone = settings.audio_tone
+    if tone is not None and tone >= settings.audio_sample_rate / 2:
+        raise EngineConfigError(
+            f"synthetic engine: audio_tone must be below half the sample rate "
+            f"({settings.audio_sample_rate / 2:g} Hz), got {tone:g}"
+        )
+    return settings
 
 
 _FAULTS = ("fail_at_chunk", "hang_at_chunk", "block_at_chunk")
@@ -224,9 +250,25 @@ class SyntheticStream:
             start=np.zeros(3, dtype=np.float32),
         )
         frames = self._render(self._frames_done, count, colour)
+        audio = self._sound(self._frames_done, count)
         self._frames_done += count
         self._next_index += 1
-        return conditioning.chunk(frames, index)
+        chunk = conditioning.chunk(frames, index)
+        return attrs.evolve(chunk, audio=audio) if audio is not None else chunk
+
+    def _sound(self, first: int, count: int) -> np.ndarray | None:
+        """Frames ``first`` .. ``first + count``'s stretch of the tone: samples
+        ``audio_samples_through(first)`` up to ``audio_samples_through(first + count)``."""
+        tone, rate = self._settings.audio_tone, self._settings.audio_sample_rate
+        if tone is None:
+            return None
+        fps = self._request.fps
+        begin = audio_samples_through(first, rate, fps)
+        end = audio_samples_through(first + count, rate, fps)
+        # The phase in whole cycles is dropped in integers first: exact however long.
+        n = np.arange(begin, end, dtype=np.int64)
+        phase = (n * round(tone * 1000) % (rate * 1000)) / (rate * 1000)
+        return (0.5 * np.sin(2.0 * np.pi * phase)).astype(np.float32)
 
     def _render(self, first: int, count: int, colour: np.ndarray) -> np.ndarray:
         """Diagonal bands drifting at 0.5 cycles per second, in the prompt's colour.
@@ -267,6 +309,10 @@ class SyntheticEngine:
     def __init__(self, settings: SyntheticSettings | None = None) -> None:
         self.settings = settings or SyntheticSettings()
         self.max_concurrent_steps = self.settings.concurrency
+        tone = self.settings.audio_tone is not None
+        self.audio_sample_rate: int | None = self.settings.audio_sample_rate if tone else None
+        """Sound only with ``audio_tone`` (`interfaces.SupportsAudio`)."""
+        self.audio_channels = 1
         self.blocks = Blocks()
         """Where ``block_at_chunk`` streams wait; released at `close`."""
 

@@ -45,16 +45,18 @@ from trio_vstream.engines.base import (
     RunBatch,
     batch_result,
 )
-from trio_vstream.engines.frames import frames_to_uint8_array
+from trio_vstream.engines.frames import audio_to_float32_array, frames_to_uint8_array
 from trio_vstream.engines.interfaces import (
     INTERACTION_KINDS,
+    AudioFormat,
     SupportsSeed,
+    audio_format,
     interaction_kinds,
     max_batch,
     missing_members,
     supports_seed,
 )
-from trio_vstream.video import Camera, VideoDefaults
+from trio_vstream.video import Camera, VideoDefaults, audio_samples_through
 
 __all__ = [
     "RULES",
@@ -85,6 +87,9 @@ RULES: Final[dict[str, str]] = {
     "(0, 1)) too",
     "batching": "an engine with max_batch > 1 makes the same frames for rows stepped together "
     "as for rows stepped alone",
+    "audio": "an engine with sound (audio_sample_rate) declares a rate and channels the server "
+    "carries, and each chunk's audio covers exactly its frames: audio_samples_through(end) - "
+    "audio_samples_through(start) samples, float PCM",
 }
 """Each rule `check_engine` checks, by the name it reports it under."""
 
@@ -379,6 +384,8 @@ class _Kit:
         self.batch_atol = batch_atol
         self.violations: list[Violation] = []
         self._kinds_seen: set[tuple[str, str]] = set()
+        self.sound: AudioFormat | None = None
+        """The engine's sound, once `check_interface` has read it."""
 
     def fail(self, rule: str, message: str, *, once: str | None = None) -> None:
         """Record a violation; with ``once``, only the first of that kind (a stop ignored
@@ -527,6 +534,10 @@ class _Kit:
             max_batch(engine)
         except EngineError as exc:
             self.fail("interface", str(exc))
+        try:
+            self.sound = audio_format(engine)
+        except EngineError as exc:
+            self.fail("audio", str(exc))
 
     def check_full_run(self) -> _Run:
         """One stream to its end: the chunks and checkpoint rules, and how many steps each
@@ -549,6 +560,8 @@ class _Kit:
                     "each step and the decode, or a stop cannot reach the stream",
                 )
                 break
+        if self.sound is not None:
+            self.check_audio(run, self.sound)
         total = sum(len(frames) for frames in run.frames)
         asked = self.request.num_frames
         if total != asked and ("chunks", "frames") not in self._kinds_seen:
@@ -557,6 +570,19 @@ class _Kit:
                 f"the stream {run.ending()}, {total} frames; the request asked for {asked}",
             )
         return run
+
+    def check_audio(self, run: _Run, sound: AudioFormat) -> None:
+        """Each chunk's sound is exactly as long as its frames (cumulative rounding)."""
+        done = 0
+        fps = self.request.fps
+        for index, (chunk, frames) in enumerate(zip(run.chunks, run.frames, strict=True)):
+            begin = audio_samples_through(done, sound.sample_rate, fps)
+            done += len(frames)
+            samples = audio_samples_through(done, sound.sample_rate, fps) - begin
+            try:
+                audio_to_float32_array(chunk.audio, channels=sound.channels, samples=samples)
+            except EngineError as exc:
+                self.fail("audio", f"chunk {index}: {exc}", once="audio")
 
     def check_close_unstepped(self) -> None:
         """A session may end between ``open_stream`` and its first step (its client left)."""

@@ -56,6 +56,7 @@ from trio_vstream.protocol._limits import (
     Limits,
 )
 from trio_vstream.protocol._messages import (
+    AUDIO_CODEC,
     DEFAULT_TRANSITION_CHUNKS,
     PING_MESSAGE,
     STOP_MESSAGE,
@@ -72,6 +73,7 @@ from trio_vstream.protocol._messages import (
     Stop,
     VideoStart,
     WatchStart,
+    audio_config,
     interaction_message,
     parse_control,
     parse_server_message,
@@ -98,6 +100,7 @@ from trio_vstream.protocol._wire import safe_text
 from trio_vstream.video import Camera, VideoDefaults
 
 __all__ = [
+    "AUDIO_CODEC",
     "CAMERA_KEYS",
     "CAMERA_SCRIPT_PARAM",
     "CODEC_OPTIONS_PARAM",
@@ -155,6 +158,7 @@ __all__ = [
     "VideoStarted",
     "WatchStart",
     "WatchStarted",
+    "audio_config",
     "check_codec_options",
     "interaction_message",
     "key_velocity",

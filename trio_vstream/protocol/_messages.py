@@ -34,6 +34,7 @@ from trio_vstream.protocol._wire import (
 from trio_vstream.video import CAMERA_MODES, Camera
 
 __all__ = [
+    "AUDIO_CODEC",
     "DEFAULT_TRANSITION_CHUNKS",
     "PING_MESSAGE",
     "STOP_MESSAGE",
@@ -50,6 +51,7 @@ __all__ = [
     "Stop",
     "VideoStart",
     "WatchStart",
+    "audio_config",
     "interaction_message",
     "parse_control",
     "parse_server_message",
@@ -461,6 +463,23 @@ class ChunkMetadata(_Message):
     completed_event_ids: tuple[str, ...]
     #: -1 when parsed from a server that did not send it (older reference versions).
     transport_chunk_index: int
+    num_audio_samples: int | None = None
+    """A stream with sound only (vllm-omni's name): the PCM samples this chunk's frames
+    cover, exactly their duration (a trailer: 0). The AAC in the bytes may lag by an AAC
+    frame or two, their timestamps say where each belongs. Left out without sound."""
+    audio_sample_rate: int | None = None
+    """A stream with sound only (vllm-omni's name): its samples per second."""
+
+
+AUDIO_CODEC: Final = "mp4a.40.2"
+"""The codec of a stream's audio track, as MSE names it: AAC-LC."""
+
+
+def audio_config(sample_rate: int, channels: int) -> dict[str, Any]:
+    """What ``video.start``'s ``config`` says of a stream with sound, under ``"audio"``:
+    its sample rate, channels and codec (so a page can ask MSE for both tracks before
+    the first chunk arrives). A stream without sound has no ``"audio"`` key."""
+    return {"sample_rate": sample_rate, "channels": channels, "codec": AUDIO_CODEC}
 
 
 @attrs.frozen

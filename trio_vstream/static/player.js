@@ -294,8 +294,30 @@ function childBox(view, box, type) {
   return null;
 }
 
-// "avc1.PPCCLL" (profile, constraint flags, level) for the first H.264 track, or null.
+// "avc1.PPCCLL" (profile, constraint flags, level) for the first H.264 track, or null;
+// with ",mp4a.40.2" after it when the stream also has sound (the server's AAC-LC track).
 export function codecFromInit(buffer) {
+  const video = videoCodecFromInit(buffer);
+  return video && hasAacTrack(buffer) ? `${video},mp4a.40.2` : video;
+}
+
+function sampleEntries(buffer) {
+  const view = new DataView(buffer);
+  const moov = childBox(view, { start: 0, end: view.byteLength }, "moov");
+  const entries = [];
+  for (const trak of moov ? mp4Boxes(view, moov.start, moov.end) : []) {
+    let box = trak.type === "trak" ? trak : null;
+    for (const type of ["mdia", "minf", "stbl", "stsd"]) box = box && childBox(view, box, type);
+    if (box) entries.push(...mp4Boxes(view, box.start + 8, box.end));
+  }
+  return entries;
+}
+
+function hasAacTrack(buffer) {
+  return sampleEntries(buffer).some((entry) => entry.type === "mp4a");
+}
+
+function videoCodecFromInit(buffer) {
   const view = new DataView(buffer);
   const moov = childBox(view, { start: 0, end: view.byteLength }, "moov");
   if (!moov) return null;
@@ -738,6 +760,7 @@ class Session {
         showError("player", "no avcC box in the init segment; trying H.264 Baseline");
       }
       this.addSourceBuffer();
+      showUnmute(this.codec.includes("mp4a"));
     }
     // The trailer is an mfra box: an index for files, no frames, nothing for MSE.
     if (meta?.kind === "trailer") return;
@@ -1058,6 +1081,21 @@ function showShare(path) {
   $("share-link").value = offered ? shareUrl(path) : "";
 }
 
+// A stream with sound starts muted (browsers play sound only after a person asks for it):
+// this button is that asking. Hidden for a stream without sound.
+function showUnmute(sound) {
+  const button = $("unmute");
+  if (!button) return;
+  button.hidden = !sound;
+  renderUnmute();
+}
+
+function renderUnmute() {
+  const muted = $("video").muted;
+  $("unmute").textContent = muted ? "Sound on" : "Sound off";
+  $("unmute").setAttribute("aria-pressed", String(!muted));
+}
+
 async function copyShareLink() {
   const field = $("share-link");
   field.select();
@@ -1287,6 +1325,11 @@ $("key-forget").addEventListener("click", () => {
   loadDefaults();
 });
 $("share-copy").addEventListener("click", copyShareLink);
+$("unmute")?.addEventListener("click", () => {
+  $("video").muted = !$("video").muted;
+  renderUnmute();
+});
+$("video").addEventListener("volumechange", () => $("unmute") && renderUnmute());
 $("seed-use")?.addEventListener("click", () => {
   if (session?.seed != null) $("seed").value = String(session.seed);
 });
