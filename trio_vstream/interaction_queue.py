@@ -18,9 +18,9 @@ started within a frame of it: the windows keep to the media clock); the next chu
 starts no earlier than the window's end (its deadline) and takes the interactions
 received before the deadline, each with `PromptChange.window_offset`: where in the
 window it came, as a fraction. An interaction received at or after the deadline waits
-for the following chunk. So a key
-pressed a third of the way into a window steers from a third of the way into the chunk
-it lands in, and a short press counts for the part of the window it lasted.
+for the following chunk. So an engine that places changes can steer a key pressed a
+third of the way into a window from a third of the way into the chunk it lands in, and
+count a short press for the part of the window it lasted.
 
 When a chunk starts after its deadline (generation slower than real time, or a paused
 playback gate), the interactions received between the deadline and that start still

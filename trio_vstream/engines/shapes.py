@@ -391,9 +391,10 @@ class ShapesStream:
         """The chunk's mix with the steers of its window integrated (a paced session's).
 
         ``mix`` is the schedule's: the last steer's key from the first frame. With steers
-        placed in the window, the chunk takes the last steer's prompt with the motion of
-        the window's integrated velocity (`window_shares`, `integrated_motion`); the next
-        chunk goes on from ``mix``, the velocity in force at the window's end.
+        placed in the window, the chunk takes the last steer's prompt with the motion
+        `integrated_motion` gives (the last steer, unless the window ends still: then the
+        window's net displacement, from `window_shares`); the next chunk goes on from
+        ``mix``, the velocity in force at the window's end.
         """
         shares = window_shares(self._last_mix, window)
         if shares is None:
