@@ -265,7 +265,8 @@ async def test_a_paused_session_holds_no_step_slot_and_no_batch_row(
         if limiter is not None:
             assert limiter.statistics().borrowed_tokens == 0
         other = await h.connect(num_frames=6 * CHUNK_FRAMES)
-        await settle()
+        # Its end waits for its stream's close, in a thread `settle` cannot see.
+        await h.ended()
         assert other.terminal[-1]["type"] == "session.done"
         assert len(other.chunks) == 6
         assert len(paused.chunks) == 1 and paused.terminal == []
