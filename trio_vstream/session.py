@@ -492,8 +492,9 @@ class Session:
                 return
             index += 1
             frames = frame_count(chunk.frames)
-            self._interactions.queue.started(chunk.started_event_ids)
-            self._interactions.queue.open_window(began, frames / self._fps, snap=1 / self._fps)
+            self._interactions.chunk_generated(
+                chunk.started_event_ids, began, frames / self._fps, 1 / self._fps
+            )
             if self._gate is not None:
                 self._gate.generated(frames)
             waited = self._checkpoint.take_waited()
@@ -514,7 +515,7 @@ class Session:
         if gate is not None:
             if gate.finished:  # the engine's next call ends the video: nothing to wait for
                 return
-            deadline = self._interactions.queue.deadline
+            deadline = self._interactions.deadline
             if deadline is not None:
                 await trio.sleep_until(deadline)
                 self._touch()

@@ -20,6 +20,8 @@ by calling it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from trio_vstream import protocol
 from trio_vstream.engines.base import EngineError, EngineStream, PromptChange
 from trio_vstream.interaction_queue import InteractionQueue
@@ -89,6 +91,20 @@ class Interactions:
             self.queue.hold(change, now)
             return None
         return self._hand_over(stream, change)
+
+    @property
+    def deadline(self) -> float | None:
+        """When the next chunk may start: a paced camera session's window deadline."""
+        return self.queue.deadline
+
+    def chunk_generated(
+        self, started_event_ids: Iterable[str], began: float, seconds: float, frame: float
+    ) -> None:
+        """A chunk that began at ``began`` made ``seconds`` of media and started these
+        interactions: they are pending no more, and its action window opens (snapped to
+        the last deadline within one ``frame``: see `InteractionQueue.open_window`)."""
+        self.queue.started(started_event_ids)
+        self.queue.open_window(began, seconds, snap=frame)
 
     def take_due(self, stream: EngineStream) -> list[tuple[str, SessionError]]:
         """Hand the engine the interactions held for the chunk about to start; the

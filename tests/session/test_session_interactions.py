@@ -150,3 +150,17 @@ def test_a_paced_camera_session_holds_each_interaction_for_its_window() -> None:
     ]
     assert "refused" not in interactions.event_ids  # free for a retry
     assert interactions.queue.pending == 2  # "early" handed, "late" still held
+
+
+def test_a_generated_chunk_ends_its_interactions_pending_and_opens_its_window() -> None:
+    interactions = Interactions(frozenset({"prompt", "camera"}))
+    interactions.prepared(Scripts(), InteractionQueue(windows=True))
+    stream = Stream()
+    assert interactions.accept("held", camera(), stream, now=0.0) is None
+    assert interactions.take_due(stream) == []  # before the first chunk: from its start
+    assert interactions.queue.pending == 1 and interactions.deadline is None
+    interactions.chunk_generated(["held"], began=10.0, seconds=0.5, frame=1 / 24)
+    assert interactions.queue.pending == 0 and interactions.deadline == 10.5
+    # Woke 10 ms after that deadline: the next window keeps to the media clock.
+    interactions.chunk_generated([], began=10.51, seconds=0.5, frame=1 / 24)
+    assert interactions.deadline == 11.0
