@@ -9,6 +9,8 @@ trio-websocket together with the bytes it already read (``ReplayStream``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib.resources
 import json
 import re
@@ -17,7 +19,7 @@ from typing import Any
 
 import h11
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from trio_vstream import protocol
 
@@ -170,6 +172,53 @@ def parse_head(data: bytes) -> h11.Request | None:
 def is_websocket_upgrade(request: h11.Request) -> bool:
     headers = {name.lower(): value.lower() for name, value in request.headers}
     return request.method == b"GET" and b"websocket" in headers.get(b"upgrade", b"")
+
+
+def handshake_problem(request: h11.Request) -> tuple[int, str, Mapping[str, str]] | None:
+    """What is wrong with an upgrade's handshake (RFC 6455 4.2.1), as the status, body and
+    headers to answer it with; None when trio-websocket can take it.
+
+    Why here: a handshake wsproto refuses is answered by trio-websocket with a bare
+    response, without `SECURITY_HEADERS`. Checked first, every refusal goes out through
+    `respond`, and trio-websocket only ever sees handshakes it accepts. The checks are
+    wsproto's, plus the key's form (base64 of 16 bytes), which wsproto leaves unchecked.
+    """
+    fields: dict[bytes, list[bytes]] = {}
+    for name, value in request.headers:
+        fields.setdefault(name.lower(), []).append(value)
+
+    def one(name: bytes) -> bytes | None:
+        values = fields.get(name, [])
+        return values[0] if len(values) == 1 else None
+
+    connection = b",".join(fields.get(b"connection", [])).lower()
+    if b"upgrade" not in (token.strip() for token in connection.split(b",")):
+        return 400, "a WebSocket upgrade needs 'Connection: Upgrade'\n", {}
+    if (one(b"upgrade") or b"").strip().lower() != b"websocket":
+        return 400, "a WebSocket upgrade needs 'Upgrade: websocket' alone\n", {}
+    version = one(b"sec-websocket-version")
+    if version is None or version.strip() != b"13":
+        # 4.4: a version the server does not speak gets 426 and the one it does.
+        status = 426 if version else 400
+        return status, "only WebSocket version 13 is spoken here\n", {"sec-websocket-version": "13"}
+    key = one(b"sec-websocket-key")
+    try:
+        raw = base64.b64decode(key.strip(), validate=True) if key else b""
+    except binascii.Error:
+        raw = b""
+    if len(raw) != 16:
+        return 400, "Sec-WebSocket-Key must be 16 bytes in base64\n", {}
+    return None
+
+
+async def reject_upgrade(request: WebSocketRequest, status: int, body: str) -> None:
+    """Refuse a handshake already handed to trio-websocket, with `SECURITY_HEADERS`."""
+    headers = {**SECURITY_HEADERS, "content-type": "text/plain; charset=utf-8"}
+    await request.reject(
+        status,
+        extra_headers=[(name.encode(), value.encode()) for name, value in headers.items()],
+        body=body.encode(),
+    )
 
 
 _STATIC_TYPES: Mapping[str, str] = {

@@ -471,6 +471,13 @@ class VideoServer:
             if self._draining and not watching:  # a watched session runs here till it ends
                 await http.respond(stream, 503, "draining: try another server\n")
                 return
+            if not watching and path != VIDEO_PATH:
+                await http.respond(stream, 404, f"no WebSocket endpoint at {path}\n")
+                return
+            problem = http.handshake_problem(request)
+            if problem is not None:
+                await http.respond(stream, problem[0], problem[1], headers=problem[2])
+                return
             limits = self.config.session.limits
             # Room to receive an oversized message and answer it with message_too_large;
             # beyond this, trio-websocket closes the connection with code 1009.
@@ -586,11 +593,11 @@ class VideoServer:
         if path.startswith(WATCH_PREFIX):
             await self.watch.serve(request, path[len(WATCH_PREFIX) :])
             return
-        if path != VIDEO_PATH:
-            await request.reject(404, body=f"no WebSocket endpoint at {path}\n".encode())
+        if path != VIDEO_PATH:  # refused from the head already; here for direct callers
+            await http.reject_upgrade(request, 404, f"no WebSocket endpoint at {path}\n")
             return
-        if self._draining:
-            await request.reject(503, body=b"draining: try another server\n")
+        if self._draining:  # began since the head was read
+            await http.reject_upgrade(request, 503, "draining: try another server\n")
             return
         ws = await request.accept(
             subprotocol=access.selected_subprotocol(request.proposed_subprotocols)

@@ -16,7 +16,7 @@ import pytest
 from playwright.sync_api import ConsoleMessage
 
 from tests.player.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
-from tests.security.raw_http import request, upgrade
+from tests.security.raw_http import UPGRADE_HEADERS, request, upgrade
 from trio_vstream.access import AccessPolicy, key_subprotocol
 from trio_vstream.http import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
 
@@ -71,6 +71,37 @@ async def test_every_http_response_carries_the_headers(start_server: Any) -> Non
     refused = await upgrade(port, too_many)
     assert refused.status == 400
     assert_secured(refused, "400 upgrade")
+
+
+async def test_refused_upgrades_carry_the_headers(start_server: Any) -> None:
+    """Upgrades the server refuses after reading their head: to a path with no WebSocket
+    endpoint, and handshakes that are not RFC 6455's (no key, a key that is not 16 bytes
+    of base64, another version, no ``Connection: Upgrade``). Each used to be answered by
+    trio-websocket or wsproto, without the headers; each is now answered here, with them,
+    before the connection is handed over."""
+    running = await start_server()
+    port = running.server.port
+    host = [("Host", f"127.0.0.1:{port}")]
+    refused = await upgrade(port, host, path="/nowhere")
+    assert refused.status == 404
+    assert_secured(refused, "404 upgrade")
+    good = dict(UPGRADE_HEADERS)
+    for broken, status in [
+        ({"Sec-WebSocket-Key": None}, 400),
+        ({"Sec-WebSocket-Key": "c2hvcnQ="}, 400),
+        ({"Sec-WebSocket-Key": "not base64 at all!!!!!!="}, 400),
+        ({"Sec-WebSocket-Version": "8"}, 426),
+        ({"Connection": "keep-alive"}, 400),
+    ]:
+        fields = {**good, **broken}
+        headers = [*host, *((n, v) for n, v in fields.items() if v is not None)]
+        response = await request(port, "/v1/realtime/video", headers)
+        assert response.status == status, (broken, response)
+        assert_secured(response, f"{status} upgrade {broken}")
+        if status == 426:  # RFC 6455 4.4: say which version is spoken
+            assert response.headers["sec-websocket-version"] == "13"
+    # The control: the same head, unbroken, is upgraded.
+    assert (await upgrade(port, host)).status == 101
 
 
 async def test_malformed_requests_are_answered_with_the_headers_too(start_server: Any) -> None:
