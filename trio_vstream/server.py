@@ -577,6 +577,8 @@ class VideoServer:
             "engine": self.engine.name,
             "monotonic": time.monotonic(),
             "sessions_active": stats.sessions_active,
+            "sessions_running": self.running_sessions,
+            "sessions_waiting": sum(1 for session in self._sessions if not session.admitted),
             "sessions_total": stats.sessions_total,
             "streams_open": stats.streams_open,
             "worker_threads": stats.worker_threads,

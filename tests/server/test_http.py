@@ -82,6 +82,40 @@ async def test_metrics_report_sessions_and_stream_close_times(start_server: Any)
 
 
 @pytest.mark.slow
+async def test_stats_tell_waiting_upgrades_from_running_sessions(start_server: Any) -> None:
+    """An upgrade that has not sent ``session.start`` holds no session slot: ``/stats``
+    counts it in ``sessions_waiting``, not in ``sessions_running`` (what counts against
+    ``--max-sessions``); ``sessions_active`` is both."""
+    running = await start_server(SyntheticSettings(step_delay=0.01, chunk_frames=4))
+
+    async def stats() -> dict[str, Any]:
+        status, body = await http_get(running.server.port, "/stats")
+        assert status == 200
+        return dict(json.loads(body))
+
+    async with running.connect() as ws:
+        with trio.fail_after(5):
+            while (seen := await stats())["sessions_active"] == 0:
+                await trio.testing.wait_all_tasks_blocked()
+        assert (seen["sessions_waiting"], seen["sessions_running"]) == (1, 0)
+        await ws.send_message(json.dumps({**START, "num_frames": 400}))
+        await receive_until(ws, Transcript(), is_type("video.start"))
+        seen = await stats()
+        assert (seen["sessions_active"], seen["sessions_waiting"], seen["sessions_running"]) == (
+            1,
+            0,
+            1,
+        )
+        await ws.send_message(json.dumps({"type": "session.stop"}))
+    await running.wait_sessions_ended(1)
+    seen = await stats()
+    assert (seen["sessions_active"], seen["sessions_waiting"], seen["sessions_running"]) == (
+        0,
+        0,
+        0,
+    )
+
+
 async def test_a_draining_server_answers_503_and_lets_running_sessions_finish(
     start_server: Any,
 ) -> None:
