@@ -313,6 +313,10 @@ class _RecordingTap:
         if self._fits("interactions", 2 * text + _ENTRY_BYTES):
             self._put(("interaction", event_id, message, error, self._elapsed(), _now_iso()))
 
+    def interaction_refused(self, event_id: str, error: protocol.Error) -> None:
+        if self._fits("interactions", 2 * len(error.message) + _ENTRY_BYTES):
+            self._put(("refused", event_id, error, self._elapsed()))
+
     def ended(self, outcome: str, terminal: protocol.SessionDone | protocol.Error | None) -> None:
         self._queue.put(
             ("ended", outcome, terminal, self._elapsed(), self._truncation()), force=True
@@ -431,6 +435,8 @@ class _Writer:
             self._chunk(*item[1:])
         elif kind == "interaction":
             self._interaction(*item[1:])
+        elif kind == "refused":
+            self._refused(*item[1:])
         else:
             self._ended(*item[1:])
             return True
@@ -539,6 +545,15 @@ class _Writer:
         at: str,
     ) -> None:
         self._add_interaction(event_id, message, error, elapsed, at, "live")
+
+    def _refused(self, event_id: str, error: protocol.Error, elapsed: float) -> None:
+        """An interaction recorded as accepted was refused at its hand-over: its entry
+        says so (``refused_t``: when), and its id may be used again."""
+        entry = self.interactions.pop(event_id, None)
+        if entry is not None:
+            entry["accepted"] = False
+            entry["error"] = {"code": str(error.code), "message": error.message}
+            entry["refused_t"] = elapsed
 
     def _add_interaction(
         self,

@@ -509,8 +509,7 @@ class Session:
         deliberate wait of at most a chunk's media time), then the playback gate: not
         progress, and nothing of the engine's is held meanwhile (a step slot or a batch
         row only inside ``next_chunk``). A stop ends either wait. Then the interactions
-        held for this chunk, handed over; one the engine refuses now gets its error now.
-        """
+        held for this chunk, handed over: one the engine refuses gets its error now."""
         gate = self._gate
         if gate is not None:
             if gate.finished:  # the engine's next call ends the video: nothing to wait for
@@ -521,7 +520,9 @@ class Session:
                 self._touch()
             await gate.wait()
         for event_id, refusal in self._interactions.take_due(stream):
-            await self._sender.send(protocol.Error(*refusal, self.request_id, event_id))
+            error = protocol.Error(*refusal, self.request_id, event_id)
+            self._taps.call("interaction_refused", event_id, error)
+            await self._sender.send(error)
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None

@@ -42,6 +42,11 @@ class SessionTap(Protocol):
     ) -> None:
         """An interaction arrived (now): queued for the engine, or refused with ``error``."""
 
+    def interaction_refused(self, event_id: str, error: protocol.Error) -> None:
+        """An interaction `interaction` reported as queued was refused when it was handed
+        to the engine, with ``error`` (sent to the client now). Only a paced camera
+        session holds interactions until their chunk starts, so only it refuses late."""
+
     def ended(self, outcome: str, terminal: protocol.SessionDone | protocol.Error | None) -> None:
         """The session is over: ``outcome`` as in the session summary, and the terminal
         message sent to the client (or that would have been, had the client stayed)."""

@@ -206,6 +206,9 @@ class WatchHub:
     ) -> None:
         """Not forwarded: viewers see an interaction's effect in the chunks' event ids."""
 
+    def interaction_refused(self, event_id: str, error: protocol.Error) -> None:
+        """Not forwarded either: a refused interaction has no effect to see."""
+
     def ended(self, outcome: str, terminal: protocol.SessionDone | protocol.Error | None) -> None:
         self.terminal = terminal
         self._done = True

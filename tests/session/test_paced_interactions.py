@@ -18,6 +18,7 @@ from tests.session.playback_harness import CHUNK_FRAMES, Client, Harness, harnes
 from trio_vstream import protocol
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.outcomes import Outcome
+from trio_vstream.taps import SessionTaps
 
 LIMIT = protocol.MAX_PENDING_INTERACTIONS
 
@@ -25,6 +26,28 @@ LIMIT = protocol.MAX_PENDING_INTERACTIONS
 def started(client: Client) -> list[list[str]]:
     """Each media chunk's ``started_event_ids``, in order."""
     return [chunk["started_event_ids"] for chunk in client.chunks]
+
+
+class InteractionTap:
+    """A session tap (`trio_vstream.taps.SessionTap`) that keeps what it hears of interactions."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def started(self, *args: object) -> None:
+        pass
+
+    def chunk(self, *args: object) -> None:
+        pass
+
+    def interaction(self, event_id: str, message: object, error: protocol.Error | None) -> None:
+        self.calls.append(("queued" if error is None else "refused", event_id))
+
+    def interaction_refused(self, event_id: str, error: protocol.Error) -> None:
+        self.calls.append(("refused", event_id, error.message))
+
+    def ended(self, *args: object) -> None:
+        pass
 
 
 def offsets(h: Harness) -> dict[str, float]:
@@ -122,6 +145,8 @@ async def test_an_interaction_the_engine_refuses_at_hand_over_gets_its_error_the
     mock_clock: trio.testing.MockClock,
 ) -> None:
     async with harness(CameraEngine) as h:
+        tap = InteractionTap()
+        h.server.tap_factories.append(lambda request_id, start: SessionTaps([tap]))
         h.engine.refuse.add("refused")
         client = await h.connect(streaming_buffer_seconds=10.0)
         await settle()
@@ -138,6 +163,12 @@ async def test_an_interaction_the_engine_refuses_at_hand_over_gets_its_error_the
         assert "refused refused" in error["message"]
         assert started(client)[1] == ["taken"]
         assert client.terminal == [error]  # the session goes on
+        # Recordings were told it was queued; they are told of the refusal too.
+        assert tap.calls == [
+            ("queued", "refused"),
+            ("queued", "taken"),
+            ("refused", "refused", error["message"]),
+        ]
         h.engine.refuse.clear()
         await client.camera("refused")  # its id was freed: the client may retry with it
         await settle()

@@ -388,6 +388,29 @@ def test_closing_the_recorder_writes_a_session_that_never_ended(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["video_stream-x.json"]
 
 
+def test_an_interaction_refused_at_its_hand_over_is_recorded_as_refused(tmp_path: Path) -> None:
+    """A paced camera session reports an interaction queued, then refused when its chunk
+    starts: the recording's entry ends refused, with when and why, as the client was told."""
+    recorder = Recorder(tmp_path, engine="synthetic", model="synthetic")
+    start = protocol.parse_start(json.dumps(SYNTHETIC))
+    [tap] = recorder("video_stream-r", start).taps
+    tap.started(protocol.VideoStart("video_stream-r", "m4s", start.config), start)
+    for event_id in ("kept", "refused"):
+        tap.interaction(event_id, protocol.parse_control(interaction(event_id, "a")), None)
+    error = protocol.Error(
+        protocol.ErrorCode.INTERACTION_FAILED, "Failed to apply interaction: no", "r", "refused"
+    )
+    tap.interaction_refused("refused", error)
+    tap.ended("completed", None)
+    assert recorder.close(timeout=10)
+    kept, refused = read_record(tmp_path, "video_stream-r")["interactions"]
+    assert (kept["event_id"], kept["accepted"], kept["error"]) == ("kept", True, None)
+    assert "refused_t" not in kept
+    assert (refused["event_id"], refused["accepted"]) == ("refused", False)
+    assert refused["error"] == {"code": "interaction_failed", "message": error.message}
+    assert refused["refused_t"] >= refused["t"]
+
+
 def test_an_unusable_record_directory_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
