@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +65,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One ``--quick`` run of every scenario; its JSON report, stdout and timing."""
+    """One ``--quick`` run of every scenario: its JSON report and output."""
     output = tmp_path_factory.mktemp("bench") / "quick.json"
-    started = time.monotonic()
     done = subprocess.run(
         [
             sys.executable,
@@ -82,16 +80,14 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=300,  # a hang guard, not a speed check
     )
-    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(output.read_text())
     return {
         "report": report,
         "stdout": done.stdout,
         "stderr": done.stderr,
-        "elapsed": elapsed,
         "markdown": output.with_suffix(".md"),
     }
 
@@ -100,11 +96,6 @@ def _figure(quick: dict[str, Any], name: str) -> dict[str, Any]:
     figures = quick["report"]["results"]["A"]["figures"]
     assert name in figures, f"{name} missing; have {sorted(figures)}"
     return figures[name]
-
-
-def test_quick_mode_takes_seconds_not_minutes(quick: dict[str, Any]) -> None:
-    # Mostly the 10 s Trio keeps idle worker threads before the threads check passes.
-    assert quick["elapsed"] < 40, quick["stderr"][-2000:]
 
 
 def test_report_describes_machine_settings_and_target(quick: dict[str, Any]) -> None:
@@ -418,16 +409,14 @@ def test_diffusers_scenario_quick(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
     output = tmp_path / "diffusers.json"
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(RUN), "--quick", "--scenario", "diffusers", "--output", str(output)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert time.monotonic() - started < 60, done.stderr[-2000:]
     report = json.loads(output.read_text())
     assert report["settings"]["scenarios"] == ["diffusers"]
     result = report["diffusers"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +141,6 @@ def test_catalogue_and_settings() -> None:
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One ``--quick --scenario streaming`` run: its JSON report and stdout."""
     output = tmp_path_factory.mktemp("bench") / "streaming.json"
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(RUN), "--quick", "--scenario", "streaming", "--output", str(output)],
         cwd=REPO,
@@ -155,7 +153,6 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "report": json.loads(output.read_text()),
         "stdout": done.stdout,
         "stderr": done.stderr,
-        "elapsed": time.monotonic() - started,
     }
 
 
@@ -214,4 +211,3 @@ def test_targets_are_judged_and_printed(quick: dict[str, Any]) -> None:
     assert "| streaming.paced.n1.continuous_play_ratio | ratio |" in stdout
     assert "| streaming.paused.fps_ratio | x |" in stdout
     assert stdout.count("- **PASS**") + stdout.count("- **FAIL**") == 3
-    assert quick["elapsed"] < 240

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,6 @@ SHORT_FORM += ("--shutdown-rounds", "3")
 @pytest.mark.timeout(240)
 def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(SOAK), *SHORT_FORM, "--json", str(output)],
         cwd=REPO,
@@ -50,7 +48,6 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
         text=True,
         timeout=220,
     )
-    elapsed = time.monotonic() - started
     assert output.exists(), done.stderr[-3000:]
     report = json.loads(output.read_text())
     shown = json.dumps(report["violations"][:10], indent=1)[:20000]
@@ -93,7 +90,6 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
         assert info["exit_s"] <= report["thresholds"]["second_signal_exit_s"]
         assert sum(info["clients"].values()) == info["sessions"]
     assert sum("shutdown round" in line for line in done.stdout.splitlines()) == 3
-    assert elapsed < 140, done.stderr[-2000:]  # well under CI's patience on 2 cores
     assert "soak PASS" in done.stdout.splitlines()[-1]
 
 
