@@ -32,7 +32,7 @@ from tests.fake_reference import (
     start_peer,
 )
 from trio_vstream import cli
-from trio_vstream.client import StreamOutcome, stream_video
+from trio_vstream.client import ScheduledInteraction, StreamOutcome, stream_video
 from trio_vstream.client._cli import DEFAULT_BUFFER_SECONDS, _start_fields, add_client_arguments
 from trio_vstream.engines.synthetic import SyntheticSettings
 
@@ -121,6 +121,42 @@ async def test_an_unpaced_session_is_watched_but_gets_no_reports(nursery: trio.N
     assert summary["streaming_buffer_seconds"] is None
     assert summary["chunks"] == 2 and summary["buffered_s"] == 0.5
     assert summary["underruns"] == 0 and summary["on_time_share"] == 1.0
+
+
+async def test_a_viewer_interacts_when_its_playhead_gets_there(nursery: trio.Nursery) -> None:
+    # The whole second of media arrives at once; an interaction at 0.5 s is sent when
+    # the playhead reaches 0.5 s, half a second of playing later, not as soon as the
+    # media reached it (what a client without a viewer does).
+    blobs = encode_clip(gradient_chunks(2, 4), fps=8)
+    received: dict[str, Any] = {}
+
+    async def peer_script(ws: WebSocketConnection, peer: Peer) -> None:
+        await receive_json(ws, peer)
+        await ws.send_message(VIDEO_START_8FPS)
+        for index, blob in enumerate(blobs[:-1]):
+            await send_reference_chunk(ws, blob, index, 4)
+        while (message := await receive_json(ws, peer))["type"] != "session.interaction":
+            pass
+        received.update(message)
+        await send_reference_chunk(ws, blobs[-1], 0, 0)
+        await send_session_done(ws, chunks=3)
+
+    peer = await start_peer(nursery, peer_script)
+    result = await stream_video(
+        peer.url,
+        {**START, "streaming_buffer_seconds": 2.0},
+        interactions=[ScheduledInteraction(at=0.5, prompt="blue")],
+        playback=True,
+    )
+    assert result.outcome is StreamOutcome.COMPLETED, result.problems
+    assert received["interaction"]["event"] == {"prompt": "blue"}
+    [record] = result.interactions
+    viewer = result.viewer
+    assert viewer is not None and viewer.play_started_at is not None
+    assert record.sent_at is not None and record.sent_media_time is not None
+    assert record.sent_at - viewer.play_started_at >= 0.5  # it played half a second first
+    assert 0.5 <= record.sent_media_time < 1.0  # the playhead's time, not the media's (1.0)
+    assert result.media_time == 1.0
 
 
 async def test_without_playback_there_is_no_viewer(nursery: trio.Nursery) -> None:

@@ -211,3 +211,20 @@ def test_the_summary_is_json_ready() -> None:
         "position_s": 1.0,
         "buffered_s": 1.0,
     }
+
+
+def test_when_the_playhead_reaches_a_time() -> None:
+    viewer = PlaybackViewer(0.0, startup_seconds=0.5)
+    assert viewer.reaches_at(0.2) is None  # nothing arrived: not playing
+    viewer.receive(1.0, 0.25)
+    assert viewer.reaches_at(0.2) is None  # below the startup threshold: not playing
+    viewer.receive(2.0, 0.75)  # starts at t=2 with 1 s buffered
+    assert viewer.reaches_at(0.4) == pytest.approx(2.4)
+    assert viewer.reaches_at(1.0) == pytest.approx(3.0)  # the end of what arrived
+    assert viewer.reaches_at(1.01) is None  # beyond it: only more media can tell
+    viewer.advance(2.5)
+    assert viewer.reaches_at(0.4) == 2.5  # passed already: now
+    viewer.advance(3.5)  # stalled at 1.0 since t=3
+    assert viewer.reaches_at(1.2) is None
+    viewer.receive(4.0, 1.0)  # on again at t=4 from 1.0
+    assert viewer.reaches_at(1.2) == pytest.approx(4.2)

@@ -67,7 +67,9 @@ class ScheduledInteraction:
     wall-clock schedule fired after the video had ended; against a slow one, too early.
     The interaction is sent right after the first media chunk that brings the delivered
     media time to ``at`` or past it (``at=0``: right after ``video.start``), so it lands
-    at the next chunk boundary after that point.
+    at the next chunk boundary after that point. With a simulated viewer (``playback``)
+    it is sent when the viewer's playhead reaches ``at``, as a person presses a key at
+    what they see.
     """
 
     at: float

@@ -253,6 +253,7 @@ class _StreamRun:
         self.connect_failure: str | None = None
         self.connect_status: int | None = None  # the HTTP status of a refused handshake
         self.finished = trio.Event()  # a terminal message arrived
+        self._received = trio.Event()  # set (and replaced) at every message
         self.records = {record.event_id: record for record in result.interactions}
         self.next_interaction = 0  # index into result.interactions (sorted by time)
         self.send_failed = False  # the connection refused an interaction
@@ -339,6 +340,8 @@ class _StreamRun:
             nursery.start_soon(self._stop_when_asked, ws, nursery.cancel_scope)
             if self.reports:
                 nursery.start_soon(self._report_playback, ws)
+            if self.result.viewer is not None and self.result.interactions:
+                nursery.start_soon(self._interact_at_playhead, ws, self.result.viewer)
             await self._receive(ws)
             nursery.cancel_scope.cancel()
 
@@ -348,9 +351,10 @@ class _StreamRun:
         try:
             while not self.finished.is_set():
                 self._handle(await ws.get_message())
-                # Here rather than in a task of its own: an interaction is then sent
-                # before the next message is read, exactly at its chunk boundary.
-                await self._send_due_interactions(ws)
+                if self.result.viewer is None:
+                    # Here rather than in a task of its own: an interaction is then sent
+                    # before the next message is read, exactly at its chunk boundary.
+                    await self._send_due_interactions(ws)
             # The server closes after its terminal message; give it the chance, so the
             # close is its normal one and we learn the close code.
             with trio.move_on_after(_CLOSE_WAIT):
@@ -362,6 +366,8 @@ class _StreamRun:
 
     def _handle(self, raw: str | bytes) -> None:
         now = trio.current_time()
+        self._received.set()  # after this call: what a waiting sender looks at has moved
+        self._received = trio.Event()
         try:
             events = self.machine.receive(raw)
         except protocol.ServerProtocolError as exc:
@@ -479,8 +485,33 @@ class _StreamRun:
                 return  # the receive loop learns why
             self.result.playback_sent.append((trio.current_time(), position))
 
+    async def _interact_at_playhead(self, ws: WebSocketConnection, viewer: PlaybackViewer) -> None:
+        """A viewer's interactions: each sent when the playhead reaches its time, as a
+        person watching presses a key at what they see, not at what has arrived ahead of
+        it. Wakes when the playhead gets there, or at each message (more media, the
+        end), whichever comes first."""
+        records = self.result.interactions
+        while True:
+            await self._send_due_interactions(ws)
+            if (
+                self.next_interaction >= len(records)
+                or self.send_failed
+                or self.stop_event.is_set()
+                or self.finished.is_set()
+            ):
+                return
+            # Not yet due (the call above sent all that was): a time is in the future.
+            # Before video.start nothing is due (the playhead is at 0 all the same).
+            wake = None
+            if self.result.video_start_at is not None:
+                wake = viewer.reaches_at(records[self.next_interaction].interaction.at)
+            received = self._received
+            with trio.move_on_at(math.inf if wake is None else wake):
+                await received.wait()
+
     async def _send_due_interactions(self, ws: WebSocketConnection) -> None:
-        """Send every interaction whose media time the delivered video has reached."""
+        """Send every interaction whose time the video has reached: the media delivered,
+        or for a simulated viewer its playhead."""
         result = self.result
         records = result.interactions
         if (
@@ -492,6 +523,9 @@ class _StreamRun:
         ):
             return
         media = result.media_time
+        if result.viewer is not None:
+            result.viewer.advance(trio.current_time())
+            media = result.viewer.position
         while media is not None and self.next_interaction < len(records):
             record = records[self.next_interaction]
             item = record.interaction

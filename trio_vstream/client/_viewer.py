@@ -227,6 +227,16 @@ class PlaybackViewer:
         self.last_reported = self.position
         return self.position
 
+    def reaches_at(self, position: float) -> float | None:
+        """When the playhead reaches ``position`` if it plays on: the time it is at now if
+        it is there already; None when it is not playing, or ``position`` lies beyond what
+        has arrived (it cannot be known before more media comes)."""
+        if self.position >= position:
+            return self.clock
+        if not self.playing or position > self.buffered:
+            return None
+        return self.clock + (position - self.position)
+
     @property
     def played_out_at(self) -> float | None:
         """When the playhead reaches the end of an ended stream that started; None before
