@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -98,6 +100,8 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 _ENGINE_SET_ARGS: Mapping[str, str] = {
     # __call__ arguments the engine sets itself, and what to use instead: refused like
@@ -178,6 +182,26 @@ class DiffusersEngine:
             model, settings.segment_frames, self.frame_step
         )
         self.video_defaults = video_defaults(model, self.size_multiple, self.segment_frames)
+        batches = bool(getattr(self.loop, "batches", False))
+        self.max_batch = settings.max_batch if batches else 1
+        """Rows per batched step (`interfaces.SupportsBatching`): ``max_batch`` for a family
+        that batches its steps (its ``LOOP.batches``, read with a default so that a family
+        written before batching needs no change), else 1, which the server takes as "step
+        each session alone"."""
+        if settings.max_batch > 1 and not batches:
+            logger.warning(
+                "diffusers engine: max_batch=%d ignored: %s does not batch sessions' steps "
+                "(each session's chunk runs alone under the lock)",
+                settings.max_batch,
+                self.loop.name,
+            )
+        if self.max_batch > 1 and settings.offload != "none":
+            raise config_error(
+                f"max_batch={settings.max_batch} needs offload=none: a batch holds the "
+                "transformer on the device between other sessions' encodes and decodes"
+            )
+        self._groups: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
+        self._groups_mutex = threading.Lock()
 
     # ------------------------------------------------------------ interface
 
@@ -188,6 +212,17 @@ class DiffusersEngine:
         stream = DiffusersStream(self, request, plan, None)
         stream._lora = self._claim_lora(request)  # last: nothing after it can fail
         return stream
+
+    def batch_group(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The batched step of ``key``'s rows: one object for every session of the key, as
+        long as any of them holds it (the server's batcher groups rows by it), made by
+        ``make`` when none does. Kept weakly, so a key nobody steps with is forgotten."""
+        with self._groups_mutex:
+            group = self._groups.get(key)
+            if group is None:
+                group = make()
+                self._groups[key] = group
+            return cast(T, group)
 
     def close(self) -> None:
         """Drop the pipelines, and on CUDA hand their memory back to the driver."""
