@@ -159,6 +159,12 @@ class DiffusersEngine:
         self.model = model
         self.i2v = i2v
         self.lock = SegmentLock()
+        self.decode_lock = SegmentLock()
+        """One decode at a time for the families that batch: their windows' decodes run
+        beside the batched forwards, not under ``lock`` (the VAE is no part of what a
+        batch changes on the shared pipeline, and each session decodes with a cache of its
+        own), so that a batch does not wait for them; one at a time bounds the memory the
+        decodes take together."""
         self.loras = LoraAdapters(self.lock)
         self.name = settings.name or settings.model.resolve().name or "diffusers"
         self.loop = loop_for(model)

@@ -482,9 +482,10 @@ class ForcingLoop:
         """The next window, its steps batched with other sessions' (`ForwardGroup`).
 
         The lock is taken for what touches the shared pipeline outside a forward (the
-        prompt's encoding, the image's, the decode) and, inside ``run_batch``, for each
-        batched forward; never while the session waits for a batch. The session's own
-        scheduler, generators, history and decoder cache never leave its thread: a row
+        prompt's encoding, the image's) and, inside ``run_batch``, for each batched
+        forward; never while the session waits for a batch. The decode takes the engine's
+        ``decode_lock`` instead: one decode at a time, beside the batches. The session's
+        own scheduler, generators, history and decoder cache never leave its thread: a row
         carries only the step's inputs, and its result is the step's guided noise
         prediction, which the session's schedulers then apply."""
         engine, request, plan = stream.engine, stream.request, stream.plan
@@ -546,7 +547,7 @@ class ForcingLoop:
                     )
                     self._update(window, i, noise_pred)
             del group
-            with engine.lock.held(checkpoint):
+            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
                 video = self._finish(checkpoint, pipe, window)
         del window
         return stream.finish_driven(video, remaining, conditioning, index)
