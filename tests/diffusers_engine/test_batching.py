@@ -19,7 +19,7 @@ import pytest
 import torch
 import trio
 
-from tests.diffusers_engine.support import no_stop, request
+from tests.diffusers_engine.support import START, no_stop, request, run_session
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import EngineConfigError, GenerationRequest, PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
@@ -303,3 +303,37 @@ def test_a_batching_engine_keeps_the_contract(skyreels: dict[str, Path]) -> None
     check_engine(
         factory, df_request("kit", 1, num_frames=25, guidance_scale=1.0, negative_prompt=None)
     )
+
+
+@pytest.mark.slow
+async def test_a_server_batches_the_sessions_of_a_batching_engine(
+    engine: DiffusersEngine, serve: Any
+) -> None:
+    server, summaries = await serve(engine)
+    assert server.batcher is not None and server.batcher.max_batch == 8
+    start = {
+        **START,
+        "size": "32x32",
+        "fps": 24,
+        "num_frames": 25,
+        "guidance_scale": 6.0,
+        "negative_prompt": "blurry",
+    }
+    transcripts: list[Any] = []
+
+    async def one(seed: int) -> None:
+        transcripts.append(await run_session(server.url, {**start, "seed": seed}))
+
+    async with trio.open_nursery() as nursery:
+        for seed in (1, 2, 3):
+            nursery.start_soon(one, seed)
+    for transcript in transcripts:
+        media = [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+        assert [m["num_frames"] for m in media] == [17, 8]
+        assert transcript.terminal[-1]["type"] == "session.done"
+    with trio.fail_after(5):
+        await summaries.wait_for(3)
+    assert [s.outcome.value for s in summaries] == ["completed"] * 3
+    # Every step went through the batcher (whether sessions met in a batch depends on
+    # when their connections came: that rows do share forwards is tested above).
+    assert server.batcher.rows == 3 * 2 * 2
