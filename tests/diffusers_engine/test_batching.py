@@ -337,3 +337,85 @@ async def test_a_server_batches_the_sessions_of_a_batching_engine(
     # Every step went through the batcher (whether sessions met in a batch depends on
     # when their connections came: that rows do share forwards is tested above).
     assert server.batcher.rows == 3 * 2 * 2
+
+
+# -- FramePack, vanilla sections
+
+FP_IMAGE = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
+TRUE_CFG = {"true_cfg_scale": 3.0, "negative_prompt": "blurry"}
+
+
+def fp_request(request_id: str, seed: int, num_frames: int = 27, **fields: Any) -> Any:
+    """32x32, two steps a section of 12 frames (``segment_frames``), true CFG: 27 frames
+    are three sections (4, 12 and 11 frames sent), 13 two."""
+    values: dict[str, Any] = {
+        "request_id": request_id,
+        "seed": seed,
+        "width": 32,
+        "height": 32,
+        "num_frames": num_frames,
+        "image": FP_IMAGE,
+        "extra_params": {"sampling_type": "vanilla"},
+        **TRUE_CFG,
+    }
+    values.update(fields)
+    return request(**values)
+
+
+@pytest.fixture
+def fp_engine(framepack: Path, make_engine: Any) -> DiffusersEngine:
+    made: DiffusersEngine = make_engine(framepack, segment_frames="12", max_batch="8")
+    return made
+
+
+@pytest.fixture
+def fp_batch_sizes(fp_engine: DiffusersEngine) -> Iterator[list[int]]:
+    sizes: list[int] = []
+
+    def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        sizes.append(int(kwargs["hidden_states"].shape[0]))
+
+    transformer = fp_engine.model.pipe.transformer
+    hook = transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
+    yield sizes
+    hook.remove()
+
+
+@pytest.mark.slow
+async def test_batched_sections_equal_each_session_alone(
+    fp_engine: DiffusersEngine, fp_batch_sizes: list[int]
+) -> None:
+    assert fp_engine.max_batch == 8
+    # a and b together; c joins after a's first section and leaves after two.
+    sessions = [
+        Session(fp_request("a", 1)),
+        Session(fp_request("b", 2)),
+        Session(fp_request("c", 3, num_frames=13), after=("a", 1)),
+    ]
+    frames, batcher = await run_batched(fp_engine, sessions)
+    assert all(size % 2 == 0 for size in fp_batch_sizes)  # prompt and negative together
+    assert max(fp_batch_sizes) >= 4, fp_batch_sizes  # rows of sessions shared forwards
+    assert batcher.rows == 2 * (3 + 3 + 2) and batcher.batches < batcher.rows
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(fp_engine, s.req))
+
+
+@pytest.mark.slow
+async def test_sections_a_stop_and_an_interaction_touch_only_their_own_rows(
+    fp_engine: DiffusersEngine,
+) -> None:
+    to_whale = {1: PromptChange("w", "a whale in the sea", 0)}
+    sessions = [
+        Session(fp_request("stopped", 1), stop_at=3),  # section 1's first step
+        Session(fp_request("changed", 2), changes=to_whale),
+        Session(fp_request("plain", 2)),  # the same seed and prompt as "changed"
+    ]
+    frames, _ = await run_batched(fp_engine, sessions)
+    stopped, changed, plain = frames["stopped"], frames["changed"], frames["plain"]
+    assert stopped is not None and stopped.shape[0] == 4  # section 0 only
+    assert_same(stopped, alone(fp_engine, sessions[0].req)[:4])
+    assert changed is not None and plain is not None
+    np.testing.assert_array_equal(changed[:4], plain[:4])
+    assert not np.array_equal(changed[4:], plain[4:])
+    assert_same(changed, alone(fp_engine, sessions[1].req, to_whale))
+    assert_same(plain, alone(fp_engine, sessions[2].req))
