@@ -419,3 +419,44 @@ async def test_sections_a_stop_and_an_interaction_touch_only_their_own_rows(
     assert not np.array_equal(changed[4:], plain[4:])
     assert_same(changed, alone(fp_engine, sessions[1].req, to_whale))
     assert_same(plain, alone(fp_engine, sessions[2].req))
+
+
+@pytest.fixture(scope="module")
+def df_lora(skyreels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA for the SkyReels-V2 DF transformer (its attention is Wan's)."""
+    from trio_vstream.engines.diffusers.tiny import build_lora
+
+    root = tmp_path_factory.mktemp("df_lora")
+    return Path(build_lora(skyreels["t2v"], root / "lora")) / "pytorch_lora_weights.safetensors"
+
+
+@pytest.mark.slow
+async def test_rows_share_a_forward_only_with_the_same_lora(
+    skyreels: dict[str, Path], make_engine: Any, df_lora: Path
+) -> None:
+    engine = make_engine(
+        skyreels["t2v"], segment_frames="17", max_batch="8", lora_root=str(df_lora.parents[1])
+    )
+    sizes: list[int] = []
+    hook = engine.model.pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(int(kwargs["hidden_states"].shape[0])),
+        with_kwargs=True,
+    )
+    lora = {"path": str(df_lora), "scale": 0.8}
+    unguided = {"guidance_scale": 1.0, "negative_prompt": None, "num_frames": 25}
+    sessions = [
+        Session(df_request("lora1", 1, lora=lora, **unguided)),
+        Session(df_request("lora2", 2, lora=lora, **unguided)),
+        Session(df_request("plain", 1, **unguided)),
+        Session(df_request("half", 2, lora={**lora, "scale": 0.4}, **unguided)),
+    ]
+    try:
+        frames, _ = await run_batched(engine, sessions)
+    finally:
+        hook.remove()
+    # The two sessions of the same adapter and scale share forwards; the plain one and
+    # the one at another scale run apart (a batch of two is only ever that pair).
+    assert max(sizes) == 2 and sizes.count(2) >= 1, sizes
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
+    assert not np.array_equal(frames["lora1"], frames["plain"])  # the adapter was on
