@@ -20,10 +20,12 @@ ratio of aggregate fps, and the on/off ratio of the lone TTFC.
     python bench/diffusers_batching.py --preset gpu-skyreels --preset gpu-wan   # gpu_check.sh
 
 Presets: ``tiny`` (seconds on any CPU: the tests'), ``cpu`` (a SkyReels-V2 DF pipeline
-sized so a step takes measurable time on a 2-core CPU), ``gpu-skyreels`` (SkyReels-V2 DF
-1.3B's transformer and Wan's VAE, at 480p) and ``gpu-wan`` (Wan 2.1 1.3B at 480p: the
-segment path, which does not batch yet, so on and off run alike; its figures are the
-baseline a batched segment path would be measured against).
+sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (the tests'
+FramePack pipeline, vanilla sections of ten steps, distilled guidance),
+``gpu-skyreels`` (SkyReels-V2 DF 1.3B's transformer and Wan's VAE, at 480p) and
+``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, which does not batch yet, so on and
+off run alike; its figures are the baseline a batched segment path would be measured
+against).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class Preset:
         size = diffusers_tiny.WanSize(**self.size)
         if self.family == "skyreels":
             return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
+        if self.family == "framepack":  # the tests' size only
+            from trio_vstream.engines.diffusers.tiny import build_framepack
+
+            return Path(build_framepack(root / "framepack"))
         return Path(diffusers_tiny.build_wan_t2v(root / "wan", size=size))
 
 
@@ -131,6 +137,21 @@ PRESETS = {
         num_frames=33,
         steps=10,
         guidance=5.0,
+        device="cpu",
+        levels=(1, 4, 8),
+        max_batch=8,
+    ),
+    "cpu-framepack": Preset(
+        name="cpu-framepack",
+        family="framepack",
+        size={},
+        width=32,
+        height=32,
+        fps=24,
+        window=12,
+        num_frames=27,
+        steps=10,
+        guidance=6.0,
         device="cpu",
         levels=(1, 4, 8),
         max_batch=8,
@@ -237,6 +258,23 @@ async def run_level(engine: Any, preset: Preset, mode: str, sessions: int, decla
 
 
 def request(preset: Preset, seed: int) -> GenerationRequest:
+    if preset.family == "framepack":  # image-to-video, vanilla sections, distilled guidance
+        import numpy as np
+
+        image = np.random.default_rng(seed).integers(0, 256, (preset.height, preset.width, 3))
+        return GenerationRequest(
+            request_id=f"bench-{seed}",
+            prompt="a red fox running through fresh snow, cinematic",
+            width=preset.width,
+            height=preset.height,
+            fps=preset.fps,
+            num_frames=preset.num_frames,
+            num_inference_steps=preset.steps,
+            guidance_scale=preset.guidance,
+            seed=seed,
+            image=image.astype(np.uint8),
+            extra_params={"sampling_type": "vanilla"},
+        )
     return GenerationRequest(
         request_id=f"bench-{seed}",
         prompt="a red fox running through fresh snow, cinematic",
