@@ -37,6 +37,7 @@ __all__ = [
     "ANYFLOW_FAR_PARTITION",
     "FRAMEPACK_WORDS",
     "HELIOS_VARIANTS",
+    "SANA_WM_GPU",
     "SANA_WM_TINY",
     "SANA_WM_WORDS",
     "SKYREELS_DF_VARIANTS",
@@ -570,17 +571,35 @@ class SanaWMSize:
     layers: int = 2
     heads: int = 2
     head_dim: int = 16
+    softmax_every_n: int = 2
+    """Every n-th block uses softmax attention, the others linear (GDN) attention."""
     text_dim: int = 16
-    vae_channels: int = 8
-    vae_blocks: int = 1
-    """Each block halves the frame's sides and its frame count (``spatiotemporal``):
-    one block makes 2x compression, and frame counts of the form 2n+1."""
+    vae_channels: tuple[int, ...] = (8,)
+    """One VAE block per entry; each halves the frame's sides and its frame count
+    (``spatiotemporal``): one block is 2x compression, frame counts 2n+1."""
+    vae_patch: int = 1
+    """The VAE's spatial patch: the spatial ratio is ``vae_patch * 2**blocks``."""
     latent_channels: int = 4
 
 
 SANA_WM_TINY = SanaWMSize()
 """The tests' SANA-WM: a 2-layer transformer of width 32, one VAE block (frames 2n+1,
 sizes multiples of 2)."""
+
+SANA_WM_GPU = SanaWMSize(
+    layers=8,
+    heads=10,
+    head_dim=112,
+    softmax_every_n=4,
+    text_dim=256,
+    vae_channels=(32, 64, 128),
+    vae_patch=4,
+    latent_channels=128,
+)
+"""The GPU check's SANA-WM (``bench/sana_wm_check.py``): half the released
+model's width (10 heads of 112, of its 2240) and 8 of its 20 layers, 273 M
+parameters; a small VAE with the LTX-2 VAE's real compression (32x spatial, 8x temporal,
+128 latent channels), so a 704x1280 segment has the real model's token count."""
 
 SANA_WM_WORDS = "a red fox in the snow blue whale blurry"
 """The tiny SANA-WM tokenizer's words besides its instruction prefix's (others are
@@ -620,13 +639,14 @@ def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY)
             eos_token_id=3,
         )
     ).eval()
-    blocks = size.vae_blocks
+    channels = size.vae_channels
+    blocks = len(channels)
     vae_model = AutoencoderKLLTX2Video(
         in_channels=3,
         out_channels=3,
         latent_channels=size.latent_channels,
-        block_out_channels=(size.vae_channels,) * blocks,
-        decoder_block_out_channels=(size.vae_channels,) * blocks,
+        block_out_channels=channels,
+        decoder_block_out_channels=channels,
         layers_per_block=(1,) * blocks,
         decoder_layers_per_block=(1,) * (blocks + 1),
         spatio_temporal_scaling=(True,) * blocks,
@@ -637,7 +657,7 @@ def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY)
         upsample_residual=(False,) * blocks,
         upsample_factor=(1,) * blocks,
         timestep_conditioning=False,
-        patch_size=1,
+        patch_size=size.vae_patch,
         patch_size_t=1,
         encoder_causal=True,
         decoder_causal=False,
@@ -648,7 +668,7 @@ def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY)
         hidden_size=size.heads * size.head_dim,
         num_attention_heads=size.heads,
         linear_head_dim=size.head_dim,
-        softmax_every_n=2,
+        softmax_every_n=size.softmax_every_n,
         chunk_plucker_channels=6 * 2**blocks,  # 6 per frame of a latent frame's 2**blocks
         chunk_plucker_post_attn_blocks=size.layers,
         caption_channels=size.text_dim,

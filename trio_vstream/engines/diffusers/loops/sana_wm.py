@@ -93,7 +93,7 @@ class SanaWMSegments(Segments):
     the ``camera`` interaction kind for it, and hands each camera to `steer`."""
 
     name = "SANA-WM segments"
-    order = 60
+    order = 45
     frame_continued = True
     image_in_loop = False
     engine_set = SANA_WM_ARGS
