@@ -32,6 +32,7 @@ from tests.diffusers_engine.support import (
 )
 from tests.server.test_http import http_get_with_headers
 from trio_vstream.engines import InvalidRequestError, PromptChange
+from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.protocol import key_velocity
 from trio_vstream.video import Camera
@@ -384,6 +385,12 @@ def test_the_camera_arguments_are_the_engines_alone(
     with pytest.raises(InvalidRequestError, match="multiples of 2"):
         engine.open_stream(wm_request(width=31))
     assert calls == []  # nothing reached the pipeline
+
+
+def test_another_pipeline_cannot_continue_its_segments(sana_wm: Path, make_engine: Any) -> None:
+    # It would take no camera path: SANA-WM continues its own segments.
+    with pytest.raises(EngineConfigError, match="continues each chunk along its camera path"):
+        make_engine(sana_wm, segment_frames=str(SEGMENT), i2v_model=str(sana_wm))
 
 
 async def test_models_lists_cameras_and_a_camera_script_steers_it(

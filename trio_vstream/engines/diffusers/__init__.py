@@ -165,9 +165,14 @@ class DiffusersEngine:
             # A world model (SANA-WM): the session's cameras steer it.
             self.interaction_kinds = frozenset({"prompt", "camera"})
         if i2v is not None and not self.loop.frame_continued:
+            how = (
+                "along its camera path"
+                if isinstance(self.loop, WorldLoop)
+                else "from its own history latents"
+            )
             raise config_error(
-                f"i2v_model: {model.class_name} continues each chunk from its own history "
-                "latents and takes image_reference itself; leave i2v_model out"
+                f"i2v_model: {model.class_name} continues each chunk {how} and takes "
+                "image_reference itself; leave i2v_model out"
             )
         self.continuation: PipelineInfo | None = None
         """The pipeline that continues a segment from the last frame, if any."""

@@ -94,7 +94,9 @@ class SanaWMSegments(Segments):
 
     name = "SANA-WM segments"
     order = 45
-    frame_continued = True
+    frame_continued = False
+    """It continues each segment from the last frame itself (`plan`), with its own
+    pipeline: another one (``i2v_model``) would take no camera path, so it is refused."""
     image_in_loop = False
     engine_set = SANA_WM_ARGS
 
