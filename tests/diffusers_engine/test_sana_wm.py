@@ -31,9 +31,10 @@ from tests.diffusers_engine.support import (
     run_session,
 )
 from tests.server.test_http import http_get_with_headers
-from trio_vstream.engines import InvalidRequestError, PromptChange
+from trio_vstream.engines import Engine, InvalidRequestError, PromptChange, load_engine
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.testing import check_engine
 from trio_vstream.protocol import key_velocity
 from trio_vstream.video import Camera
 
@@ -417,3 +418,12 @@ async def test_models_lists_cameras_and_a_camera_script_steers_it(
     np.testing.assert_allclose(
         translations(calls[1]["c2w"])[:, 2], [0.0, 0.025, 0.05, 0.075, 0.1], atol=1e-7
     )
+
+
+@pytest.mark.slow
+def test_it_keeps_the_engine_contract(sana_wm: Path) -> None:
+    def factory() -> Engine:
+        args = {"model": str(sana_wm), "segment_frames": str(SEGMENT), "threads": "1"}
+        return load_engine("diffusers", args, device="cpu")
+
+    check_engine(factory, wm_request(num_inference_steps=1))
