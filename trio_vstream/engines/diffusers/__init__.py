@@ -80,7 +80,7 @@ from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
-from trio_vstream.engines.diffusers.loops import Draft, loop_for
+from trio_vstream.engines.diffusers.loops import Draft, WorldLoop, loop_for
 from trio_vstream.logsafe import get_logger
 
 __all__ = [
@@ -141,7 +141,8 @@ class DiffusersEngine:
 
     max_concurrent_steps = 1
     interaction_kinds: frozenset[str] = frozenset({"prompt"})
-    """Prompts only: text-to-video pipelines take no camera."""
+    """Prompts only, but for a world model's family (`loops.WorldLoop`, SANA-WM), which
+    takes cameras too."""
 
     def __init__(
         self,
@@ -160,10 +161,18 @@ class DiffusersEngine:
         self.loop = loop_for(model)
         """The family that serves ``model`` (`loops`): how a request is planned and how
         each chunk is made."""
+        if isinstance(self.loop, WorldLoop):
+            # A world model (SANA-WM): the session's cameras steer it.
+            self.interaction_kinds = frozenset({"prompt", "camera"})
         if i2v is not None and not self.loop.frame_continued:
+            how = (
+                "along its camera path"
+                if isinstance(self.loop, WorldLoop)
+                else "from its own history latents"
+            )
             raise config_error(
-                f"i2v_model: {model.class_name} continues each chunk from its own history "
-                "latents and takes image_reference itself; leave i2v_model out"
+                f"i2v_model: {model.class_name} continues each chunk {how} and takes "
+                "image_reference itself; leave i2v_model out"
             )
         self.continuation: PipelineInfo | None = None
         """The pipeline that continues a segment from the last frame, if any."""
@@ -224,7 +233,7 @@ class DiffusersEngine:
                 )
         else:
             first = model
-            if model.needs_image:
+            if model.needs_image and not isinstance(self.loop, WorldLoop):
                 problems.append(
                     f"{model.class_name} is an image-to-video pipeline: image_reference is required"
                 )

@@ -37,14 +37,19 @@ __all__ = [
     "ANYFLOW_FAR_PARTITION",
     "FRAMEPACK_WORDS",
     "HELIOS_VARIANTS",
+    "SANA_WM_GPU",
+    "SANA_WM_TINY",
+    "SANA_WM_WORDS",
     "SKYREELS_DF_VARIANTS",
     "TEXT_DIM",
     "TINY",
+    "SanaWMSize",
     "WanSize",
     "build_anyflow_far",
     "build_framepack",
     "build_helios",
     "build_lora",
+    "build_sana_wm",
     "build_skyreels_df",
     "build_wan_i2v",
     "build_wan_t2v",
@@ -557,3 +562,123 @@ def _saved(pipe: object, path: Path) -> Path:
     assert isinstance(pipe, DiffusionPipeline)
     pipe.save_pretrained(path)
     return path
+
+
+@attrs.frozen(kw_only=True)
+class SanaWMSize:
+    """The shape of a random SANA-WM transformer and LTX-2 VAE (`build_sana_wm`)."""
+
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    softmax_every_n: int = 2
+    """Every n-th block uses softmax attention, the others linear (GDN) attention."""
+    text_dim: int = 16
+    vae_channels: tuple[int, ...] = (8,)
+    """One VAE block per entry; each halves the frame's sides and its frame count
+    (``spatiotemporal``): one block is 2x compression, frame counts 2n+1."""
+    vae_patch: int = 1
+    """The VAE's spatial patch: the spatial ratio is ``vae_patch * 2**blocks``."""
+    latent_channels: int = 4
+
+
+SANA_WM_TINY = SanaWMSize()
+"""The tests' SANA-WM: a 2-layer transformer of width 32, one VAE block (frames 2n+1,
+sizes multiples of 2)."""
+
+SANA_WM_GPU = SanaWMSize(
+    layers=8,
+    heads=10,
+    head_dim=112,
+    softmax_every_n=4,
+    text_dim=256,
+    vae_channels=(32, 64, 128),
+    vae_patch=4,
+    latent_channels=128,
+)
+"""The GPU check's SANA-WM (``bench/sana_wm_check.py``): half the released
+model's width (10 heads of 112, of its 2240) and 8 of its 20 layers, 273 M
+parameters; a small VAE with the LTX-2 VAE's real compression (32x spatial, 8x temporal,
+128 latent channels), so a 704x1280 segment has the real model's token count."""
+
+SANA_WM_WORDS = "a red fox in the snow blue whale blurry"
+"""The tiny SANA-WM tokenizer's words besides its instruction prefix's (others are
+``<unk>``)."""
+
+
+def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY) -> Path:
+    """A random ``SanaWMPipeline``, saved to ``path``: a small ``SanaWMTransformer3DModel``
+    (its config is made to be scaled down), an ``AutoencoderKLLTX2Video`` sized as in
+    diffusers' LTX-2 fast tests but compressing in time too (SANA-WM's camera branch
+    packs ``6 * temporal ratio`` Plücker channels), a one-layer Gemma-2 encoder and a
+    `word_tokenizer` over the pipeline's instruction prefix. Its ``__call__`` defaults to
+    704x1280; any size that is a multiple of the VAE's ratio works (the tests use 16x32)."""
+    import torch
+    from diffusers import (
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        SanaWMPipeline,
+        SanaWMTransformer3DModel,
+    )
+    from diffusers.pipelines.sana_wm.pipeline_sana_wm import DEFAULT_CHI_PROMPT
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = word_tokenizer("\n".join(DEFAULT_CHI_PROMPT) + " " + SANA_WM_WORDS, eos=False)
+    text_encoder = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=size.text_dim,
+            intermediate_size=2 * size.text_dim,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=size.text_dim // 2,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+    ).eval()
+    channels = size.vae_channels
+    blocks = len(channels)
+    vae_model = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=size.latent_channels,
+        block_out_channels=channels,
+        decoder_block_out_channels=channels,
+        layers_per_block=(1,) * blocks,
+        decoder_layers_per_block=(1,) * (blocks + 1),
+        spatio_temporal_scaling=(True,) * blocks,
+        decoder_spatio_temporal_scaling=(True,) * blocks,
+        decoder_inject_noise=(False,) * (blocks + 1),
+        downsample_type=("spatiotemporal",) * blocks,
+        upsample_type=("spatiotemporal",) * blocks,
+        upsample_residual=(False,) * blocks,
+        upsample_factor=(1,) * blocks,
+        timestep_conditioning=False,
+        patch_size=size.vae_patch,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    model = SanaWMTransformer3DModel(
+        in_channels=size.latent_channels,
+        num_layers=size.layers,
+        hidden_size=size.heads * size.head_dim,
+        num_attention_heads=size.heads,
+        linear_head_dim=size.head_dim,
+        softmax_every_n=size.softmax_every_n,
+        chunk_plucker_channels=6 * 2**blocks,  # 6 per frame of a latent frame's 2**blocks
+        chunk_plucker_post_attn_blocks=size.layers,
+        caption_channels=size.text_dim,
+        mixed_precision="fp32",
+    )
+    pipe = SanaWMPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae_model,
+        transformer=model,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+    return _saved(pipe, path)
