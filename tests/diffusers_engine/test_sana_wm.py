@@ -67,13 +67,13 @@ FORWARD = Camera("velocity", (0.0, 0.0, 0.05), (0.0, 0.0, 0.0, 1.0))
 
 
 def yaw(degrees: float) -> tuple[float, float, float, float]:
-    """A turn about Unity's +Y (to the right: Unity is left-handed), as a quaternion."""
+    """A turn about +Y (a positive one to the right), as a quaternion."""
     half = math.radians(degrees) / 2
     return (0.0, math.sin(half), 0.0, math.cos(half))
 
 
 def pitch(degrees: float) -> tuple[float, float, float, float]:
-    """A turn about Unity's +X (a positive one looks down), as a quaternion."""
+    """A turn about +X (a positive one looks up, in vllm-omni's sense), as a quaternion."""
     half = math.radians(degrees) / 2
     return (math.sin(half), 0.0, 0.0, math.cos(half))
 
@@ -160,12 +160,13 @@ def translations(c2w: np.ndarray) -> np.ndarray:
         (key_velocity([{"a"}]), "a", {"translation_speed": 0.05 / 8}),
         (key_velocity([{"l"}]), "l", {"rotation_speed_deg": 6 / 8}),
         (key_velocity([{"j"}]), "j", {"rotation_speed_deg": 6 / 8}),
-        # A positive turn about Unity's X looks down: SANA-WM's k (the keys' i, which
-        # vllm-omni's mapping sends as +4 degrees; the page sends -4 for up).
-        (key_velocity([{"i"}]), "k", {"rotation_speed_deg": 4 / 8}),
-        (Camera("velocity", (0.0, 0.0, 0.0), pitch(-4.0)), "i", {"rotation_speed_deg": 4 / 8}),
+        # A positive turn about X looks up, as vllm-omni means it (its client sends +4
+        # degrees for i): SANA-WM's i; a negative one its k.
+        (key_velocity([{"i"}]), "i", {"rotation_speed_deg": 4 / 8}),
+        (key_velocity([{"k"}]), "k", {"rotation_speed_deg": 4 / 8}),
+        (Camera("velocity", (0.0, 0.0, 0.0), pitch(4.0)), "i", {"rotation_speed_deg": 4 / 8}),
     ],
-    ids=["w", "s", "d", "a", "l", "j", "keys-i-looks-down", "up"],
+    ids=["w", "s", "d", "a", "l", "j", "i", "k", "up"],
 )
 def test_a_velocity_is_sana_wms_own_action_spread_over_a_step(
     camera: Camera, action: str, speeds: dict[str, float]

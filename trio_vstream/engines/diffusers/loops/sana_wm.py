@@ -30,12 +30,13 @@ identity pose):
   arriving on its last frame, and stays (the velocity becomes still).
 
 Unity's frame becomes OpenCV's by flipping Y, in the world and in the camera:
-``c2w = S @ pose @ S`` with ``S = diag(1, -1, 1, 1)`` (`to_opencv`). So a yaw about
-Unity's +Y (which turns right: Unity is left-handed) is SANA-WM's ``l``, a turn about
-Unity's -X (looking up) its ``i``, +Z its ``w`` and +X its ``d`` (tested against
-``action_string_to_c2w``). In a paced session a velocity takes effect inside the segment
-at its ``window_offset`` (the motions from that fraction of the segment's new frames on);
-a target always spans the segment from its offset to its end.
+``c2w = S @ pose @ S`` with ``S = diag(1, -1, 1, 1)`` (`to_opencv`). A rotation keeps
+vllm-omni's sense (`unity_turn`: +X looks up, +Y right, as vllm-omni's LingBot takes
+them). So a yaw about +Y is SANA-WM's ``l``, a turn about +X (the keys' ``i``) its
+``i``, +Z its ``w`` and +X its ``d`` (tested against ``action_string_to_c2w``).
+In a paced session a velocity takes effect inside the segment at its ``window_offset``
+(the motions from that fraction of the segment's new frames on); a target always spans
+the segment from its offset to its end.
 
 Prompts go in as embeddings (so transitions blend), encoded with the instruction prefix
 the pipeline's call puts before the prompt (``DEFAULT_CHI_PROMPT``), so a segment gets
@@ -276,6 +277,20 @@ def rotation_matrix(q: Sequence[float]) -> np.ndarray:
     )
 
 
+def unity_turn(q: Sequence[float]) -> tuple[float, float, float, float]:
+    """A camera's rotation as this module's Unity-axes algebra must apply it.
+
+    The wire's rotations have vllm-omni's sense, not Unity's handedness: vllm-omni applies
+    a camera's quaternion as it is to its world models' OpenCV poses (its example client's
+    ``i``, +4 degrees about X, is LingBot's look-up), where +X turns the view up and +Y to
+    the right (`trio_vstream.video.Camera`). Unity's axes are OpenCV's mirrored in Y, so
+    the same turn here is the quaternion mirrored in Y: ``(-qx, qy, -qz, qw)``. `to_opencv`
+    mirrors it back: SANA-WM gets the rotation as vllm-omni would hand LingBot.
+    """
+    x, y, z, w = (float(v) for v in q)
+    return (-x + 0.0, y, -z + 0.0, w)
+
+
 def quaternion_power(q: Sequence[float], fraction: float) -> tuple[float, float, float, float]:
     """``q`` to the power ``fraction``: the same axis, ``fraction`` of the angle (the
     shorter way round)."""
@@ -295,7 +310,8 @@ def step_motion(velocity: Camera, frames_per_step: int) -> np.ndarray:
     (``pose @ motion`` moves the camera by ``translation / n`` along its own axes and turns
     it by the ``1/n`` power of ``rotation``, ``n = frames_per_step``)."""
     motion = np.eye(4)
-    motion[:3, :3] = rotation_matrix(quaternion_power(velocity.rotation, 1 / frames_per_step))
+    turn = quaternion_power(unity_turn(velocity.rotation), 1 / frames_per_step)
+    motion[:3, :3] = rotation_matrix(turn)
     motion[:3, 3] = np.asarray(velocity.translation, dtype=np.float64) / frames_per_step
     return motion
 
@@ -303,7 +319,7 @@ def step_motion(velocity: Camera, frames_per_step: int) -> np.ndarray:
 def camera_pose(camera: Camera) -> np.ndarray:
     """A camera's translation and rotation as a 4x4 pose."""
     pose = np.eye(4)
-    pose[:3, :3] = rotation_matrix(camera.rotation)
+    pose[:3, :3] = rotation_matrix(unity_turn(camera.rotation))
     pose[:3, 3] = camera.translation
     return pose
 
