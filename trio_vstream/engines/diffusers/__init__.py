@@ -80,7 +80,7 @@ from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
-from trio_vstream.engines.diffusers.loops import Draft, WorldLoop, loop_for
+from trio_vstream.engines.diffusers.loops import Draft, SoundLoop, WorldLoop, loop_for
 from trio_vstream.logsafe import get_logger
 
 __all__ = [
@@ -164,6 +164,11 @@ class DiffusersEngine:
         if isinstance(self.loop, WorldLoop):
             # A world model (SANA-WM): the session's cameras steer it.
             self.interaction_kinds = frozenset({"prompt", "camera"})
+        sound = self.loop.audio_format(model, i2v) if isinstance(self.loop, SoundLoop) else None
+        self.audio_sample_rate: int | None = sound.sample_rate if sound is not None else None
+        """The sound the pipelines make (`interfaces.SupportsAudio`): None but for a family
+        that makes it (LTX-2's vocoder), whose chunks then carry their audio."""
+        self.audio_channels = sound.channels if sound is not None else 1
         if i2v is not None and not self.loop.frame_continued:
             how = (
                 "along its camera path"

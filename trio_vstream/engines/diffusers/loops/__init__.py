@@ -46,12 +46,18 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
-from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop, Run, WorldLoop
+from trio_vstream.engines.diffusers.loops._protocol import (
+    Draft,
+    Loop,
+    Run,
+    SoundLoop,
+    WorldLoop,
+)
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
 
-__all__ = ["Draft", "Loop", "Run", "WorldLoop", "loop_for", "registered"]
+__all__ = ["Draft", "Loop", "Run", "SoundLoop", "WorldLoop", "loop_for", "registered"]
 
 
 @functools.cache
