@@ -230,7 +230,8 @@ def test_stop_within_a_step_and_the_stopped_segment_is_not_decoded(
     decoded: list[int] = []
     hooks = [
         pipe.transformer.register_forward_pre_hook(lambda *_: steps.append(1)),
-        pipe.vocoder.register_forward_pre_hook(lambda *_: decoded.append(1)),
+        pipe.vae.decoder.register_forward_pre_hook(lambda *_: decoded.append(1)),
+        pipe.vocoder.register_forward_pre_hook(lambda *_: decoded.append(2)),
     ]
     stream = engine.open_stream(ltx_request(num_inference_steps=3, guidance_scale=1.0))
     stops = StopAtCall()
@@ -239,7 +240,7 @@ def test_stop_within_a_step_and_the_stopped_segment_is_not_decoded(
         assert first.frames.shape[0] == SEGMENT and first.audio.shape == (2, 9000)
         assert stops.calls == 1 + 3  # before the call, then after each of its 3 steps
         per_step = len(steps) // 3  # LTX-2's guidance passes (CFG batched, STG, modality)
-        assert len(decoded) == 1
+        assert decoded == [1, 2]  # the picture, then the sound
         stops.stop_at = stops.calls + 3  # after the second segment's second step
         with pytest.raises(Stopped):
             stream.next_chunk(stops.checkpoint)
@@ -249,7 +250,7 @@ def test_stop_within_a_step_and_the_stopped_segment_is_not_decoded(
         for hook in hooks:
             hook.remove()
     assert len(steps) == (3 + 2) * per_step  # no step after the stop
-    assert len(decoded) == 1  # the stopped segment's sound was never made
+    assert decoded == [1, 2]  # the stopped segment's picture and sound were never made
     assert stream._run._wave is None
     assert not engine.lock.locked
 

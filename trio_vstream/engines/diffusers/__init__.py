@@ -14,7 +14,9 @@ itself when its ``__call__`` takes ``image=``) or an independent clip seeded ``s
 index``; chunk-autoregressive pipelines (Helios) one call per chunk, continued from the
 session's history latents; and pipelines whose call keeps its loop to itself
 (SkyReels-V2 DF, AnyFlow FAR, FramePack) by a loop the engine drives from the
-pipeline's parts, one window, chunk or section at a time. Each family is one module of
+pipeline's parts, one window, chunk or section at a time; LTX-2 segment by segment with
+its soundtrack (the engine then declares its sound, `interfaces.SupportsAudio`, and each
+chunk carries its frames' samples). Each family is one module of
 ``loops``, whose docstring lists them and says how to add one. Each chunk is handed to
 the server as soon as it is decoded; a request's ``image_reference`` conditions the
 first.
