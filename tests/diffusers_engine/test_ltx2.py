@@ -26,6 +26,7 @@ from tests.diffusers_engine.support import (
     Stopped,
     assert_fox_to_whale,
     fox_to_whale,
+    memory_per_chunk,
     request,
     run_all,
     run_session,
@@ -194,6 +195,24 @@ def test_first_segment_is_the_direct_call_and_later_ones_continue_from_its_last_
     assert rate == RATE and pcm.shape == (2, audio_samples_through(25, RATE, FPS))
     for channel in range(2):
         assert np.corrcoef(pcm[channel, :made], wave[channel])[0, 1] >= 0.99
+
+
+@pytest.mark.slow
+def test_memory_is_flat_over_segments(ltx2: SimpleNamespace, make_engine: Any) -> None:
+    engine = make_engine(ltx2.t2v, i2v_model=str(ltx2.i2v), segment_frames=str(SEGMENT))
+    segments = 5
+    stream = engine.open_stream(
+        ltx_request(num_frames=1 + 8 * segments, num_inference_steps=1, guidance_scale=1.0)
+    )
+    run = stream._run
+    sizes, kept, frames = memory_per_chunk(
+        stream, segments - 1, lambda: (run._wave, run._last_frame is not None), to_the_end=False
+    )
+    assert frames == [9, 8, 8, 8]
+    # Between chunks a session keeps the last frame (as a PIL image), never a waveform.
+    assert kept == [(None, True)] * (segments - 1)
+    waveform = 2 * 9000 * 4  # one segment's stereo float32 sound
+    assert max(sizes[1:]) - min(sizes[1:]) < waveform, sizes
 
 
 def test_segment_audio_counts_are_exact_over_many_segments() -> None:
