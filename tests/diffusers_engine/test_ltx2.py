@@ -33,10 +33,11 @@ from tests.diffusers_engine.support import (
 )
 from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.encoding import FragmentedMP4Encoder
-from trio_vstream.engines import InvalidRequestError
+from trio_vstream.engines import Engine, InvalidRequestError, load_engine
 from trio_vstream.engines.base import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.diffusers.loops.ltx2 import LOOP, segment_audio
+from trio_vstream.engines.testing import check_engine
 from trio_vstream.video import audio_samples_through
 
 RATE = 24000
@@ -396,3 +397,20 @@ async def test_the_stream_declares_its_sound_and_refuses_with_a_code(
     assert [(m["num_audio_samples"], m["audio_sample_rate"]) for m in media] == [(9000, RATE)]
     decoded = decode_audio(transcript.video_bytes)
     assert decoded is not None and decoded[1].shape == (2, 9000)
+
+
+@pytest.mark.slow
+def test_the_engine_keeps_the_contract_with_its_sound(ltx2: SimpleNamespace) -> None:
+    """`check_engine`, its audio rule included: every chunk exactly its frames' samples,
+    stopped at each checkpoint, failed, interacted with."""
+
+    def factory() -> Engine:
+        args = {
+            "model": str(ltx2.t2v),
+            "i2v_model": str(ltx2.i2v),
+            "segment_frames": str(SEGMENT),
+            "threads": "1",
+        }
+        return load_engine("diffusers", args, device="cpu")
+
+    check_engine(factory, ltx_request(num_frames=17, num_inference_steps=1, guidance_scale=1.0))
