@@ -6,7 +6,8 @@ reaches the calls, and what they return, is recorded by a wrapper around the
 pipelines' own ``__call__``, which then runs; nothing under test is mocked.
 
 The pipelines are `tiny.build_ltx2`'s: 8x spatial and 2x temporal compression (segments
-of ``2n+1`` frames), 24 kHz stereo sound."""
+of ``2n+1`` frames), 24 kHz stereo sound. Building them takes seconds, so every test that
+asks for them is ``slow`` (as ``tests/conftest.py`` marks the other pipelines' tests)."""
 
 from __future__ import annotations
 
@@ -301,6 +302,7 @@ def test_a_prompt_change_takes_effect_from_the_next_segment(
     assert_fox_to_whale(chunks, [c["prompt_embeds"] for c in calls], expected, steps=1)
 
 
+@pytest.mark.slow
 def test_extra_params_are_allow_listed_and_checked_before_the_stream_starts(
     ltx2: SimpleNamespace, make_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -360,6 +362,7 @@ def test_extra_params_are_allow_listed_and_checked_before_the_stream_starts(
     assert call["num_frames"] == 3
 
 
+@pytest.mark.slow
 def test_startup_refuses_a_continuation_without_sound(
     ltx2: SimpleNamespace, models: SimpleNamespace, make_engine: Any
 ) -> None:
@@ -369,6 +372,7 @@ def test_startup_refuses_a_continuation_without_sound(
         make_engine(ltx2.t2v, segment_frames="8")
 
 
+@pytest.mark.slow
 async def test_the_stream_declares_its_sound_and_refuses_with_a_code(
     ltx2: SimpleNamespace, make_engine: Any, serve: Any
 ) -> None:
