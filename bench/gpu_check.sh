@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for the day a machine with a CUDA GPU is available: the CUDA tests and the
 # real-time figures of the shapes and diffusers engines (SANA-WM steered by a camera
-# included), and what batching buys on a GPU, in at most 13 minutes (the steps' limits
-# add up to 770 s).
+# and LTX-2 with its sound included), and what batching buys on a GPU, in at most 13
+# minutes (the steps' limits add up to 780 s).
 #
 #     bash bench/gpu_check.sh            # results in bench/results/gpu-<time>/
 #
@@ -44,14 +44,14 @@ step() {  # step NAME SECONDS COMMAND...: run one step with a time limit, log it
 step cuda-tests 150 "$python" -m pytest -q -p no:cacheprovider -m gpu tests/
 # The shapes model's bars through a server on the GPU (fewer prompts than the CPU run:
 # speed is what this machine is for).
-step shapes-eval 170 "$python" bench/evaluate_shapes.py --count 24 --interaction-trials 8 \
+step shapes-eval 150 "$python" bench/evaluate_shapes.py --count 24 --interaction-trials 8 \
     --server-arg=--device=cuda
 # The server's overhead on a GPU-sized random Wan pipeline, against direct calls.
-step diffusers-bench 210 "$python" bench/run.py --scenario diffusers --diffusers-preset gpu \
+step diffusers-bench 190 "$python" bench/run.py --scenario diffusers --diffusers-preset gpu \
     --repeat 2 --output "$out/diffusers.json"
 # Batching on the GPU: the shapes engine with max_batch 32 against 1, at 1 to 64
 # sessions (the gpu preset: --device=cuda, --max-sessions 64, longer videos).
-step batching-bench 150 "$python" bench/run.py --scenario batching --batching-preset gpu \
+step batching-bench 140 "$python" bench/run.py --scenario batching --batching-preset gpu \
     --repeat 2 --output "$out/batching.json"
 # SANA-WM on the diffusers engine, steered by a camera velocity between segments: a
 # random model built in code (nothing downloaded) at half the released transformer's
@@ -59,6 +59,11 @@ step batching-bench 150 "$python" bench/run.py --scenario batching --batching-pr
 # guidance: first chunk, real-time factor, peak memory.
 step sana-wm 90 "$python" bench/sana_wm_check.py --preset gpu --device cuda --segments 3 \
     --output "$out/sana_wm.json"
+# LTX-2 with its soundtrack on a random GPU-sized pipeline (built in code: no weights to
+# download), 768x512, 33-frame segments: the first chunk, the real-time factor, peak
+# memory; fails if any chunk's audio is not exactly its frames' samples.
+step ltx2-bench 60 "$python" bench/ltx2_check.py --device cuda --segments 2 \
+    --json "$out/ltx2.json"
 
 echo "gpu_check: $failed failed step(s); results in $out"
 exit "$failed"

@@ -33,7 +33,9 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("script", ["bench/run.py", "bench/evaluate_shapes.py"])
+@pytest.mark.parametrize(
+    "script", ["bench/run.py", "bench/evaluate_shapes.py", "bench/ltx2_check.py"]
+)
 def test_every_flag_it_passes_exists(script: str) -> None:
     text = SCRIPT.read_text()
     calls = [m.group(1) for m in re.finditer(rf"{re.escape(script)}((?:[^\n]|\\\n)*)", text)]

@@ -18,6 +18,7 @@ from trio_vstream.engines.diffusers.loops import (
     forcing,
     framepack,
     history,
+    ltx2,
     sana_wm,
     segments,
 )
@@ -48,6 +49,7 @@ def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
         far.LOOP,
         framepack.LOOP,
         sana_wm.LOOP,
+        ltx2.LOOP,
         segments.LOOP,  # last: it takes any pipeline
     )
 

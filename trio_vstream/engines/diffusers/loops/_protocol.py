@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._extra import ExtraParams
     from trio_vstream.engines.diffusers._loading import PipelineInfo
     from trio_vstream.engines.diffusers._stream import DiffusersStream
+    from trio_vstream.engines.interfaces import AudioFormat
 
 PlanT = TypeVar("PlanT")
 
@@ -125,4 +126,20 @@ class WorldLoop(Protocol):
         loop's thread, while a chunk may be in the making: only queue). A change that also
         carries a prompt goes to the prompt schedule as well; a camera-only one is listed
         in the chunk that applies it."""
+        ...
+
+
+@runtime_checkable
+class SoundLoop(Protocol):
+    """A family whose pipelines make sound (LTX-2): what a family may declare beyond
+    `Loop`, as an engine declares `interfaces.SupportsAudio` beyond ``Engine``.
+
+    The engine then declares the sound (``audio_sample_rate``, ``audio_channels``) and
+    the family's run puts each chunk's PCM in ``Chunk.audio``, exactly the samples of its
+    frames (`trio_vstream.video.audio_samples_through`)."""
+
+    def audio_format(self, model: PipelineInfo, i2v: PipelineInfo | None) -> AudioFormat | None:
+        """The sound the pipelines make (the same for ``model`` and ``i2v``, which
+        continues it), or None for none; an `EngineConfigError` (``config_error``) at
+        start-up for pipelines whose sound differs or cannot be read."""
         ...
