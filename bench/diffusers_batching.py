@@ -306,13 +306,17 @@ def measure(preset: Preset, repeat: int, levels: tuple[int, ...]) -> dict[str, A
         batches = declared > 1
         runs: dict[str, dict[int, list[Level]]] = {"on": {}, "off": {}}
         try:
-            for mode in ("on", "off"):  # warm up (allocator, kernels, each batch shape)
+            # A family that does not batch runs "on" exactly as "off": measured once.
+            modes = ("on", "off") if batches else ("off",)
+            for mode in modes:  # warm up (allocator, kernels, each batch shape)
                 trio.run(run_level, engine, preset, mode, min(2, max(levels)), declared)
             for r in range(repeat):
                 for n in levels:
-                    for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                    for mode in modes if r % 2 == 0 else modes[::-1]:
                         level = trio.run(run_level, engine, preset, mode, n, declared)
                         runs[mode].setdefault(n, []).append(level)
+                        if not batches:
+                            runs["on"].setdefault(n, []).append(level)
                         print(
                             f"  {preset.name} run {r + 1} {mode:>3} x{n}: "
                             f"{level.frames / level.wall_s:.2f} fps, "
@@ -364,7 +368,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"window {preset['window']} frames, {preset['steps']} steps, guidance "
         f"{preset['guidance']:g}, {preset['device']}, max_batch {preset['max_batch']} vs 1, "
         f"medians of {result['repeat']} run(s)"
-        + ("" if result["batches"] else " (this family does not batch: on runs as off)"),
+        + ("" if result["batches"] else " (this family does not batch: measured once, as off)"),
         "",
         "| sessions | fps on | fps off | ratio | RTF on | RTF off | TTFC on s | TTFC off s "
         "| rows/batch | peak GiB on | peak GiB off |",
@@ -401,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(preset, max(1, args.repeat), levels)
         print(markdown(result), flush=True)
         results.append(result)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2))
+        if args.output is not None:  # after each preset: a run cut short keeps the first
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -198,6 +198,7 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         taps: TapFactory | None = None,
         watch: WatchConfig | None = None,
         max_connections: int | None = None,
+        max_connections_per_ip: int | None = None,
         head_timeout: float | None = None,
         **session: Any,
     ) -> RunningServer:
@@ -220,6 +221,7 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
             ssl_context=ssl_context,
             watch=watch or WatchConfig(),
             max_connections=max_connections,
+            max_connections_per_ip=max_connections_per_ip,
             head_timeout=ServerConfig().head_timeout if head_timeout is None else head_timeout,
         )
         server = VideoServer(engine, config, on_session_end=on_end, taps=taps)

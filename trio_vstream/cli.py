@@ -222,6 +222,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"{connections.FDS_PER_SESSION} per --max-sessions)",
     )
     parser.add_argument(
+        "--max-connections-per-ip",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="connections one client address (an IPv6 /64) may hold at once; more get 429 "
+        "(default: no cap; leave it off behind a proxy, where every connection comes from "
+        "the proxy)",
+    )
+    parser.add_argument(
         "--head-timeout",
         type=_positive(float),
         default=defaults.head_timeout,
@@ -546,6 +555,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_sessions=args.max_sessions,
         max_connections=args.max_connections,
+        max_connections_per_ip=args.max_connections_per_ip,
         head_timeout=args.head_timeout,
         encode_concurrency=args.encode_concurrency,
         shutdown_grace=args.shutdown_grace,

@@ -28,6 +28,13 @@ connection slots (``ConnectionSlots``), taken at accept and given back at close:
   answered, for an instant), a new connection gets a 503 written without reading its
   request, and is closed (with TLS, only closed: a handshake would hold it).
 
+* **Per address** (``--max-connections-per-ip``, off by default): one client address may
+  hold at most that many connections (sessions, viewers, requests) at once; more get a
+  429 with ``Retry-After`` (with TLS, only a close), before any slot is taken. So one
+  host cannot fill the slots above by itself. IPv6 addresses count per /64, the block a
+  single host is usually given. Behind a proxy every connection comes from the proxy:
+  leave it off there and let the proxy limit its clients.
+
 Session slots (``--max-sessions``) are another matter: an upgraded connection takes
 one only when its ``session.start`` arrives (see ``trio_vstream.server``).
 """
@@ -35,6 +42,7 @@ one only when its ``session.start`` arrives (see ``trio_vstream.server``).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Iterator
 
 import trio
@@ -171,6 +179,51 @@ class ConnectionSlots:
         self.refused += 1
 
 
+def address_key(address: str) -> str:
+    """What the per-address cap counts a peer address as: an IPv4 address (an IPv4-mapped
+    IPv6 one too) as itself, an IPv6 address as its /64; anything else as given."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # a zone id names no host
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class PerAddress:
+    """Connections open per client address (`address_key`), capped at ``limit`` (None:
+    counted, never capped). Plain counters on the event loop, like `ConnectionSlots`."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.refused = 0
+        """Connections turned away for their address's count."""
+        self._open: dict[str, int] = {}
+
+    def take(self, key: str) -> bool:
+        """Count a connection just accepted from ``key``; False (nothing counted) when
+        that address has ``limit`` open already."""
+        count = self._open.get(key, 0)
+        if self.limit is not None and count >= self.limit:
+            self.refused += 1
+            return False
+        self._open[key] = count + 1
+        return True
+
+    def release(self, key: str) -> None:
+        count = self._open[key] - 1
+        if count:
+            self._open[key] = count
+        else:
+            del self._open[key]  # no entry left behind per address ever seen
+
+    def open_from(self, key: str) -> int:
+        return self._open.get(key, 0)
+
+
 __all__ = [
     "FDS_PER_SESSION",
     "FD_RESERVE",
@@ -178,6 +231,8 @@ __all__ = [
     "RESERVED_SLOTS",
     "ConnectionSlot",
     "ConnectionSlots",
+    "PerAddress",
+    "address_key",
     "default_max_connections",
     "descriptor_limit",
 ]

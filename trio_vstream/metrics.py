@@ -246,10 +246,10 @@ class ServerMetrics:
     def host_refused(self) -> None:
         self._host_refused.labels(self.model).inc()
 
-    def follow_connections(self, connections: ConnectionCounts) -> None:
-        """Expose the server's connection slots (``trio_vstream.connections``), read at
-        each scrape."""
-        self.registry.register(_ConnectionFigures(connections, self.model))
+    def follow_connections(self, connections: ConnectionCounts, per_address: RefusedCount) -> None:
+        """Expose the server's connection slots and per-address cap
+        (``trio_vstream.connections``), read at each scrape."""
+        self.registry.register(_ConnectionFigures(connections, per_address, self.model))
 
     def follow_recordings(self, recordings: RecordingCounts) -> None:
         """Expose a recorder's counts (``--record``), read at each scrape."""
@@ -271,11 +271,22 @@ class ConnectionCounts(Protocol):
     def head_timeouts(self) -> int: ...
 
 
+class RefusedCount(Protocol):
+    """What `ServerMetrics.follow_connections` reads of a
+    `trio_vstream.connections.PerAddress`."""
+
+    @property
+    def refused(self) -> int: ...
+
+
 class _ConnectionFigures(Collector):
     """The connection slots' plain counters, read at scrape time: nothing to keep in step."""
 
-    def __init__(self, connections: ConnectionCounts, model: str) -> None:
+    def __init__(
+        self, connections: ConnectionCounts, per_address: RefusedCount, model: str
+    ) -> None:
         self._connections = connections
+        self._per_address = per_address
         self._model = model
 
     def collect(self) -> Iterator[Metric]:
@@ -298,7 +309,14 @@ class _ConnectionFigures(Collector):
             labels=["model"],
         )
         head_timeouts.add_metric(labels, connections.head_timeouts)
-        return iter((open_now, refused, head_timeouts))
+        per_address = CounterMetricFamily(
+            "trio_vstream_connections_refused_per_ip",
+            "Connections turned away (429) for the connections their address held "
+            "(--max-connections-per-ip).",
+            labels=["model"],
+        )
+        per_address.add_metric(labels, self._per_address.refused)
+        return iter((open_now, refused, head_timeouts, per_address))
 
 
 class RecordingCounts(Protocol):

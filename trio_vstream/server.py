@@ -89,6 +89,8 @@ IDLE_BEFORE_TRIM = 10.0
 """Seconds without sessions before freed memory is given back to the system."""
 AT_CAPACITY = "too many connections: try again later\n"
 """The 503's body at the connection cap (``trio_vstream.connections``)."""
+TOO_MANY_FROM_ADDRESS = "too many connections from this address: try again later\n"
+"""The 429's body at the per-address cap (``--max-connections-per-ip``)."""
 TURN_AWAY_SECONDS = 1.0
 """The most a connection turned away at the cap may take to receive its 503."""
 
@@ -115,6 +117,9 @@ class ServerConfig:
     ``session.start``, plain requests. None: derived from the descriptor limit
     (``connections.default_max_connections``). A few reserved slots beyond it answer
     ``/health`` only."""
+    max_connections_per_ip: int | None = None
+    """Connections one client address (an IPv6 /64) may hold at once; more get a 429.
+    None: no cap, as behind a proxy, where every connection comes from the proxy."""
     head_timeout: float = 5.0
     """Seconds a connection gets to send its whole HTTP request head (after the TLS
     handshake): a client that dawdles (slowloris) loses its connection slot. Separate
@@ -157,7 +162,8 @@ class VideoServer:
             else connections.default_max_connections(config.max_sessions)
         )
         self.connections = connections.ConnectionSlots(self.max_connections)
-        self.metrics.follow_connections(self.connections)
+        self.per_address = connections.PerAddress(config.max_connections_per_ip)
+        self.metrics.follow_connections(self.connections, self.per_address)
         self.watch = WatchRegistry(
             config.watch,
             self.metrics,
@@ -369,10 +375,20 @@ class VideoServer:
         It holds a connection slot from here to its close; with none left, not even a
         reserved one, it is turned away before anything is read.
         """
-        slot = self.connections.take()
-        if slot is None:
-            await self._turn_away(tcp)
+        address = connections.address_key(_peer(tcp))
+        if not self.per_address.take(address):
+            await self._turn_away(tcp, 429, TOO_MANY_FROM_ADDRESS)
             return
+        try:
+            slot = self.connections.take()
+            if slot is None:
+                await self._turn_away(tcp, 503, AT_CAPACITY)
+                return
+            await self._serve_tcp(tcp, slot)
+        finally:
+            self.per_address.release(address)
+
+    async def _serve_tcp(self, tcp: trio.SocketStream, slot: connections.ConnectionSlot) -> None:
         stream: trio.abc.Stream = tcp
         if self.config.ssl_context is not None:
             # https_compatible: closing never waits on the peer (a half-done handshake
@@ -402,17 +418,18 @@ class VideoServer:
             finally:
                 slot.release()  # once its descriptor is closed
 
-    async def _turn_away(self, tcp: trio.SocketStream) -> None:
-        """Every connection slot is taken, the reserved ones past their heads: a 503 at
-        once, without reading the request, then close. With TLS only the close: a
-        handshake would hold the connection. Bounded, though a fresh socket's buffer
-        takes a short response without waiting."""
+    async def _turn_away(self, tcp: trio.SocketStream, status: int, body: str) -> None:
+        """Every connection slot is taken, the reserved ones past their heads (503), or
+        the client's address holds its share (429): the answer at once, without reading
+        the request, then close. With TLS only the close: a handshake would hold the
+        connection. Bounded, though a fresh socket's buffer takes a short response
+        without waiting."""
         with (
             trio.move_on_after(TURN_AWAY_SECONDS),
             contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
         ):
             if self.config.ssl_context is None:
-                await http.respond(tcp, 503, AT_CAPACITY, headers={"retry-after": "1"})
+                await http.respond(tcp, status, body, headers={"retry-after": "1"})
         await trio.aclose_forcefully(tcp)
 
     async def _route(

@@ -27,7 +27,13 @@ CAMERA_MODES: frozenset[str] = frozenset({"velocity", "target"})
 
 @attrs.frozen
 class Camera:
-    """A camera in a ``session.interaction``, in Unity's frame (+X right, +Y up, +Z forward).
+    """A camera in a ``session.interaction``, in Unity's axes (+X right, +Y up, +Z forward).
+
+    Turns have vllm-omni's sense, which is not Unity's left-handed one for pitch: a
+    positive turn about +Y looks right, a positive turn about +X looks up. vllm-omni's
+    example client sends +4 degrees about X for its ``i`` key (look up), and its server
+    applies the quaternion as it is to LingBot's OpenCV camera poses (+Y down), where
+    that turn looks up; a client of vllm-omni steers the same way here.
 
     Here, not in the protocol, because the protocol parses it and an engine acts on it:
     one type both speak, already validated (finite numbers, a unit quaternion, a known

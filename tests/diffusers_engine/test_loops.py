@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 
 from trio_vstream.engines.diffusers import loops
-from trio_vstream.engines.diffusers.loops import far, forcing, framepack, history, segments
+from trio_vstream.engines.diffusers.loops import (
+    far,
+    forcing,
+    framepack,
+    history,
+    ltx2,
+    sana_wm,
+    segments,
+)
 
 
 @pytest.fixture
@@ -40,6 +48,8 @@ def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
         forcing.LOOP,
         far.LOOP,
         framepack.LOOP,
+        sana_wm.LOOP,
+        ltx2.LOOP,
         segments.LOOP,  # last: it takes any pipeline
     )
 

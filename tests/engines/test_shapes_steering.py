@@ -46,8 +46,8 @@ def turn(axis: str, degrees: float) -> tuple[float, float, float, float]:
         (velocity(y=-0.05, x=0.01), "down"),  # the strongest axis wins
         (velocity(rotation=turn("y", 5)), "right"),  # turn right
         (velocity(rotation=turn("y", -5)), "left"),
-        (velocity(rotation=turn("x", 5)), "down"),  # Unity: +X pitch looks down
-        (velocity(rotation=turn("x", -5)), "up"),
+        (velocity(rotation=turn("x", 5)), "up"),  # vllm-omni's sense: +X pitch looks up
+        (velocity(rotation=turn("x", -5)), "down"),
         (velocity(), "still"),
     ],
 )

@@ -191,9 +191,9 @@ def test_a_short_press_moves_the_object_in_its_chunk_and_not_the_next(
     press would be lost (the last change, still, from the first frame)."""
     press = PromptChange("press", None, camera=camera(x=1.0), window_offset=0.5)
     release = PromptChange("release", None, camera=camera(), window_offset=0.75)
-    chunks = run_windows(
-        engine, request(STILL_PROMPT, num_frames=24, seed=7), {1: [press, release]}
-    )
+    # The live defaults (3 steps, no guidance): what a paced page session runs.
+    req = request(STILL_PROMPT, num_frames=24, seed=7, num_inference_steps=3, guidance_scale=1.0)
+    chunks = run_windows(engine, req, {1: [press, release]})
     assert chunks[1].started_event_ids == ("press", "release")
     assert chunks[1].completed_event_ids == ("press", "release")
     frames = frames_of(chunks)

@@ -48,19 +48,20 @@ def turn(axis: tuple[float, float, float], degrees: float) -> list[float]:
 
 STILL = [0.0, 0.0, 0.0, 1.0]
 NO_MOVE = [0.0, 0.0, 0.0]
-# The page's mapping, in Unity's frame (+X right, +Y up, +Z forward, left-handed: a
-# positive turn about +X looks down, about +Y looks right); vllm-omni's step sizes.
+# The page's mapping, in Unity's axes (+X right, +Y up, +Z forward) with turns in
+# vllm-omni's sense (a positive turn about +X looks up, about +Y right): the same
+# cameras as vllm-omni's example client (and `key_velocity`) sends for each key.
 EXPECTED = {
     "w": ([0, 0, STEP], STILL),
     "s": ([0, 0, -STEP], STILL),
     "a": ([-STEP, 0, 0], STILL),
     "d": ([STEP, 0, 0], STILL),
-    "ArrowUp": (NO_MOVE, turn((1, 0, 0), -4)),
-    "ArrowDown": (NO_MOVE, turn((1, 0, 0), 4)),
+    "ArrowUp": (NO_MOVE, turn((1, 0, 0), 4)),
+    "ArrowDown": (NO_MOVE, turn((1, 0, 0), -4)),
     "ArrowLeft": (NO_MOVE, turn((0, 1, 0), -6)),
     "ArrowRight": (NO_MOVE, turn((0, 1, 0), 6)),
-    "i": (NO_MOVE, turn((1, 0, 0), -4)),
-    "k": (NO_MOVE, turn((1, 0, 0), 4)),
+    "i": (NO_MOVE, turn((1, 0, 0), 4)),
+    "k": (NO_MOVE, turn((1, 0, 0), -4)),
     "j": (NO_MOVE, turn((0, 1, 0), -6)),
     "l": (NO_MOVE, turn((0, 1, 0), 6)),
     "x": (NO_MOVE, STILL),

@@ -577,13 +577,13 @@ def camera_motion(camera: Camera) -> str:
 def _turn(rotation: tuple[float, float, float, float]) -> tuple[float, float]:
     """(yaw, pitch) of a unit quaternion as a steer: yaw right positive, pitch up positive.
 
-    Unity's frame is left-handed: a positive turn about +Y looks right, a positive
-    turn about +X looks down.
+    In vllm-omni's sense (`trio_vstream.video.Camera`): a positive turn about +Y looks
+    right, a positive turn about +X looks up.
     """
     qx, qy, qz, qw = rotation
     yaw = math.atan2(2.0 * (qw * qy + qx * qz), 1.0 - 2.0 * (qx * qx + qy * qy))
     pitch = math.asin(max(-1.0, min(1.0, 2.0 * (qw * qx - qy * qz))))
-    return yaw, -pitch
+    return yaw, pitch
 
 
 def to_uint8_frames(native: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -61,9 +61,9 @@ const EVENT_STATES = ["sent", "queued", "started", "active", "completed"];
 // ---------------------------------------------------------------------------------
 
 // vllm-omni's example client's steps (camera_utils.wasd_to_camera_payload): 0.05 a step
-// along X or Z, turns of 6 degrees (yaw) and 4 degrees (pitch). Unity's frame: +X right,
-// +Y up, +Z forward, left-handed, so a positive turn about +Y looks right and a positive
-// turn about +X looks down: "look up" is a negative pitch.
+// along X or Z, turns of 6 degrees (yaw) and 4 degrees (pitch). Unity's axes: +X right,
+// +Y up, +Z forward; turns in vllm-omni's sense: a positive turn about +Y looks right, a
+// positive one about +X looks up (its client sends +4 degrees for the I key).
 const MOVE_STEP = 0.05;
 const YAW_DEGREES = 6;
 const PITCH_DEGREES = 4;
@@ -83,8 +83,8 @@ export const CAMERA_CONTROLS = {
   back: { label: "S: back", translation: [0, 0, -MOVE_STEP], rotation: NO_TURN },
   left: { label: "A: left", translation: [-MOVE_STEP, 0, 0], rotation: NO_TURN },
   right: { label: "D: right", translation: [MOVE_STEP, 0, 0], rotation: NO_TURN },
-  "look-up": { label: "↑: look up", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], -PITCH_DEGREES) },
-  "look-down": { label: "↓: look down", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], PITCH_DEGREES) },
+  "look-up": { label: "↑: look up", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], PITCH_DEGREES) },
+  "look-down": { label: "↓: look down", translation: [0, 0, 0], rotation: axisAngle([1, 0, 0], -PITCH_DEGREES) },
   "turn-left": { label: "←: turn left", translation: [0, 0, 0], rotation: axisAngle([0, 1, 0], -YAW_DEGREES) },
   "turn-right": { label: "→: turn right", translation: [0, 0, 0], rotation: axisAngle([0, 1, 0], YAW_DEGREES) },
   still: { label: "X: still", translation: [0, 0, 0], rotation: NO_TURN },

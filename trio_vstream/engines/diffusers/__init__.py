@@ -14,7 +14,9 @@ itself when its ``__call__`` takes ``image=``) or an independent clip seeded ``s
 index``; chunk-autoregressive pipelines (Helios) one call per chunk, continued from the
 session's history latents; and pipelines whose call keeps its loop to itself
 (SkyReels-V2 DF, AnyFlow FAR, FramePack) by a loop the engine drives from the
-pipeline's parts, one window, chunk or section at a time. Each family is one module of
+pipeline's parts, one window, chunk or section at a time; LTX-2 segment by segment with
+its soundtrack (the engine then declares its sound, `interfaces.SupportsAudio`, and each
+chunk carries its frames' samples). Each family is one module of
 ``loops``, whose docstring lists them and says how to add one. Each chunk is handed to
 the server as soon as it is decoded; a request's ``image_reference`` conditions the
 first.
@@ -85,7 +87,7 @@ from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
-from trio_vstream.engines.diffusers.loops import Draft, loop_for
+from trio_vstream.engines.diffusers.loops import Draft, SoundLoop, WorldLoop, loop_for
 from trio_vstream.logsafe import get_logger
 
 __all__ = [
@@ -148,7 +150,8 @@ class DiffusersEngine:
 
     max_concurrent_steps = 1
     interaction_kinds: frozenset[str] = frozenset({"prompt"})
-    """Prompts only: text-to-video pipelines take no camera."""
+    """Prompts only, but for a world model's family (`loops.WorldLoop`, SANA-WM), which
+    takes cameras too."""
 
     def __init__(
         self,
@@ -173,10 +176,23 @@ class DiffusersEngine:
         self.loop = loop_for(model)
         """The family that serves ``model`` (`loops`): how a request is planned and how
         each chunk is made."""
+        if isinstance(self.loop, WorldLoop):
+            # A world model (SANA-WM): the session's cameras steer it.
+            self.interaction_kinds = frozenset({"prompt", "camera"})
+        sound = self.loop.audio_format(model, i2v) if isinstance(self.loop, SoundLoop) else None
+        self.audio_sample_rate: int | None = sound.sample_rate if sound is not None else None
+        """The sound the pipelines make (`interfaces.SupportsAudio`): None but for a family
+        that makes it (LTX-2's vocoder), whose chunks then carry their audio."""
+        self.audio_channels = sound.channels if sound is not None else 1
         if i2v is not None and not self.loop.frame_continued:
+            how = (
+                "along its camera path"
+                if isinstance(self.loop, WorldLoop)
+                else "from its own history latents"
+            )
             raise config_error(
-                f"i2v_model: {model.class_name} continues each chunk from its own history "
-                "latents and takes image_reference itself; leave i2v_model out"
+                f"i2v_model: {model.class_name} continues each chunk {how} and takes "
+                "image_reference itself; leave i2v_model out"
             )
         self.continuation: PipelineInfo | None = None
         """The pipeline that continues a segment from the last frame, if any."""
@@ -268,7 +284,7 @@ class DiffusersEngine:
                 )
         else:
             first = model
-            if model.needs_image:
+            if model.needs_image and not isinstance(self.loop, WorldLoop):
                 problems.append(
                     f"{model.class_name} is an image-to-video pipeline: image_reference is required"
                 )

@@ -110,6 +110,15 @@ def whole(low: int, high: int) -> Check:
     return check
 
 
+def number(low: float, high: float) -> Check:
+    """The check of a number (an integer or a float) from ``low`` to ``high``."""
+
+    def check(key: str, value: Any, used: Sequence[PipelineInfo]) -> float:
+        return _number(key, value, low, high)
+
+    return check
+
+
 COMMON: Mapping[str, Check] = {
     "attention_kwargs": attention_kwargs,
     "max_sequence_length": max_sequence_length,

@@ -243,6 +243,8 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
     multiple = int(spatial) * patch
     if class_name.startswith("Wan"):
         multiple = math.lcm(multiple, 16)  # WanPipeline.check_inputs
+    elif class_name.startswith("LTX"):
+        multiple = math.lcm(multiple, 32)  # LTXPipeline's and LTX2Pipeline's check_inputs
     encode = getattr(pipe, "encode_prompt", None)
     encode_params: frozenset[str] | None = None
     if encode is not None and "prompt_embeds" in params:

@@ -29,6 +29,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.engines.diffusers._lora import LoadedLora
+from trio_vstream.engines.diffusers.loops import WorldLoop
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 from trio_vstream.logsafe import get_logger
 
@@ -97,20 +98,29 @@ class DiffusersStream:
         """The seed in use (drawn here when the request has none): echoed in video.start."""
         self._schedule = PromptSchedule(request.prompt)
         self._lora = lora
-        self._embeddings: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._embeddings: dict[tuple[int, str, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._frames_done = 0
         self._next_index = 0
         self._closed = False
         self.image: Any = None
         if request.image is not None:
             self.image = to_pil(request.image, request.width, request.height)
+        self.prompt_encode_kwargs: dict[str, Any] = {}
+        """What the family's run adds to ``encode_prompt`` for prompts (not the negative
+        prompt): SANA-WM's instruction prefix, which its call puts before the prompt only."""
         self._run = plan.loop.start(self, plan.loop_plan)
 
     # ------------------------------------------------------------ interface
 
     def interact(self, change: PromptChange) -> None:
         """Queue a prompt change; it starts with the next chunk (a running one is not
-        touched: its embeddings went into the call already)."""
+        touched: its embeddings went into the call already). A camera goes to a world
+        model's run (`loops.WorldLoop`), which applies it from the next chunk too."""
+        loop = self.plan.loop
+        if change.camera is not None and isinstance(loop, WorldLoop):
+            loop.steer(self._run, change)
+            if change.prompt is None:
+                return
         self._schedule.push(change)
 
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
@@ -232,7 +242,7 @@ class DiffusersStream:
             raise EngineError(f"{info.class_name}: its prompt embeddings cannot be read")
         negative = None
         if guidance > 1.0:
-            negative = self._encode(info, self.request.negative_prompt or "")[0]
+            negative = self._encode(info, self.request.negative_prompt or "", negative=True)[0]
         return mixed[0], negative
 
     def prompt_kwargs(self, info: PipelineInfo, conditioning: ChunkConditioning) -> dict[str, Any]:
@@ -249,7 +259,7 @@ class DiffusersStream:
                     kwargs["prompt_attention_mask"] = mask
                 guidance = plan.guidance_scale
                 if guidance is None or guidance > 1.0:
-                    negative, negative_mask = self._encode(info, negative_text or "")
+                    negative, negative_mask = self._encode(info, negative_text or "", negative=True)
                     kwargs["negative_prompt_embeds"] = negative
                     if negative_mask is not None:
                         kwargs["negative_prompt_attention_mask"] = negative_mask
@@ -283,9 +293,13 @@ class DiffusersStream:
                 mask = torch.maximum(mask, other)
         return total.to(first.dtype), mask
 
-    def _encode(self, info: PipelineInfo, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One prompt's embedding (and mask), encoded once per stream and pipeline."""
-        key = (id(info), text)
+    def _encode(
+        self, info: PipelineInfo, text: str, *, negative: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prompt's embedding (and mask), encoded once per stream and pipeline; a
+        negative prompt without `prompt_encode_kwargs`."""
+        extra = {} if negative else self.prompt_encode_kwargs
+        key = (id(info), text, bool(extra))
         cached = self._embeddings.get(key)
         if cached is not None:
             return cached
@@ -296,6 +310,7 @@ class DiffusersStream:
             kwargs["do_classifier_free_guidance"] = False
         if "max_sequence_length" in params and self.plan.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.plan.max_sequence_length
+        kwargs.update(extra)
         with torch.no_grad():
             result = info.pipe.encode_prompt(**kwargs)
         entry = _embedding_of(info, result)

@@ -12,6 +12,11 @@ A family is the pipelines the engine streams one way:
 - ``far``: AnyFlow FAR, its causal chunk loop (KV cache included) driven by the engine.
 - ``framepack``: FramePack, its vanilla section loop driven by the engine; its inverted
   sampling goes the segment path.
+- ``sana_wm``: SANA-WM, the segment path with each call's camera path built from the
+  session's camera interactions (a `WorldLoop`).
+- ``ltx2``: LTX-2, the segment path with its soundtrack: each chunk carries its frames'
+  samples of the call's vocoder waveform. A family that makes sound also implements
+  `SoundLoop` (the engine then declares the sound).
 
 The engine asks the registry once, at start-up (`loop_for`): the first family, in
 ``LOOP.order``, that recognises the ``model`` pipeline serves it, and that one value
@@ -48,12 +53,18 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
-from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop, Run
+from trio_vstream.engines.diffusers.loops._protocol import (
+    Draft,
+    Loop,
+    Run,
+    SoundLoop,
+    WorldLoop,
+)
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
 
-__all__ = ["Draft", "Loop", "Run", "loop_for", "registered"]
+__all__ = ["Draft", "Loop", "Run", "SoundLoop", "WorldLoop", "loop_for", "registered"]
 
 
 @functools.cache

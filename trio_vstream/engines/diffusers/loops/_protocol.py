@@ -14,15 +14,16 @@ is made.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+    from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
     from trio_vstream.engines.diffusers._extra import ExtraParams
     from trio_vstream.engines.diffusers._loading import PipelineInfo
     from trio_vstream.engines.diffusers._stream import DiffusersStream
+    from trio_vstream.engines.interfaces import AudioFormat
 
 PlanT = TypeVar("PlanT")
 
@@ -110,4 +111,35 @@ class Loop(Protocol[PlanT]):
         run reads what it needs of ``stream`` (its plan, its request) but keeps no
         reference to it: the stream holds the run, and a cycle would keep a closed
         session's tensors alive until the garbage collector runs."""
+        ...
+
+
+@runtime_checkable
+class WorldLoop(Protocol):
+    """A family of world models, steered by camera interactions (SANA-WM's): the engine
+    declares the ``camera`` interaction kind for it (and only for it), hands each camera
+    to `steer`, and serves a request without ``image_reference`` (the family's run starts
+    from a first frame of its own)."""
+
+    def steer(self, run: Run, change: PromptChange) -> None:
+        """Queue ``change``'s camera for ``run``'s next chunk (called from the event
+        loop's thread, while a chunk may be in the making: only queue). A change that also
+        carries a prompt goes to the prompt schedule as well; a camera-only one is listed
+        in the chunk that applies it."""
+        ...
+
+
+@runtime_checkable
+class SoundLoop(Protocol):
+    """A family whose pipelines make sound (LTX-2): what a family may declare beyond
+    `Loop`, as an engine declares `interfaces.SupportsAudio` beyond ``Engine``.
+
+    The engine then declares the sound (``audio_sample_rate``, ``audio_channels``) and
+    the family's run puts each chunk's PCM in ``Chunk.audio``, exactly the samples of its
+    frames (`trio_vstream.video.audio_samples_through`)."""
+
+    def audio_format(self, model: PipelineInfo, i2v: PipelineInfo | None) -> AudioFormat | None:
+        """The sound the pipelines make (the same for ``model`` and ``i2v``, which
+        continues it), or None for none; an `EngineConfigError` (``config_error``) at
+        start-up for pipelines whose sound differs or cannot be read."""
         ...

@@ -100,7 +100,8 @@ class SegmentRun:
     A family of pipeline calls changes its steps by overriding the hooks: `_frames` (how
     many frames a call makes), `_seed_call` (the call's generator and image),
     `_before_call` (under the lock, before the LoRA and the prompt), `_on_step` (each
-    step's tensors), `_after_call` and `_prompt_kwargs`."""
+    step's tensors), `_after_call`, `_prompt_kwargs`, `_video` (what of the call's output
+    is its video) and `_chunk` (the chunk its new frames make)."""
 
     def __init__(self, stream: DiffusersStream, plan: SegmentPlan) -> None:
         self.plan = plan
@@ -138,7 +139,7 @@ class SegmentRun:
         host = np.ascontiguousarray(host[:remaining])
         if host.shape[0] == 0:
             raise EngineError(f"{info.class_name} made no new frame ({count} asked for)")
-        return stream.chunk(host, conditioning, index)
+        return self._chunk(stream, host, conditioning, index, continuing)
 
     def close(self) -> None:
         self._last_frame = None
@@ -183,10 +184,7 @@ class SegmentRun:
                 )
                 output = info.pipe(**kwargs)
             self._after_call(info)
-        video = getattr(output, "frames", None)
-        if video is None:
-            video = output[0]
-        return video
+        return self._video(output)
 
     # ------------------------------------------------------------ hooks
 
@@ -220,6 +218,26 @@ class SegmentRun:
 
     def _after_call(self, info: PipelineInfo) -> None:
         """After the call, still under the lock."""
+
+    def _video(self, output: Any) -> Any:
+        """The call's video: its output's ``frames``, or its first value. A family whose
+        call returns more (LTX-2's soundtrack) keeps the rest here."""
+        video = getattr(output, "frames", None)
+        if video is None:
+            video = output[0]
+        return video
+
+    def _chunk(
+        self,
+        stream: DiffusersStream,
+        host: np.ndarray,
+        conditioning: ChunkConditioning,
+        index: int,
+        continuing: bool,
+    ) -> Chunk:
+        """The chunk of ``host``, the segment's new frames on the host (``continuing``:
+        the call's first frame, the last one sent, was dropped from them)."""
+        return stream.chunk(host, conditioning, index)
 
     def _prompt_kwargs(
         self, stream: DiffusersStream, info: PipelineInfo, conditioning: ChunkConditioning
