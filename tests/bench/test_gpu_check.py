@@ -34,7 +34,13 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "script", ["bench/run.py", "bench/evaluate_shapes.py", "bench/ltx2_check.py"]
+    "script",
+    [
+        "bench/run.py",
+        "bench/evaluate_shapes.py",
+        "bench/ltx2_check.py",
+        "bench/diffusers_batching.py",
+    ],
 )
 def test_every_flag_it_passes_exists(script: str) -> None:
     text = SCRIPT.read_text()

@@ -36,7 +36,10 @@ the lock makes progress. Segments of different sessions alternate: the lock
 serves its waiters first come, first served.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
-session using it closes.
+session using it closes. With ``max_batch`` > 1, the families that batch (SkyReels-V2 DF
+windows, FramePack vanilla sections) hold the lock per batched forward instead of per
+chunk, and run every session's denoising steps that share a batch key as one forward
+(docs/diffusers.md, "Batching sessions' steps").
 
 Layout. This module holds the engine (what every family shares of request planning)
 and its factory; ``loops`` holds the families, one module each. What each private
@@ -47,8 +50,10 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -100,6 +105,8 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 _ENGINE_SET_ARGS: Mapping[str, str] = {
     # __call__ arguments the engine sets itself, and what to use instead: refused like
@@ -158,6 +165,12 @@ class DiffusersEngine:
         self.model = model
         self.i2v = i2v
         self.lock = SegmentLock()
+        self.decode_lock = SegmentLock()
+        """One decode at a time for the families that batch: their windows' decodes run
+        beside the batched forwards, not under ``lock`` (the VAE is no part of what a
+        batch changes on the shared pipeline, and each session decodes with a cache of its
+        own), so that a batch does not wait for them; one at a time bounds the memory the
+        decodes take together."""
         self.loras = LoraAdapters(self.lock)
         self.name = settings.name or settings.model.resolve().name or "diffusers"
         self.loop = loop_for(model)
@@ -194,6 +207,26 @@ class DiffusersEngine:
             model, settings.segment_frames, self.frame_step
         )
         self.video_defaults = video_defaults(model, self.size_multiple, self.segment_frames)
+        batches = bool(getattr(self.loop, "batches", False))
+        self.max_batch = settings.max_batch if batches else 1
+        """Rows per batched step (`interfaces.SupportsBatching`): ``max_batch`` for a family
+        that batches its steps (its ``LOOP.batches``, read with a default so that a family
+        written before batching needs no change), else 1, which the server takes as "step
+        each session alone"."""
+        if settings.max_batch > 1 and not batches:
+            logger.warning(
+                "diffusers engine: max_batch=%d ignored: %s does not batch sessions' steps "
+                "(each session's chunk runs alone under the lock)",
+                settings.max_batch,
+                self.loop.name,
+            )
+        if self.max_batch > 1 and settings.offload != "none":
+            raise config_error(
+                f"max_batch={settings.max_batch} needs offload=none: a batch holds the "
+                "transformer on the device between other sessions' encodes and decodes"
+            )
+        self._groups: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
+        self._groups_mutex = threading.Lock()
 
     # ------------------------------------------------------------ interface
 
@@ -204,6 +237,17 @@ class DiffusersEngine:
         stream = DiffusersStream(self, request, plan, None)
         stream._lora = self._claim_lora(request)  # last: nothing after it can fail
         return stream
+
+    def batch_group(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The batched step of ``key``'s rows: one object for every session of the key, as
+        long as any of them holds it (the server's batcher groups rows by it), made by
+        ``make`` when none does. Kept weakly, so a key nobody steps with is forgotten."""
+        with self._groups_mutex:
+            group = self._groups.get(key)
+            if group is None:
+                group = make()
+                self._groups[key] = group
+            return cast(T, group)
 
     def close(self) -> None:
         """Drop the pipelines, and on CUDA hand their memory back to the driver."""

@@ -44,6 +44,9 @@ class DiffusersSettings:
     threads: int | None = None
     name: str | None = None
     lora_root: Path | None = None
+    max_batch: int = 1
+    """Sessions whose denoising steps may run as one batch (families that batch:
+    ``DiffusersEngine.max_batch``); 1 runs each session's chunk alone under the lock."""
 
 
 _SETTING_HELP = {
@@ -56,6 +59,7 @@ _SETTING_HELP = {
     "threads": "torch CPU threads",
     "name": "served model name",
     "lora_root": "directory that request LoRA paths must be inside",
+    "max_batch": "sessions' steps batched together (1: none)",
 }
 
 
@@ -93,7 +97,7 @@ def parse_settings(args: Mapping[str, str]) -> DiffusersSettings:
                 f"offload must be none, model or sequential, got {args['offload']!r}"
             )
         values["offload"] = raw
-    for key, minimum in (("segment_frames", 2), ("threads", 1)):
+    for key, minimum in (("segment_frames", 2), ("threads", 1), ("max_batch", 1)):
         if key in args:
             values[key] = parse_number_arg("diffusers", key, args[key], int, minimum=minimum)
     if args.get("name"):

@@ -187,10 +187,7 @@ class DiffusersStream:
         plan, request, engine = self.plan, self.request, self.engine
         info, index = plan.first, self._next_index
         conditioning = self._schedule.next_conditioning()
-        kwargs = plan.call_kwargs[info.role]
-        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
-        guidance = plan.guidance_scale if plan.guidance_scale is not None else default_guidance
-        pass_ = DrivenPass(index, int(steps or 50), guidance, kwargs)
+        pass_ = self.driven_pass(info, default_guidance)
         offloaded = engine.settings.offload != "none"
         with engine.lock.held(checkpoint):
             self.activate_lora(info)
@@ -199,6 +196,37 @@ class DiffusersStream:
                 video = make(info, conditioning.mix, pass_)
                 if offloaded:
                     info.pipe.maybe_free_model_hooks()
+        frames = frames_to_uint8(video)
+        del video
+        host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
+        del frames
+        return self.chunk(host, conditioning, index)
+
+    def driven_pass(self, info: PipelineInfo, default_guidance: float) -> DrivenPass:
+        """What the next pass of an engine-driven loop on ``info`` is run with."""
+        plan = self.plan
+        kwargs = plan.call_kwargs[info.role]
+        steps = kwargs.get("num_inference_steps", info.default("num_inference_steps"))
+        guidance = plan.guidance_scale if plan.guidance_scale is not None else default_guidance
+        return DrivenPass(self._next_index, int(steps or 50), guidance, kwargs)
+
+    @property
+    def lora(self) -> tuple[LoadedLora, float] | None:
+        """The session's LoRA and its scale, or None (what a batch of it must share)."""
+        return self._lora
+
+    def fresh_scheduler(self, info: PipelineInfo) -> Any:
+        """A scheduler of the session's own, as ``call_overrides`` would put on ``info``'s
+        pipeline (the request's overrides applied), left off the shared pipeline: for a
+        loop whose steps are batched with other sessions'."""
+        scheduler = info.pipe.scheduler
+        return type(scheduler).from_config(scheduler.config, **self.plan.scheduler_overrides)
+
+    def finish_driven(
+        self, video: Any, remaining: int, conditioning: ChunkConditioning, index: int
+    ) -> Chunk:
+        """Chunk ``index`` from a driven pass's decoded ``video``: its frames go to the host
+        once (at most ``remaining`` of them), counted as sent."""
         frames = frames_to_uint8(video)
         del video
         host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy

@@ -32,22 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams, by_plan
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers._stream import logger
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing
 
 if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers import DiffusersEngine
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._lora import LoadedLora
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FORCING_ARGS: tuple[str, ...] = (
@@ -76,6 +79,9 @@ class ForcingWindows:
 
     name = "forcing windows"
     order = 20
+    batches = True
+    """Its windows' steps run batched across sessions when the engine's ``max_batch`` > 1
+    (`ForwardGroup`)."""
     frame_continued = False
     image_in_loop = True
     engine_set: tuple[str, ...] = ()
@@ -244,6 +250,22 @@ def window_plan(draft: Draft) -> WindowPlan | None:
     return plan
 
 
+@attrs.define(eq=False)
+class _Window:
+    """One window while it is denoised: the session's own tensors and schedulers, which
+    each step reads (`ForcingLoop._inputs`) and updates (`ForcingLoop._update`)."""
+
+    latents: torch.Tensor
+    ready: int
+    """Latent frames of the prefix (history or the image's), already clean."""
+    matrix: torch.Tensor
+    update: torch.Tensor
+    intervals: list[tuple[int, int]]
+    schedulers: list[Any]
+    """One per latent frame: the call's, each stepped only for its own frame."""
+    dtype: torch.dtype
+
+
 class ForcingLoop:
     """One session's place in the window loop: what the next window starts from."""
 
@@ -270,7 +292,10 @@ class ForcingLoop:
         return 0 if self._history is None else int(self._history.shape[2])
 
     def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
-        """The next window's new frames."""
+        """The next window's new frames: batched with other sessions' windows when the
+        engine batches (``max_batch`` > 1), else the whole window under the lock."""
+        if stream.engine.max_batch > 1:
+            return self._batched_chunk(stream, checkpoint, remaining)
         request = stream.request
 
         def window(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
@@ -318,7 +343,6 @@ class ForcingLoop:
         ``output_type="pt"`` makes them, (1, T, C, H, W) in [0, 1]. ``checkpoint()`` runs
         before every transformer step and before the decode, so a stop leaves after the
         step in progress and a stopped window is never decoded (nor kept)."""
-        plan, index = self.plan, self.windows_done
         device = pipe._execution_device
         transformer = pipe.transformer
         dtype = transformer.dtype
@@ -327,50 +351,21 @@ class ForcingLoop:
         if cfg:
             assert negative_prompt_embeds is not None
             negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
-        pipe.scheduler.set_timesteps(num_inference_steps, device=device)
-        timesteps = pipe.scheduler.timesteps
-        with _block_size(transformer, plan.causal_block_size) as block:
-            frames = plan.window_latent_frames(index)
-            shape = (
-                1,
-                transformer.config.in_channels,
-                frames,
-                height // pipe.vae_scale_factor_spatial,
-                width // pipe.vae_scale_factor_spatial,
+        with _block_size(transformer, self.plan.causal_block_size) as block:
+            window = self._start(
+                checkpoint,
+                pipe,
+                pipe.scheduler,
+                steps=num_inference_steps,
+                height=height,
+                width=width,
+                image=image,
+                block=block,
             )
-            # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
-            from diffusers.utils.torch_utils import randn_tensor
-
-            latents = randn_tensor(shape, generator=self.generator, device=device)
-            prefix = self._prefix(block)
-            if index == 0 and image is not None:
-                checkpoint()  # the first frame's VAE encode
-                prefix = _image_latents(pipe, image, height=height, width=width, device=device)
-            ready = 0 if prefix is None else int(prefix.shape[2])
-            if prefix is not None:
-                latents[:, :, :ready] = prefix.to(dtype)
-            schedulers = []
-            for _ in range(frames):
-                scheduler = copy.deepcopy(pipe.scheduler)
-                scheduler.set_timesteps(num_inference_steps, device=device)
-                schedulers.append(scheduler)
-            matrix, _, update, intervals = pipe.generate_timestep_matrix(
-                frames, timesteps, frames, plan.ar_step, ready, block
-            )
-            fps_embeds = [0 if fps == 16 else 1]
-            for i, t in enumerate(matrix):
+            fps_embeds = [_fps_flag(fps)]
+            for i in range(len(window.matrix)):
                 checkpoint()  # raises when the session is over: no more steps, no decode
-                start, end = intervals[i]
-                model_input = latents[:, :, start:end].to(dtype).clone()
-                timestep = t.expand(1, -1)[:, start:end].clone()
-                if plan.addnoise_condition > 0 and start < ready:
-                    factor = 0.001 * plan.addnoise_condition
-                    clean = model_input[:, :, start:ready]
-                    noise = torch.randn(
-                        clean.shape, generator=self._condition_noise, dtype=clean.dtype
-                    ).to(clean.device)
-                    model_input[:, :, start:ready] = clean * (1.0 - factor) + noise * factor
-                    timestep[:, start:ready] = plan.addnoise_condition
+                model_input, timestep = self._inputs(window, i)
                 noise_pred = _predict(
                     transformer, model_input, timestep, prompt_embeds, fps_embeds, attention_kwargs
                 )
@@ -385,15 +380,91 @@ class ForcingLoop:
                         context="uncond",
                     )
                     noise_pred = uncond + guidance_scale * (noise_pred - uncond)
-                for idx in range(start, end):
-                    if update[i][idx].item():
-                        latents[:, :, idx] = schedulers[idx].step(
-                            noise_pred[:, :, idx - start],
-                            t[idx],
-                            latents[:, :, idx],
-                            return_dict=False,
-                        )[0]
-        new = latents if index == 0 else latents[:, :, plan.overlap :]
+                self._update(window, i, noise_pred)
+        return self._finish(checkpoint, pipe, window)
+
+    def _start(
+        self,
+        checkpoint: Any,
+        pipe: Any,
+        scheduler: Any,
+        *,
+        steps: int,
+        height: int,
+        width: int,
+        image: Any,
+        block: int,
+    ) -> _Window:
+        """The next window's noise, prefix, timestep matrix and schedulers (``scheduler``
+        is a fresh one, copied per latent frame): the call's steps 5 and 6."""
+        plan, index = self.plan, self.windows_done
+        device = pipe._execution_device
+        transformer = pipe.transformer
+        scheduler.set_timesteps(steps, device=device)
+        timesteps = scheduler.timesteps
+        frames = plan.window_latent_frames(index)
+        shape = (
+            1,
+            transformer.config.in_channels,
+            frames,
+            height // pipe.vae_scale_factor_spatial,
+            width // pipe.vae_scale_factor_spatial,
+        )
+        # Not at the top: diffusers is an optional extra; import_diffusers() says so clearly.
+        from diffusers.utils.torch_utils import randn_tensor
+
+        latents = randn_tensor(shape, generator=self.generator, device=device)
+        prefix = self._prefix(block)
+        if index == 0 and image is not None:
+            checkpoint()  # the first frame's VAE encode
+            prefix = _image_latents(pipe, image, height=height, width=width, device=device)
+        ready = 0 if prefix is None else int(prefix.shape[2])
+        dtype = transformer.dtype
+        if prefix is not None:
+            latents[:, :, :ready] = prefix.to(dtype)
+        schedulers = []
+        for _ in range(frames):
+            own = copy.deepcopy(scheduler)
+            own.set_timesteps(steps, device=device)
+            schedulers.append(own)
+        matrix, _, update, intervals = pipe.generate_timestep_matrix(
+            frames, timesteps, frames, plan.ar_step, ready, block
+        )
+        return _Window(latents, ready, matrix, update, list(intervals), schedulers, dtype)
+
+    def _inputs(self, window: _Window, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``i``'s transformer input and timesteps (the condition noised, if asked)."""
+        plan, ready = self.plan, window.ready
+        start, end = window.intervals[i]
+        model_input = window.latents[:, :, start:end].to(window.dtype).clone()
+        timestep = window.matrix[i].expand(1, -1)[:, start:end].clone()
+        if plan.addnoise_condition > 0 and start < ready:
+            factor = 0.001 * plan.addnoise_condition
+            clean = model_input[:, :, start:ready]
+            noise = torch.randn(clean.shape, generator=self._condition_noise, dtype=clean.dtype).to(
+                clean.device
+            )
+            model_input[:, :, start:ready] = clean * (1.0 - factor) + noise * factor
+            timestep[:, start:ready] = plan.addnoise_condition
+        return model_input, timestep
+
+    def _update(self, window: _Window, i: int, noise_pred: torch.Tensor) -> None:
+        """Step ``i``'s scheduler steps, each frame by its own scheduler."""
+        latents, t = window.latents, window.matrix[i]
+        start, end = window.intervals[i]
+        for idx in range(start, end):
+            if window.update[i][idx].item():
+                latents[:, :, idx] = window.schedulers[idx].step(
+                    noise_pred[:, :, idx - start],
+                    t[idx],
+                    latents[:, :, idx],
+                    return_dict=False,
+                )[0]
+
+    def _finish(self, checkpoint: Any, pipe: Any, window: _Window) -> torch.Tensor:
+        """Decode the window's new latent frames; only then is it the next one's history."""
+        plan, latents = self.plan, window.latents
+        new = latents if self.windows_done == 0 else latents[:, :, plan.overlap :]
         checkpoint()  # the decode
         video = self._decode(pipe, new)
         # The window is complete: only now does it become the next one's history.
@@ -402,6 +473,84 @@ class ForcingLoop:
             self._history = joined[:, :, -plan.overlap :].clone()
         self.windows_done += 1
         return video
+
+    # ------------------------------------------------------------ batched windows
+
+    def _batched_chunk(
+        self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
+    ) -> Chunk:
+        """The next window, its steps batched with other sessions' (`ForwardGroup`).
+
+        The lock is taken for what touches the shared pipeline outside a forward (the
+        prompt's encoding, the image's) and, inside ``run_batch``, for each batched
+        forward; never while the session waits for a batch. The decode takes the engine's
+        ``decode_lock`` instead: one decode at a time, beside the batches. The session's
+        own scheduler, generators, history and decoder cache never leave its thread: a row
+        carries only the step's inputs, and its result is the step's guided noise
+        prediction, which the session's schedulers then apply."""
+        engine, request, plan = stream.engine, stream.request, stream.plan
+        info, index = plan.first, stream.index
+        conditioning = stream.next_conditioning()
+        pass_ = stream.driven_pass(info, 1.0)
+        attention_kwargs = pass_.kwargs.get("attention_kwargs")
+        pipe = info.pipe
+        device = pipe._execution_device
+        transformer = pipe.transformer
+        dtype = transformer.dtype
+        own = int(transformer.config.num_frame_per_block)
+        block = self.plan.causal_block_size or own
+        scheduler = stream.fresh_scheduler(info)
+        logger.debug(
+            "request %s: %d, batched window of %d", request.request_id, index, self.plan.windows
+        )
+        with torch.no_grad():
+            with engine.lock.held(checkpoint):
+                stream.activate_lora(info)
+                embeds, negative = stream.embeds_and_negative(
+                    info, conditioning.mix, pass_.guidance
+                )
+                window = self._start(
+                    checkpoint,
+                    pipe,
+                    scheduler,
+                    steps=pass_.steps,
+                    height=request.height,
+                    width=request.width,
+                    image=stream.image if index == 0 else None,
+                    block=block,
+                )
+            embeds = embeds.to(device, dtype)
+            if negative is not None:
+                negative = negative.to(device, dtype)
+            lora = stream.lora
+            key = BatchKey(
+                input_shape=tuple(window.latents.shape),
+                embeds_shape=tuple(embeds.shape),
+                guided=negative is not None,
+                dtype=str(dtype),
+                block=block,
+                fps=_fps_flag(request.fps),
+                lora=None if lora is None else (lora[0].adapter, lora[1]),
+                alone=None if attention_kwargs is None else id(self),
+            )
+            group = engine.batch_group(
+                ("forcing", key),
+                lambda: ForwardGroup(
+                    engine, info, key, None if lora is None else lora, attention_kwargs
+                ),
+            )
+            with checkpoint.batched(group) as step:
+                for i in range(len(window.matrix)):
+                    model_input, timestep = self._inputs(window, i)
+                    noise_pred = step(
+                        ForwardRow(model_input, timestep, embeds, negative, pass_.guidance)
+                    )
+                    self._update(window, i, noise_pred)
+            del group
+            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
+                video = self._finish(checkpoint, pipe, window)
+        del window
+        return stream.finish_driven(video, remaining, conditioning, index)
 
     def _prefix(self, block: int) -> torch.Tensor | None:
         """The next window's prefix: the history's last ``overlap`` latent frames, less
@@ -418,6 +567,119 @@ class ForcingLoop:
         if self._decoder_cache is None:
             self._decoder_cache = []
         return decode_continuing(pipe, latents, self._decoder_cache)
+
+
+def _fps_flag(fps: int) -> int:
+    """The fps embedding's index, as the call picks it: 0 for 16 fps, else 1."""
+    return 0 if fps == 16 else 1
+
+
+@attrs.frozen(kw_only=True)
+class BatchKey:
+    """What rows must share to run in one transformer forward (one `ForwardGroup`).
+
+    The input's shape (batch of one, channels, the window's latent frames, latent height
+    and width), the prompt embeddings' (the text's padded length), guidance on or off,
+    the transformer's dtype, the causal block size (the attention mask), the fps
+    embedding and the LoRA (adapter and scale, or none). The history's length is not in
+    it: a window's prefix is part of its latent frames, and its timesteps (zero for a
+    clean prefix) go in per row. Nor are the guidance scale, the step or the timesteps:
+    each row brings its own."""
+
+    input_shape: tuple[int, ...]
+    embeds_shape: tuple[int, ...]
+    guided: bool
+    dtype: str
+    block: int
+    fps: int
+    lora: tuple[str, float] | None
+    alone: object | None
+    """Set (to an object of its own) for a row that must run alone: a request with
+    ``attention_kwargs``, which apply to the whole forward."""
+
+
+@attrs.frozen(eq=False)
+class ForwardRow:
+    """One session's denoising step: everything the forward needs, and nothing of its
+    state (the scheduler step happens in the session's own thread)."""
+
+    hidden: torch.Tensor
+    timestep: torch.Tensor
+    embeds: torch.Tensor
+    negative: torch.Tensor | None
+    guidance: float
+
+
+class ForwardGroup:
+    """The batched step (``run_batch``) of every window whose rows share a `BatchKey`.
+
+    The server's batcher gathers rows by this object, so the engine hands the same one
+    to every session of a key (`DiffusersEngine.batch_group`). Called with some rows, it
+    takes the pipeline's lock, puts the key's LoRA and causal block size on the shared
+    transformer, and runs one forward over every row's conditional input and, with
+    guidance, every row's unconditional one (the rows' inputs twice, their prompt then
+    their negative prompt embeddings): 2N rows in one forward where a lone window makes
+    two of one. Each row gets its own guided prediction back, a tensor of its own."""
+
+    def __init__(
+        self,
+        engine: DiffusersEngine,
+        info: PipelineInfo,
+        key: BatchKey,
+        lora: tuple[LoadedLora, float] | None,
+        attention_kwargs: Any,
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self.key = key
+        self._lora = lora
+        self._attention_kwargs = attention_kwargs
+
+    def __call__(self, rows: Sequence[ForwardRow]) -> list[torch.Tensor | Exception]:
+        count = len(rows)
+        hidden = [row.hidden for row in rows]
+        timestep = [row.timestep for row in rows]
+        embeds = [row.embeds for row in rows]
+        if self.key.guided:
+            hidden += hidden
+            timestep += timestep
+            embeds += [_required(row.negative) for row in rows]
+        engine, info = self._engine, self._info
+        lora = self._lora
+        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            transformer = info.pipe.transformer
+            with _block_size(transformer, self.key.block):
+                out = _predict(
+                    transformer,
+                    torch.cat(hidden),
+                    torch.cat(timestep),
+                    torch.cat(embeds),
+                    [self.key.fps],  # one, broadcast over the batch: the key's
+                    self._attention_kwargs,
+                    context="batch",
+                )
+            results: list[torch.Tensor | Exception] = []
+            for i, row in enumerate(rows):
+                cond = out[i : i + 1]
+                if self.key.guided:
+                    uncond = out[count + i : count + i + 1]
+                    results.append(uncond + row.guidance * (cond - uncond))
+                else:
+                    results.append(cond.clone())  # not a view keeping the batch's alive
+        return results
+
+
+_NEVER_STOPS = Checkpoint()
+"""The batch's own wait for the lock: a batch serves several sessions, and stops for
+none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`).
+The wait is bounded by one prompt encoding or one decode."""
+
+
+def _required(negative: torch.Tensor | None) -> torch.Tensor:
+    if negative is None:  # a guided key is made only from rows with a negative prompt
+        raise EngineError("a guided row without negative prompt embeddings")
+    return negative
 
 
 def _predict(

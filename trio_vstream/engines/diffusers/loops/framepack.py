@@ -62,7 +62,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas
 from trio_vstream.engines.diffusers._messages import quoted, shown
 from trio_vstream.engines.diffusers._settings import config_error
@@ -116,6 +116,9 @@ class FramepackSections:
 
     name = "FramePack sections"
     order = 40
+    batches = True
+    """Vanilla sections' steps run batched across sessions when the engine's
+    ``max_batch`` > 1 (`SectionGroup`); inverted sampling's segments do not."""
     frame_continued = False
     image_in_loop = True
     engine_set = ENGINE_SET_ARGS
@@ -316,6 +319,14 @@ class Prompt:
             mask = torch.maximum(mask, prompt.mask)
         return cls(blend("embeds"), blend("pooled"), mask)
 
+    def on(self, device: torch.device, dtype: torch.dtype) -> Prompt:
+        """These tensors as the transformer takes them (the mask too: as the loop passes it)."""
+        return Prompt(
+            self.embeds.to(device, dtype),
+            self.pooled.to(device, dtype),
+            self.mask.to(device, dtype),
+        )
+
     def call_kwargs(self, negative: Prompt | None) -> dict[str, Any]:
         """The call's prompt arguments for these tensors (which its ``encode_prompt``
         passes through as they are), and the negative prompt's for true CFG."""
@@ -383,6 +394,125 @@ class InvertedRun(SegmentRun):
         return prompt.call_kwargs(negative)
 
 
+_PER_ROW: tuple[str, ...] = (
+    "image_embeds",
+    "guidance",
+    "latents_clean",
+    "latents_history_2x",
+    "latents_history_4x",
+)
+"""The conditions each row brings of its own (the positions are the key's: one window)."""
+
+
+@attrs.frozen
+class _Section:
+    """One section as its steps begin: the noise, the schedule, the transformer's
+    conditions (the first frame's embedding and latent, the packed history)."""
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    conditions: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class SectionKey:
+    """What rows must share to run in one forward (one `SectionGroup`): the section's
+    latent shape (window, resolution), the prompt's and the image embedding's shapes,
+    true CFG on or off, the dtype and the LoRA. The history is not in it: its packed
+    shape is the same at every section. The distilled guidance, the true CFG scale and
+    the step are each row's."""
+
+    input_shape: tuple[int, ...]
+    embeds_shape: tuple[int, ...]
+    image_shape: tuple[int, ...]
+    guided: bool
+    dtype: str
+    lora: tuple[str, float] | None
+    alone: object | None
+    """An object of its own for a request with ``attention_kwargs``: it runs alone."""
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class SectionRow:
+    """One session's section step: its inputs and conditions, none of its state."""
+
+    hidden: torch.Tensor
+    timestep: torch.Tensor
+    prompt: Prompt
+    negative: Prompt | None
+    true_cfg_scale: float
+    conditions: Mapping[str, torch.Tensor]
+
+
+class SectionGroup:
+    """The batched step (``run_batch``) of the sections sharing a `SectionKey`: one
+    forward over every row's prompt and, with true CFG, every row's negative prompt
+    (2N rows where a lone section makes two forwards of one). A batch of more than one
+    row masks each row's padded text where a lone row's forward cuts it off (the
+    transformer's own two ways): the same attention, summed in another order."""
+
+    def __init__(
+        self,
+        engine: Any,
+        info: PipelineInfo,
+        key: SectionKey,
+        lora: Any,
+        conditions: Mapping[str, Any],
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self.key = key
+        self._lora = lora
+        self._shared = {
+            name: value
+            for name, value in conditions.items()
+            if name not in _PER_ROW and name != "return_dict"
+        }
+        """The positions (the same for every row of a key) and ``attention_kwargs``."""
+
+    def __call__(self, rows: Sequence[SectionRow]) -> list[torch.Tensor | Exception]:
+        count = len(rows)
+        texts = [row.prompt for row in rows]
+        inputs = list(rows)
+        if self.key.guided:
+            texts += [_negative(row) for row in rows]
+            inputs += inputs
+        own = {name: torch.cat([row.conditions[name] for row in inputs]) for name in _PER_ROW}
+        engine, info, lora = self._engine, self._info, self._lora
+        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            out = info.pipe.transformer(
+                hidden_states=torch.cat([row.hidden for row in inputs]),
+                timestep=torch.cat([row.timestep for row in inputs]),
+                encoder_hidden_states=torch.cat([text.embeds for text in texts]),
+                encoder_attention_mask=torch.cat([text.mask for text in texts]),
+                pooled_projections=torch.cat([text.pooled for text in texts]),
+                **own,
+                **self._shared,
+                return_dict=False,
+            )[0]
+        results: list[torch.Tensor | Exception] = []
+        for i, row in enumerate(rows):
+            cond = out[i : i + 1]
+            if self.key.guided:
+                negative = out[count + i : count + i + 1]
+                results.append(negative + row.true_cfg_scale * (cond - negative))
+            else:
+                results.append(cond.clone())  # not a view keeping the batch's alive
+        return results
+
+
+_NEVER_STOPS = Checkpoint()
+"""A batch's own wait for the lock: it serves several sessions and stops for none (a
+stopped session's row leaves at its next step). Bounded by one encode."""
+
+
+def _negative(row: SectionRow) -> Prompt:
+    if row.negative is None:  # a guided key is made only from rows with a negative prompt
+        raise EngineError("a guided row without a negative prompt")
+    return row.negative
+
+
 class FramepackLoop:
     """One session's place in the vanilla section loop: the first frame's latent and
     embedding, the latest latent frames, the held-back overlap frames, the generator."""
@@ -406,6 +536,8 @@ class FramepackLoop:
     def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
         """The next section's final frames; its conditioning (the LLaMA embeddings and
         mask and the CLIP pooled embedding) is blended alike."""
+        if stream.engine.max_batch > 1:
+            return self._batched_chunk(stream, checkpoint, remaining)
         plan = self.plan
         request = stream.request
 
@@ -462,6 +594,59 @@ class FramepackLoop:
         stopped section is never decoded (nor kept). ``image`` (the call's ``image=``) is
         read at the first section only; ``negative`` turns true CFG on (the call's
         ``true_cfg_scale > 1`` with a negative prompt)."""
+        device = pipe._execution_device
+        dtype = pipe.transformer.dtype
+        section = self._begin(
+            checkpoint,
+            pipe,
+            pipe.scheduler,
+            guidance_scale=guidance_scale,
+            num_inference_steps=num_inference_steps,
+            height=height,
+            width=width,
+            image=image,
+            attention_kwargs=attention_kwargs,
+        )
+        transformer = pipe.transformer
+        conditions = section.conditions
+        latents = section.latents
+
+        def predict(hidden: torch.Tensor, timestep: torch.Tensor, text: Prompt) -> torch.Tensor:
+            return transformer(
+                hidden_states=hidden,
+                timestep=timestep,
+                encoder_hidden_states=text.embeds.to(device, dtype),
+                encoder_attention_mask=text.mask.to(device, dtype),
+                pooled_projections=text.pooled.to(device, dtype),
+                **conditions,
+            )[0]
+
+        for t in section.timesteps:
+            checkpoint()  # raises when the session is over: no more steps, no decode
+            timestep = t.expand(latents.shape[0])
+            hidden = latents.to(dtype)
+            noise_pred = predict(hidden, timestep, prompt)
+            if negative is not None:
+                negative_pred = predict(hidden, timestep, negative)
+                noise_pred = negative_pred + self.plan.true_cfg_scale * (noise_pred - negative_pred)
+            latents = pipe.scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
+        return self._finish(checkpoint, pipe, latents)
+
+    def _begin(
+        self,
+        checkpoint: Callable[[], None],
+        pipe: Any,
+        scheduler: Any,
+        *,
+        guidance_scale: float,
+        num_inference_steps: int,
+        height: int,
+        width: int,
+        image: Any,
+        attention_kwargs: Any,
+    ) -> _Section:
+        """The next section's noise, schedule (on ``scheduler``, a fresh one) and the
+        transformer's conditions: the call's steps 6 and 7, vanilla."""
         plan = self.plan
         device = pipe._execution_device
         transformer = pipe.transformer
@@ -489,7 +674,7 @@ class FramepackLoop:
             device=device,
             generator=self.generator,
         )
-        timesteps = self._timesteps(pipe, latents, num_inference_steps, device)
+        timesteps = self._timesteps(pipe, scheduler, latents, num_inference_steps, device)
         guidance = torch.tensor([guidance_scale], dtype=dtype, device=device) * 1000.0
         conditions = {
             "image_embeds": self._image_embeds,
@@ -504,27 +689,15 @@ class FramepackLoop:
             "attention_kwargs": attention_kwargs,
             "return_dict": False,
         }
+        return _Section(latents, timesteps, conditions)
 
-        def predict(hidden: torch.Tensor, timestep: torch.Tensor, text: Prompt) -> torch.Tensor:
-            return transformer(
-                hidden_states=hidden,
-                timestep=timestep,
-                encoder_hidden_states=text.embeds.to(device, dtype),
-                encoder_attention_mask=text.mask.to(device, dtype),
-                pooled_projections=text.pooled.to(device, dtype),
-                **conditions,
-            )[0]
-
-        for t in timesteps:
-            checkpoint()  # raises when the session is over: no more steps, no decode
-            timestep = t.expand(latents.shape[0])
-            hidden = latents.to(dtype)
-            noise_pred = predict(hidden, timestep, prompt)
-            if negative is not None:
-                negative_pred = predict(hidden, timestep, negative)
-                noise_pred = negative_pred + plan.true_cfg_scale * (noise_pred - negative_pred)
-            latents = pipe.scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
+    def _finish(
+        self, checkpoint: Callable[[], None], pipe: Any, latents: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode and blend the denoised section; only then is it the next one's history."""
+        plan = self.plan
         checkpoint()  # the decode
+        assert self._history is not None
         history = torch.cat([self._history, latents], dim=2)
         # The call decodes the image latent and the first section, then each section with
         # the one before it.
@@ -537,6 +710,79 @@ class FramepackLoop:
         self._history = history[:, :, -plan.kept_latents :].clone()
         self.sections_done += 1
         return pipe.video_processor.postprocess_video(frames, output_type="pt")
+
+    # ------------------------------------------------------------ batched sections
+
+    def _batched_chunk(
+        self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
+    ) -> Chunk:
+        """The next section, its steps batched with other sessions' (`SectionGroup`), as
+        SkyReels-V2 DF windows are (``forcing.ForcingLoop._batched_chunk``): the pipeline's
+        lock for the prompt and image encodes and each batched forward, the engine's
+        decode lock for the decode, the session's own scheduler in its own thread."""
+        engine, request, plan = stream.engine, stream.request, self.plan
+        info = stream.plan.first
+        index = stream.index
+        conditioning = stream.next_conditioning()
+        pass_ = stream.driven_pass(info, 6.0)
+        attention_kwargs = pass_.kwargs.get("attention_kwargs")
+        pipe = info.pipe
+        device = pipe._execution_device
+        dtype = pipe.transformer.dtype
+        scheduler = stream.fresh_scheduler(info)
+        with torch.no_grad():
+            with engine.lock.held(checkpoint):
+                stream.activate_lora(info)
+                prompt = self._prompts.mixed(info, conditioning.mix)
+                negative = None
+                if plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
+                    negative = self._prompts.get(info, request.negative_prompt)
+                section = self._begin(
+                    checkpoint,
+                    pipe,
+                    scheduler,
+                    guidance_scale=pass_.guidance,
+                    num_inference_steps=pass_.steps,
+                    height=request.height,
+                    width=request.width,
+                    image=stream.image if index == 0 else None,
+                    attention_kwargs=attention_kwargs,
+                )
+            prompt = prompt.on(device, dtype)
+            negative = None if negative is None else negative.on(device, dtype)
+            lora = stream.lora
+            conditions = section.conditions
+            key = SectionKey(
+                input_shape=tuple(section.latents.shape),
+                embeds_shape=tuple(prompt.embeds.shape),
+                image_shape=tuple(conditions["image_embeds"].shape),
+                guided=negative is not None,
+                dtype=str(dtype),
+                lora=None if lora is None else (lora[0].adapter, lora[1]),
+                alone=None if attention_kwargs is None else object(),
+            )
+            group = engine.batch_group(
+                ("framepack", key),
+                lambda: SectionGroup(engine, info, key, lora, conditions),
+            )
+            latents = section.latents
+            own = {name: conditions[name] for name in _PER_ROW}
+            with checkpoint.batched(group) as step:
+                for t in section.timesteps:
+                    row = SectionRow(
+                        hidden=latents.to(dtype),
+                        timestep=t.expand(latents.shape[0]),
+                        prompt=prompt,
+                        negative=negative,
+                        true_cfg_scale=plan.true_cfg_scale,
+                        conditions=own,
+                    )
+                    noise_pred = step(row)
+                    latents = scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
+            del group
+            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
+                video = self._finish(checkpoint, pipe, latents)
+        return stream.finish_driven(video, remaining, conditioning, index)
 
     def _start(self, pipe: Any, image: Any, *, height: int, width: int, dtype: torch.dtype) -> None:
         """What the call prepares before its loop (steps 4 and 5, vanilla): the image's
@@ -560,7 +806,7 @@ class FramepackLoop:
         self._history = torch.cat([zeros, image_latents], dim=2)
 
     def _timesteps(
-        self, pipe: Any, latents: torch.Tensor, steps: int, device: torch.device
+        self, pipe: Any, scheduler: Any, latents: torch.Tensor, steps: int, device: torch.device
     ) -> torch.Tensor:
         """The call's per-section schedule: linear sigmas (or the request's), shifted by
         ``mu`` from the section's token count, capped at log(7)."""
@@ -570,7 +816,6 @@ class FramepackLoop:
             retrieve_timesteps,
         )
 
-        scheduler = pipe.scheduler
         sigmas = (
             np.linspace(1.0, 0.0, steps + 1)[:-1]
             if self.plan.sigmas is None
