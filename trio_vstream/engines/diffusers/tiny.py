@@ -621,7 +621,6 @@ def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY)
     704x1280; any size that is a multiple of the VAE's ratio works (the tests use 16x32)."""
     import torch
     from diffusers import (
-        AutoencoderKLLTX2Video,
         FlowMatchEulerDiscreteScheduler,
         SanaWMPipeline,
         SanaWMTransformer3DModel,
@@ -645,28 +644,12 @@ def build_sana_wm(path: Path, *, seed: int = 0, size: SanaWMSize = SANA_WM_TINY)
             eos_token_id=3,
         )
     ).eval()
-    channels = size.vae_channels
-    blocks = len(channels)
-    vae_model = AutoencoderKLLTX2Video(
-        in_channels=3,
-        out_channels=3,
+    blocks = len(size.vae_channels)
+    vae_model = _ltx2_video_vae(
+        size.vae_channels,
         latent_channels=size.latent_channels,
-        block_out_channels=channels,
-        decoder_block_out_channels=channels,
-        layers_per_block=(1,) * blocks,
-        decoder_layers_per_block=(1,) * (blocks + 1),
-        spatio_temporal_scaling=(True,) * blocks,
-        decoder_spatio_temporal_scaling=(True,) * blocks,
-        decoder_inject_noise=(False,) * (blocks + 1),
-        downsample_type=("spatiotemporal",) * blocks,
-        upsample_type=("spatiotemporal",) * blocks,
-        upsample_residual=(False,) * blocks,
-        upsample_factor=(1,) * blocks,
-        timestep_conditioning=False,
-        patch_size=size.vae_patch,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
+        patch=size.vae_patch,
+        encoder_blocks=blocks,
     )
     model = SanaWMTransformer3DModel(
         in_channels=size.latent_channels,
@@ -747,7 +730,6 @@ def build_ltx2(
     import torch
     from diffusers import (
         AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
         FlowMatchEulerDiscreteScheduler,
         LTX2ImageToVideoPipeline,
         LTX2Pipeline,
@@ -830,27 +812,11 @@ def build_ltx2(
         causal_temporal_positioning=False,
         rope_type="split",
     )
-    blocks = len(size.vae_channels)
-    video_vae = AutoencoderKLLTX2Video(
-        in_channels=3,
-        out_channels=3,
+    video_vae = _ltx2_video_vae(
+        size.vae_channels,
         latent_channels=4,
-        block_out_channels=size.vae_channels,
-        decoder_block_out_channels=size.vae_channels,
-        layers_per_block=(1,) * (blocks + 1),
-        decoder_layers_per_block=(1,) * (blocks + 1),
-        spatio_temporal_scaling=(True,) * blocks,
-        decoder_spatio_temporal_scaling=(True,) * blocks,
-        decoder_inject_noise=(False,) * (blocks + 1),
-        downsample_type=("spatiotemporal",) * blocks,
-        upsample_type=("spatiotemporal",) * blocks,
-        upsample_residual=(False,) * blocks,
-        upsample_factor=(1,) * blocks,
-        timestep_conditioning=False,
-        patch_size=size.vae_patch,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
+        patch=size.vae_patch,
+        encoder_blocks=len(size.vae_channels) + 1,
     )
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4,
@@ -940,3 +906,36 @@ def _audible(vocoder: object, audio_vae: object) -> None:
         mel = audio_vae.decode(latents, return_dict=False)[0]  # type: ignore[operator]
         level = vocoder(mel)[0].std(dim=-1).clamp(min=1e-6)  # each channel's
         out.weight.mul_((0.1 / level)[:, None, None])
+
+
+def _ltx2_video_vae(
+    channels: tuple[int, ...], *, latent_channels: int, patch: int, encoder_blocks: int
+) -> object:
+    """A small ``AutoencoderKLLTX2Video`` (LTX-2's video VAE, which SANA-WM uses too):
+    one layer a block, spatio-temporal scaling at every block, a causal encoder and a
+    non-causal decoder, no timestep conditioning; ``encoder_blocks`` layer counts for the
+    encoder (SANA-WM's config has one per block, LTX-2's one more)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    blocks = len(channels)
+    return AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=channels,
+        decoder_block_out_channels=channels,
+        layers_per_block=(1,) * encoder_blocks,
+        decoder_layers_per_block=(1,) * (blocks + 1),
+        spatio_temporal_scaling=(True,) * blocks,
+        decoder_spatio_temporal_scaling=(True,) * blocks,
+        decoder_inject_noise=(False,) * (blocks + 1),
+        downsample_type=("spatiotemporal",) * blocks,
+        upsample_type=("spatiotemporal",) * blocks,
+        upsample_residual=(False,) * blocks,
+        upsample_factor=(1,) * blocks,
+        timestep_conditioning=False,
+        patch_size=patch,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
