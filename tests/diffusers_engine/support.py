@@ -10,6 +10,7 @@ the hook notifies), never by polling.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import threading
@@ -328,3 +329,31 @@ async def run_session(url: str, start: dict[str, Any]) -> Transcript:
         await ws.send_message(json.dumps(start))
         await receive_into(ws, transcript)
     return transcript
+
+
+def record_calls(
+    monkeypatch: Any, pipe: Any, on_output: Callable[[dict[str, Any], Any], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every call of ``pipe``'s class from now on, as the keyword arguments it was given
+    (the image as an array, the generator as its seed); the real ``__call__`` then runs,
+    and ``on_output(seen, output)`` may keep something of what it returned.
+    ``monkeypatch`` (pytest's) puts the class back after the test."""
+    calls: list[dict[str, Any]] = []
+    cls = type(pipe)
+    call = cls.__call__
+
+    @functools.wraps(call)
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen = dict(kwargs)
+        if "image" in seen:
+            seen["image"] = np.asarray(seen["image"]).copy()
+        if seen.get("generator") is not None:
+            seen["generator"] = seen["generator"].initial_seed()
+        calls.append(seen)
+        output = call(self, *args, **kwargs)
+        if on_output is not None:
+            on_output(seen, output)
+        return output
+
+    monkeypatch.setattr(cls, "__call__", recording)
+    return calls

@@ -9,7 +9,6 @@ the pipeline's own ``__call__``, which then runs."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from tests.diffusers_engine.support import (
     fox_to_whale,
     memory_per_chunk,
     no_stop,
+    record_calls,
     request,
     run_all,
     take_turns,
@@ -93,28 +93,6 @@ def single_call(pipe: Any, *, seed: int = 1, **kw: Any) -> np.ndarray:
     }
     args.update(kw)
     return frames_to_uint8(pipe(**args).frames).numpy()
-
-
-def record_calls(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> list[dict[str, Any]]:
-    """Every call of ``pipe``'s class from now on, as the keyword arguments it was given
-    (the image as an array, the generator as its seed); the real ``__call__`` then runs.
-    ``monkeypatch`` puts the class back after the test."""
-    calls: list[dict[str, Any]] = []
-    cls = type(pipe)
-    call = cls.__call__
-
-    @functools.wraps(call)
-    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen = dict(kwargs)
-        if "image" in seen:
-            seen["image"] = np.asarray(seen["image"]).copy()
-        if seen.get("generator") is not None:
-            seen["generator"] = seen["generator"].initial_seed()
-        calls.append(seen)
-        return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(cls, "__call__", recording)
-    return calls
 
 
 def inverted_call(pipe: Any, image: np.ndarray, *, seed: int, **kw: Any) -> np.ndarray:

@@ -11,7 +11,6 @@ asks for them is ``slow`` (as ``tests/conftest.py`` marks the other pipelines' t
 
 from __future__ import annotations
 
-import functools
 import re
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +31,7 @@ from tests.diffusers_engine.support import (
     run_all,
     run_session,
 )
+from tests.diffusers_engine.support import record_calls as support_record_calls
 from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.encoding import FragmentedMP4Encoder
 from trio_vstream.engines import Engine, InvalidRequestError, load_engine
@@ -79,31 +79,6 @@ def ltx_request(**fields: Any) -> Any:
     }
     values.update(fields)
     return request(**values)
-
-
-def record_calls(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> list[dict[str, Any]]:
-    """Every call of ``pipe``'s class from now on: the keyword arguments it was given (the
-    image as an array, the generator as its seed) and, under ``"wave"``, the waveform it
-    returned (channels, samples). The real ``__call__`` runs; ``monkeypatch`` puts the
-    class back after the test."""
-    calls: list[dict[str, Any]] = []
-    cls = type(pipe)
-    call = cls.__call__
-
-    @functools.wraps(call)
-    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen = dict(kwargs)
-        if "image" in seen:
-            seen["image"] = np.asarray(seen["image"]).copy()
-        if seen.get("generator") is not None:
-            seen["generator"] = seen["generator"].initial_seed()
-        calls.append(seen)
-        output = call(self, *args, **kwargs)
-        seen["wave"] = output.audio[0].float().numpy().copy()
-        return output
-
-    monkeypatch.setattr(cls, "__call__", recording)
-    return calls
 
 
 def direct(pipe: Any, *, seed: int, num_frames: int = SEGMENT, **kw: Any) -> Any:
@@ -418,3 +393,13 @@ def test_the_engine_keeps_the_contract_with_its_sound(ltx2: SimpleNamespace) -> 
         return load_engine("diffusers", args, device="cpu")
 
     check_engine(factory, ltx_request(num_frames=17, num_inference_steps=1, guidance_scale=1.0))
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> list[dict[str, Any]]:
+    """`support.record_calls`, and under ``"wave"`` the waveform each call returned
+    (channels, samples)."""
+
+    def keep_wave(seen: dict[str, Any], output: Any) -> None:
+        seen["wave"] = output.audio[0].float().numpy().copy()
+
+    return support_record_calls(monkeypatch, pipe, keep_wave)

@@ -9,7 +9,6 @@ pipeline's direct call."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.diffusers_engine.support import (
     Stopped,
     memory_per_chunk,
     no_stop,
+    record_calls,
     request,
     run_all,
     run_session,
@@ -95,25 +95,8 @@ def engine(sana_wm: Path, make_engine: Any) -> Any:
 
 @pytest.fixture
 def calls(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Every call of the engine's pipeline class from now on, as the keyword arguments it
-    was given (the image as an array, the generator as its seed); the real ``__call__``
-    then runs. ``monkeypatch`` puts the class back after the test."""
-    made: list[dict[str, Any]] = []
-    cls = type(engine.model.pipe)
-    call = cls.__call__
-
-    @functools.wraps(call)
-    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen = dict(kwargs)
-        if "image" in seen:
-            seen["image"] = np.asarray(seen["image"]).copy()
-        if seen.get("generator") is not None:
-            seen["generator"] = seen["generator"].initial_seed()
-        made.append(seen)
-        return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(cls, "__call__", recording)
-    return made
+    """Every call of the engine's pipeline class from now on (`record_calls`)."""
+    return record_calls(monkeypatch, engine.model.pipe)
 
 
 def wm_request(**fields: Any) -> Any:
