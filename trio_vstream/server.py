@@ -574,6 +574,7 @@ class VideoServer:
             "streams_open": stats.streams_open,
             "worker_threads": stats.worker_threads,
             "chunks_sent": stats.chunks_sent,
+            "engine_cpu_seconds": stats.engine_cpu_seconds,
             "batches": self.batcher.batches if self.batcher else 0,
             "batch_rows": self.batcher.rows if self.batcher else 0,
             "threads_alive": threading.active_count(),
