@@ -7,9 +7,10 @@ the bare encoder (`bench._bare_encoder`, a process of its own), in the order ser
 bare in even runs and bare, server in odd ones, so that drift on a shared machine
 affects both.
 
-- **The server.** One untimed session first (a fresh process's first allocations and
-  x264 set-up), then ``overhead_sessions`` sessions (8) of ``overhead_frames`` frames
-  (480) at ``--size`` (832x480) start together and run to their end, unpaced. The
+- **The server.** An untimed round first (the same sessions: a fresh process's heap
+  grows to the load's high-water mark, faulting its pages in), then
+  ``overhead_sessions`` sessions (8) of ``overhead_frames`` frames (480) at ``--size``
+  (832x480) start together and run to their end, unpaced. The
   server process's CPU (user + system, every thread: `bench._server.cpu_seconds`) from
   before the first connects to after the server has none left, over the frames the
   clients received. Of that, the engine's own (``engine_cpu_seconds`` in ``/stats``:
@@ -55,7 +56,6 @@ from trio_vstream import protocol
 OVERHEAD_LIMIT: Final = 1.10
 """Server CPU (its engine's left out) per frame / the bare encoder's, at most."""
 SEED: Final = 1
-WARMUP_FRAMES: Final = 32
 
 
 def per_frame_ms(cpu_s: float | None, frames: int) -> float:
@@ -178,7 +178,11 @@ class OverheadScenario:
         async with serving({"server": self.target}, log_dir, f"overhead-{run}", tag) as servers:
             served = servers["server"]
             ctx = await started_context(served, self.target, s, self.figures, run, self.checks)
-            await self._sessions(ctx, 1, WARMUP_FRAMES)
+            # An untimed round at the same load first: a fresh process grows its heap to
+            # the load's high-water mark (~600 MB here), faulting fresh pages in all the
+            # way (8 minor faults a frame, against 1 in the next round); a server that
+            # has run a while has it already.
+            await self._sessions(ctx, s.overhead_sessions, s.overhead_frames)
             await ctx.settle()
             before = await fetch_stats(ctx.endpoint)
             cpu0 = cpu_seconds(served.pid)
