@@ -27,6 +27,7 @@ SCENARIOS: Final = (
     "effect",
     "streaming",
     "glass",
+    "overhead",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -34,14 +35,22 @@ server rather than from whatever memory the other scenarios left to the allocato
 the server itself (it serves a model the harness builds, so neither --url nor --compare).
 """
 SERVER_SCENARIOS: Final = SCENARIOS[:4]
-OWN_SERVER_SCENARIOS: Final = ("diffusers", "batching", "effect", "streaming", "glass")
+OWN_SERVER_SCENARIOS: Final = (
+    "diffusers",
+    "batching",
+    "effect",
+    "streaming",
+    "glass",
+    "overhead",
+)
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
 """What ``all`` runs, besides ``diffusers`` where it can run. ``batching`` (~3 min) and
 ``effect`` (~3 min) are asked for by name: together they would more than double the
 default run, and they measure the shapes engine rather than the transport; so does
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
-for by name too."""
+for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
+encoder's, ~1.5 min a run)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -138,6 +147,9 @@ class Settings:
     glass_chunk_frames: int | None = None
     """The page's Live knobs (``LIVE.bufferSeconds``, ``LIVE.startSeconds``,
     ``LIVE.chunkFrames`` in player.js) for trying others; None: the page's own."""
+    overhead_sessions: int = 8
+    overhead_frames: int = 480
+    """The overhead scenario's load: this many sessions of this many frames, together."""
     glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
     """The glass server's shapes engine: one torch thread, so chromium has the other
     core of a 2-core machine to decode and show the video."""
@@ -178,6 +190,8 @@ class Settings:
             "glass_seconds": 6.0,
             "glass_press_every_s": 2.0,
             "glass_warmup_s": 1.5,
+            "overhead_sessions": 2,
+            "overhead_frames": 48,
         }
         base.update(overrides)
         return cls(**base)

@@ -260,6 +260,40 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     ),
     "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
     "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
+    "overhead.server_ms_per_frame": (
+        "ms",
+        "per run: the server process's CPU (all threads) per frame delivered, the "
+        "engine's frame generation included",
+    ),
+    "overhead.engine_ms_per_frame": (
+        "ms",
+        "per run: its engine's next_chunk calls' thread CPU per frame (/stats "
+        "engine_cpu_seconds): the synthetic engine rendering its frames",
+    ),
+    "overhead.serving_ms_per_frame": (
+        "ms",
+        "per run: server minus engine, per frame: decoding nothing, encoding, muxing, "
+        "sending, the event loop and its threads",
+    ),
+    "overhead.bare_ms_per_frame": (
+        "ms",
+        "per run: a bare PyAV/libx264 encoder's CPU (all threads) per frame, same "
+        "settings, conversion and frames, their generation left out",
+    ),
+    "overhead.bare_generate_ms_per_frame": (
+        "ms",
+        "per run: the bare side's generation of those frames (the engine's, in its process)",
+    ),
+    "overhead.ratio": ("ratio", "per run: serving / bare, CPU per frame (the target's figure)"),
+    "overhead.ratio_with_generation": (
+        "ratio",
+        "per run: server / (bare + its generation): both with their frames' making",
+    ),
+    "overhead.aggregate_fps": (
+        "fps",
+        "per run: frames delivered over the sessions' wall time (a shared machine: indicative)",
+    ),
+    "overhead.errors": ("count", "per run: failed sessions, or frames missing"),
 }
 
 

@@ -118,6 +118,7 @@ from bench.scenarios.diffusers import (
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
 from bench.scenarios.glass import GlassScenario
+from bench.scenarios.overhead import OverheadScenario
 from bench.scenarios.streaming import StreamingScenario
 from trio_vstream.client import check_startup
 
@@ -311,7 +312,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                 )
             elif name in OWN_SERVER_SCENARIOS[1:] and (args.url or args.compare):
                 raise SystemExit(
-                    f"the {name} scenario starts shapes servers of its own: "
+                    f"the {name} scenario starts servers of its own: "
                     "it takes neither --url nor --compare"
                 )
             elif name in SCENARIOS:
@@ -448,6 +449,11 @@ async def main_async(args: argparse.Namespace) -> int:
             glass = GlassScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await glass.run(run, Path(log_dir))
+        overhead: OverheadScenario | None = None
+        if "overhead" in s.scenarios:
+            overhead = OverheadScenario(s, args.server_arg)
+            for run in range(s.repeat):
+                await overhead.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -481,7 +487,9 @@ async def main_async(args: argparse.Namespace) -> int:
     if diffusers is not None:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
-    Section = BatchingScenario | EffectScenario | StreamingScenario | GlassScenario
+    Section = (
+        BatchingScenario | EffectScenario | StreamingScenario | GlassScenario | OverheadScenario
+    )
     sections: list[Section] = []
     section_verdicts: list[dict[str, Any]] = []
     named: tuple[tuple[str, Section | None], ...] = (
@@ -489,6 +497,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ("effect", effect),
         ("streaming", streaming),
         ("glass", glass),
+        ("overhead", overhead),
     )
     for name, section in named:
         if section is not None:

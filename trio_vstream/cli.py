@@ -253,7 +253,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--encode-concurrency",
         type=_positive(int),
         default=defaults.encode_concurrency,
-        help="chunks encoded at once, server-wide (default %(default)s: cores - 1)",
+        help="chunks encoded at once, server-wide (default %(default)s: the cores)",
     )
     parser.add_argument(
         "--shutdown-grace",

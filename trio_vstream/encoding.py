@@ -79,7 +79,14 @@ from trio_vstream.image_header import ImageHeaderError, read_image_header
 from trio_vstream.protocol import CodecOptionError, check_codec_options
 from trio_vstream.video import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES, audio_samples_through
 
-__all__ = ["EncodingError", "FragmentedMP4Encoder", "decode_image", "fragment_starts_with_keyframe"]
+__all__ = [
+    "EncodingError",
+    "FragmentedMP4Encoder",
+    "decode_image",
+    "fragment_starts_with_keyframe",
+    "open_h264",
+    "to_encoder_frame",
+]
 
 
 class EncodingError(Exception):
@@ -200,6 +207,91 @@ def _track_timescale(fps: int) -> int:
     return timescale
 
 
+def open_h264(
+    *,
+    width: int,
+    height: int,
+    fps: int,
+    codec_options: Mapping[str, str] | None = None,
+    forced_idr: bool = True,
+) -> av.VideoCodecContext:
+    """An open libx264 context as `FragmentedMP4Encoder` encodes with: yuv420p, BT.709
+    limited range tagged, SPS/PPS in extradata, the low-latency parameters on top of
+    ``codec_options`` (checked against the allow-list). Its own function so that the
+    benchmark's bare encoder (``bench/_bare_encoder.py``) runs exactly these settings.
+
+    ``forced_idr``: a keyframe the caller forces is an IDR, not an open-GOP I frame a
+    decoder cannot start from (the allow-list has no option that could say otherwise).
+    """
+    options = dict(DEFAULT_CODEC_OPTIONS)
+    if codec_options is not None:
+        # The protocol checked a client's options already; checking again here keeps
+        # any other caller inside the same allow-list (no dump-yuv=, no slow preset).
+        try:
+            options.update(check_codec_options(codec_options, where="codec_options"))
+        except CodecOptionError as exc:
+            raise EncodingError(str(exc)) from None
+    if forced_idr:
+        options["forced-idr"] = "1"
+    user_x264_params = options.get("x264-params", "")
+    options["x264-params"] = (
+        f"{_LOW_LATENCY_X264_PARAMS}:{user_x264_params}"
+        if user_x264_params
+        else _LOW_LATENCY_X264_PARAMS
+    )
+
+    try:
+        ctx = av.CodecContext.create("libx264", "w")
+    except (av.error.FFmpegError, ValueError) as exc:
+        raise EncodingError(f"libx264 encoder is not available: {exc}") from exc
+    assert isinstance(ctx, av.VideoCodecContext)
+    ctx.width = width
+    ctx.height = height
+    ctx.pix_fmt = "yuv420p"
+    ctx.time_base = Fraction(1, fps)
+    ctx.framerate = Fraction(fps, 1)
+    # SPS/PPS go to extradata (for avcC) instead of being repeated in-band.
+    ctx.flags |= av.codec.context.Flags.global_header
+    # Tag BT.709 limited range in the SPS VUI (`to_encoder_frame` converts so):
+    # untagged streams are guessed as BT.601 by some decoders and BT.709 by others.
+    ctx.colorspace = 1  # AVCOL_SPC_BT709
+    ctx.color_primaries = 1  # AVCOL_PRI_BT709
+    ctx.color_trc = 1  # AVCOL_TRC_BT709
+    ctx.color_range = int(ColorRange.MPEG)
+    ctx.options = options
+    try:
+        ctx.open()
+    except (av.error.FFmpegError, ValueError) as exc:
+        shown = {k: v for k, v in options.items() if k != "x264-params"}
+        if user_x264_params:
+            shown["x264-params"] = user_x264_params
+        raise EncodingError(f"libx264 rejected the codec options {shown}: {exc}") from exc
+    unused = sorted(ctx.options)
+    if unused:
+        # avcodec_open2 hands back the entries no option consumed: almost always typos.
+        raise EncodingError(f"unknown libx264 codec option(s): {', '.join(unused)}")
+    return ctx
+
+
+def to_encoder_frame(reformatter: VideoReformatter, rgb: np.ndarray) -> av.VideoFrame:
+    """One (H, W, 3) uint8 RGB picture as the yuv420p frame `open_h264`'s context takes
+    (BT.709, limited range), through ``reformatter`` (one per encoder: it keeps its
+    swscale context from frame to frame).
+
+    The RGB frame is a view of the array, not a copy: ``from_ndarray`` copies the
+    picture first, ~0.4 ms of CPU per 832x480 frame (a sixth of encoding it) for
+    nothing, since swscale can read the pixels where they are and writes the YUV
+    frame anyway. The output is the same, byte for byte.
+    """
+    frame = av.VideoFrame.from_numpy_buffer(np.ascontiguousarray(rgb), format="rgb24")
+    return reformatter.reformat(
+        frame,
+        format="yuv420p",
+        dst_colorspace=Colorspace.ITU709,
+        dst_color_range=ColorRange.MPEG,
+    )
+
+
 class FragmentedMP4Encoder:
     """One per session. Not thread-safe; one call at a time (the server guarantees that).
 
@@ -232,59 +324,17 @@ class FragmentedMP4Encoder:
         self._timescale = _track_timescale(fps)
         self._frame_duration = self._timescale // fps
 
-        options = dict(DEFAULT_CODEC_OPTIONS)
-        if codec_options is not None:
-            # The protocol checked a client's options already; checking again here keeps
-            # any other caller inside the same allow-list (no dump-yuv=, no slow preset).
-            try:
-                options.update(check_codec_options(codec_options, where="codec_options"))
-            except CodecOptionError as exc:
-                raise EncodingError(str(exc)) from None
         if keyframe_interval < 0:
             raise EncodingError(f"keyframe_interval must be >= 0, got {keyframe_interval}")
-        if keyframe_interval:
-            # A forced keyframe is an IDR, not an open-GOP I frame a decoder cannot
-            # start from (the allow-list has no option that could say otherwise).
-            options["forced-idr"] = "1"
         self._keyframe_interval = keyframe_interval
         self._chunks_encoded = 0
-        user_x264_params = options.get("x264-params", "")
-        options["x264-params"] = (
-            f"{_LOW_LATENCY_X264_PARAMS}:{user_x264_params}"
-            if user_x264_params
-            else _LOW_LATENCY_X264_PARAMS
+        ctx = open_h264(
+            width=width,
+            height=height,
+            fps=fps,
+            codec_options=codec_options,
+            forced_idr=keyframe_interval > 0,
         )
-
-        try:
-            ctx = av.CodecContext.create("libx264", "w")
-        except (av.error.FFmpegError, ValueError) as exc:
-            raise EncodingError(f"libx264 encoder is not available: {exc}") from exc
-        assert isinstance(ctx, av.VideoCodecContext)
-        ctx.width = width
-        ctx.height = height
-        ctx.pix_fmt = "yuv420p"
-        ctx.time_base = Fraction(1, fps)
-        ctx.framerate = Fraction(fps, 1)
-        # SPS/PPS go to extradata (for avcC) instead of being repeated in-band.
-        ctx.flags |= av.codec.context.Flags.global_header
-        # Tag BT.709 limited range in the SPS VUI (the RGB->YUV conversion below uses it):
-        # untagged streams are guessed as BT.601 by some decoders and BT.709 by others.
-        ctx.colorspace = 1  # AVCOL_SPC_BT709
-        ctx.color_primaries = 1  # AVCOL_PRI_BT709
-        ctx.color_trc = 1  # AVCOL_TRC_BT709
-        ctx.color_range = int(ColorRange.MPEG)
-        ctx.options = options
-        try:
-            ctx.open()
-        except (av.error.FFmpegError, ValueError) as exc:
-            shown = {k: v for k, v in options.items() if k != "x264-params"}
-            if user_x264_params:
-                shown["x264-params"] = user_x264_params
-            raise EncodingError(f"libx264 rejected the codec options {shown}: {exc}") from exc
-        unused = sorted(ctx.options)
-        if unused:
-            # avcodec_open2 hands back the entries no option consumed: almost always typos.
-            raise EncodingError(f"unknown libx264 codec option(s): {', '.join(unused)}")
 
         self._ctx: av.VideoCodecContext | None = ctx
         self._audio: av.AudioCodecContext | None = None
@@ -392,15 +442,7 @@ class FragmentedMP4Encoder:
                 if abandon is not None and abandon():
                     self._failed = "a chunk's encoding was abandoned"
                     raise EncodingAbandoned(self._failed)
-                rgb = av.VideoFrame.from_ndarray(
-                    np.ascontiguousarray(frames[index]), format="rgb24"
-                )
-                yuv = self._reformatter.reformat(
-                    rgb,
-                    format="yuv420p",
-                    dst_colorspace=Colorspace.ITU709,
-                    dst_color_range=ColorRange.MPEG,
-                )
+                yuv = to_encoder_frame(self._reformatter, frames[index])
                 yuv.pts = self._frames_encoded + index
                 if index == 0 and self._forces_keyframe():
                     yuv.pict_type = PictureType.I  # a place to join

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
@@ -63,6 +64,9 @@ class EngineCall(Generic[T]):
         """Set, in the Trio thread, once the call has returned and its detached work is done."""
         self.result: outcome.Outcome[T] | None = None
         """What the call returned or raised (for `start`: read it once `returned` is set)."""
+        self.cpu_seconds = 0.0
+        """CPU time its thread spent in the call (``time.thread_time``), once it returned:
+        what the server reports as the engine's own cost (see `ServerCounters`)."""
 
     @property
     def name(self) -> str:
@@ -126,7 +130,9 @@ class EngineCall(Generic[T]):
 
     def _call(self) -> outcome.Outcome[T]:
         """The worker thread: the call, then whatever a detach handed over."""
+        began = time.thread_time()
         result = outcome.capture(self._fn, *self._args)
+        self.cpu_seconds = time.thread_time() - began
         with self._lock:
             self._done = True
             in_thread = self._in_thread

@@ -101,8 +101,11 @@ class ServerConfig:
     port: int = 8000
     """0 picks a free port; ``VideoServer.port`` tells which."""
     max_sessions: int = 16
-    encode_concurrency: int = attrs.field(factory=lambda: max(1, (os.cpu_count() or 2) - 1))
-    """Chunks encoded at once, server-wide; by default one core is left to the rest."""
+    encode_concurrency: int = attrs.field(factory=lambda: max(1, os.cpu_count() or 1))
+    """Chunks encoded at once, server-wide; by default one per core. Measured on 2 cores
+    (docs/benchmarks.md, "Server overhead"): 1.5x the aggregate fps of cores - 1 with 8
+    and 16 sessions, ping and stop -> done p99 within their targets; unbounded, 8 x264
+    encoders starved the event loop (ping p99 55 ms, stop -> done p99 466 ms)."""
     shutdown_grace: float = 30.0
     """Seconds running sessions get to finish their videos after a shutdown request:
     long enough for typical clips, so that a rolling restart loses nothing."""
@@ -600,6 +603,7 @@ class VideoServer:
             "streams_open": stats.streams_open,
             "worker_threads": stats.worker_threads,
             "chunks_sent": stats.chunks_sent,
+            "engine_cpu_seconds": stats.engine_cpu_seconds,
             "batches": self.batcher.batches if self.batcher else 0,
             "batch_rows": self.batcher.rows if self.batcher else 0,
             "threads_alive": threading.active_count(),

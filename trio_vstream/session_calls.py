@@ -80,6 +80,8 @@ class SessionCalls:
         try:
             return await self.call(call, lambda _result: self._close_in_thread(stream), closed)
         finally:
+            # Read after the thread returned (a detached call's cost is not counted).
+            self._res.stats.engine_cpu_seconds += call.cpu_seconds
             if call.detached:
                 self.stream = None  # the call's now
                 checkpoint.cancel()  # its waits for a slot or a batch end now

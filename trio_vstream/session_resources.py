@@ -54,6 +54,11 @@ class ServerCounters:
     worker_threads: int = 0
     sessions_total: int = 0
     chunks_sent: int = 0
+    engine_cpu_seconds: float = 0.0
+    """CPU time of the threads that ran the engines' ``next_chunk`` calls, while in them
+    (`EngineCall.cpu_seconds`): what generating cost this process, which the benchmark
+    tells apart from what serving cost. Threads the engine starts itself (a BLAS pool,
+    a CUDA driver's) are not in it."""
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ import av
 import numpy as np
 import pytest
 from av.video.frame import PictureType
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from trio_vstream.encoding import (
     EncodingAbandoned,
@@ -21,6 +22,7 @@ from trio_vstream.encoding import (
     FragmentedMP4Encoder,
     decode_image,
     fragment_starts_with_keyframe,
+    to_encoder_frame,
 )
 
 # Frame index i is painted as a flat colour with two channels carrying base-12 digits 20 levels
@@ -388,3 +390,24 @@ def test_a_keyframe_interval_forces_an_idr_every_k_chunks() -> None:
 @pytest.mark.parametrize("junk", [b"", b"\x00\x00\x00\x08moof", b"\x00\x00\x00\x04abcd", b"x" * 40])
 def test_fragment_starts_with_keyframe_says_no_to_what_it_cannot_read(junk: bytes) -> None:
     assert not fragment_starts_with_keyframe(junk)
+
+
+def test_the_encoders_conversion_reads_the_array_in_place_and_matches_a_copy() -> None:
+    """`to_encoder_frame` hands swscale a view of the engine's array (no copy): the YUV
+    planes are those of converting a copy (``from_ndarray``), for contiguous frames and
+    for a strided view (made contiguous first), and the array is left as it was."""
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (2, 48, 64, 3), dtype=np.uint8)
+    before = frames.copy()
+    ours, theirs = VideoReformatter(), VideoReformatter()
+    for picture in (frames[0], frames[1], frames[0, :, ::-1]):
+        converted = to_encoder_frame(ours, picture)
+        expected = theirs.reformat(
+            av.VideoFrame.from_ndarray(np.ascontiguousarray(picture), format="rgb24"),
+            format="yuv420p",
+            dst_colorspace=Colorspace.ITU709,
+            dst_color_range=ColorRange.MPEG,
+        )
+        assert converted.format.name == "yuv420p"
+        assert np.array_equal(converted.to_ndarray(), expected.to_ndarray())
+    assert np.array_equal(frames, before)

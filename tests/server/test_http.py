@@ -15,7 +15,8 @@ from trio_websocket import ConnectionRejected
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine
-from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.synthetic import SyntheticSettings, SyntheticStream
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
 
@@ -79,6 +80,43 @@ async def test_metrics_report_sessions_and_stream_close_times(start_server: Any)
     assert session["outcome"] == "completed"
     assert session["started_at"] <= session["stream_closed_at"] <= session["ended_at"]
     assert session["ended_at"] <= metrics["monotonic"]
+
+
+BURN_S = 0.02
+
+
+class _BurningEngine(InstrumentedEngine):
+    """Spends `BURN_S` of its thread's CPU at the start of every ``next_chunk``."""
+
+    def open_stream(self, request: GenerationRequest) -> SyntheticStream:
+        stream = super().open_stream(request)
+        next_chunk = stream.next_chunk
+
+        def burning(checkpoint: Checkpoint) -> Chunk | None:
+            end = time.thread_time() + BURN_S
+            while time.thread_time() < end:
+                pass
+            return next_chunk(checkpoint)
+
+        stream.next_chunk = burning  # type: ignore[method-assign]
+        return stream
+
+
+async def test_stats_count_the_engines_cpu_and_not_its_waits(start_server: Any) -> None:
+    """``engine_cpu_seconds``: the CPU the engine's calls took (what the benchmark leaves
+    out of the server's cost), not their wall time (here mostly sleeping steps)."""
+    running = await start_server(
+        SyntheticSettings(chunk_frames=2, steps=1, step_delay=0.2), engine_class=_BurningEngine
+    )
+    port = running.server.port
+    assert json.loads((await http_get(port, "/stats"))[1])["engine_cpu_seconds"] == 0
+    cpu = time.process_time()
+    await running.run_session(START)  # 4 frames: two chunks, then the call that ends it
+    await running.wait_sessions_ended(1)
+    cpu = time.process_time() - cpu
+    engine = json.loads((await http_get(port, "/stats"))[1])["engine_cpu_seconds"]
+    assert engine >= 3 * BURN_S
+    assert engine <= cpu  # a thread's CPU is part of the process's; 0.4 s slept is not
 
 
 @pytest.mark.slow
