@@ -380,12 +380,12 @@ class VideoServer:
         """
         address = connections.address_key(_peer(tcp))
         if not self.per_address.take(address):
-            await self._turn_away(tcp, 429, TOO_MANY_FROM_ADDRESS)
+            await self._refuse_address(tcp)
             return
         try:
             slot = self.connections.take()
             if slot is None:
-                await self._turn_away(tcp, 503, AT_CAPACITY)
+                await self._turn_away(tcp)
                 return
             await self._serve_tcp(tcp, slot)
         finally:
@@ -421,18 +421,35 @@ class VideoServer:
             finally:
                 slot.release()  # once its descriptor is closed
 
-    async def _turn_away(self, tcp: trio.SocketStream, status: int, body: str) -> None:
-        """Every connection slot is taken, the reserved ones past their heads (503), or
-        the client's address holds its share (429): the answer at once, without reading
-        the request, then close. With TLS only the close: a handshake would hold the
-        connection. Bounded, though a fresh socket's buffer takes a short response
-        without waiting."""
+    async def _refuse_address(self, tcp: trio.SocketStream) -> None:
+        """The client's address holds its share of connections: a 429 once its head is
+        read (within the reserve's head timeout), then close. Read first because closing
+        a socket with unread bytes resets it, and a reset can reach the client before the
+        answer does (it did, one run in three, under load). With TLS only the close.
+        Holds no slot, and its descriptor for about a second at most."""
+        with (
+            trio.move_on_after(connections.RESERVED_HEAD_TIMEOUT + TURN_AWAY_SECONDS),
+            contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, http.HeadTooLarge
+            ),
+        ):
+            if self.config.ssl_context is None:
+                with trio.move_on_after(connections.RESERVED_HEAD_TIMEOUT):
+                    await http.read_head(tcp)
+                await http.respond(tcp, 429, TOO_MANY_FROM_ADDRESS, headers={"retry-after": "1"})
+        await trio.aclose_forcefully(tcp)
+
+    async def _turn_away(self, tcp: trio.SocketStream) -> None:
+        """Every connection slot is taken, the reserved ones past their heads: a 503 at
+        once, without reading the request, then close. With TLS only the close: a
+        handshake would hold the connection. Bounded, though a fresh socket's buffer
+        takes a short response without waiting."""
         with (
             trio.move_on_after(TURN_AWAY_SECONDS),
             contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
         ):
             if self.config.ssl_context is None:
-                await http.respond(tcp, status, body, headers={"retry-after": "1"})
+                await http.respond(tcp, 503, AT_CAPACITY, headers={"retry-after": "1"})
         await trio.aclose_forcefully(tcp)
 
     async def _route(
