@@ -193,9 +193,11 @@ async def test_batched_windows_equal_each_session_alone(
     frames, batcher = await run_batched(engine, sessions)
     shared = [size for size in batch_sizes if size > 2]
     # Guided rows run their conditional and unconditional passes in one forward (2 per
-    # row), and rows of several sessions share forwards.
+    # row), and rows of several sessions share forwards. (Two sessions at least: a and
+    # b are inside their first window together. Whether a third's window overlaps theirs
+    # is the threads' timing, not a rule: on CI it did not, once, and the test failed.)
     assert all(size % 2 == 0 for size in batch_sizes)
-    assert shared and max(shared) >= 6, batch_sizes
+    assert shared and max(shared) >= 4, batch_sizes
     assert batcher.rows == 2 * (3 + 3 + 2 + 3) and batcher.batches < batcher.rows
     batch_sizes.clear()
     for s in sessions:
