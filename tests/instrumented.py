@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
+import trio
 
 from trio_vstream.engines.base import (
     Checkpoint,
@@ -17,6 +20,7 @@ from trio_vstream.engines.base import (
     checkpoint_calling,
 )
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
+from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 
 
 class InstrumentedStream:
@@ -155,3 +159,25 @@ class CameraEngine(InstrumentedEngine):
     session needs (its interactions wait for their action windows)."""
 
     interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})
+
+
+class StoppingCheckpoint(SessionCheckpoint):
+    """A session's checkpoint as the server makes it, which cancels the session as its
+    ``stop_at``-th batched step is handed over: a stop arriving mid-chunk, while the other
+    sessions' rows are in the same batches."""
+
+    def __init__(self, batcher: StepBatcher, scope: trio.CancelScope, stop_at: int | None) -> None:
+        super().__init__(None, EngineProgress(), lambda: None, batcher)
+        self.scope, self.stop_at, self.steps = scope, stop_at, 0
+
+    @contextlib.contextmanager
+    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
+        with super().batched(run_batch) as step:
+
+            def counted(row: Any) -> Any:
+                self.steps += 1
+                if self.steps == self.stop_at:
+                    trio.from_thread.run_sync(self.scope.cancel)
+                return step(row)
+
+            yield counted

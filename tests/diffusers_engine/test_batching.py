@@ -8,8 +8,7 @@ reaches the transformer is watched through a hook on the real module."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,14 @@ import torch
 import trio
 
 from tests.diffusers_engine.support import START, no_stop, request, run_session
+from tests.instrumented import StoppingCheckpoint
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import EngineConfigError, GenerationRequest, PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers.loops import forcing
 from trio_vstream.engines.interfaces import max_batch
 from trio_vstream.engines.testing import check_engine
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
+from trio_vstream.steps import EngineProgress, StepBatcher
 
 GUIDED = {"guidance_scale": 6.0, "negative_prompt": "blurry"}
 
@@ -87,28 +87,6 @@ def alone(
         engine.max_batch = batching
 
 
-class SessionAt(SessionCheckpoint):
-    """A session's checkpoint as the server makes it, which cancels the session as its
-    ``stop_at``-th batched step is handed over (a stop mid-window, while the others' rows
-    are in the same batches)."""
-
-    def __init__(self, batcher: StepBatcher, scope: trio.CancelScope, stop_at: int | None) -> None:
-        super().__init__(None, EngineProgress(), lambda: None, batcher)
-        self.scope, self.stop_at, self.steps = scope, stop_at, 0
-
-    @contextlib.contextmanager
-    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
-        with super().batched(run_batch) as step:
-
-            def counted(row: Any) -> Any:
-                self.steps += 1
-                if self.steps == self.stop_at:
-                    trio.from_thread.run_sync(self.scope.cancel)
-                return step(row)
-
-            yield counted
-
-
 @attrs.define
 class Session:
     req: GenerationRequest
@@ -133,7 +111,7 @@ async def run_batched(
         if s.after is not None:
             await made[s.after[0]][s.after[1] - 1].wait()
         scope = trio.CancelScope()
-        checkpoint = SessionAt(batcher, scope, s.stop_at)
+        checkpoint = StoppingCheckpoint(batcher, scope, s.stop_at)
         chunks: list[np.ndarray] = []
         stream = engine.open_stream(s.req)
         try:

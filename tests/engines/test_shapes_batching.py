@@ -4,10 +4,8 @@ by default."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import trio
 
 from tests.conftest import Transcript, receive_into
+from tests.instrumented import StoppingCheckpoint
 from trio_vstream.engines.base import (
     Checkpoint,
     EngineConfigError,
@@ -26,7 +25,7 @@ from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
 from trio_vstream.server import ServerConfig, VideoServer
 from trio_vstream.session import SessionConfig
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
+from trio_vstream.steps import EngineProgress, StepBatcher
 
 REQUESTS = [
     ("a red circle moving left on a black background", 1),
@@ -59,27 +58,6 @@ def alone(engine: ShapesEngine, req: GenerationRequest, changes: dict[int, Promp
             chunks.append(frames_to_uint8_array(chunk.frames, width=64, height=64))
     finally:
         stream.close()
-
-
-class StoppingCheckpoint(SessionCheckpoint):
-    """A session's checkpoint that cancels the session as its ``stop_at``-th batched step is
-    handed over: a stop arriving mid-chunk, while the other rows are in the same batch."""
-
-    def __init__(self, batcher: StepBatcher, scope: trio.CancelScope, stop_at: int | None) -> None:
-        super().__init__(None, EngineProgress(), lambda: None, batcher)
-        self.scope, self.stop_at, self.steps = scope, stop_at, 0
-
-    @contextlib.contextmanager
-    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
-        with super().batched(run_batch) as step:
-
-            def counted(row: Any) -> Any:
-                self.steps += 1
-                if self.steps == self.stop_at:
-                    trio.from_thread.run_sync(self.scope.cancel)
-                return step(row)
-
-            yield counted
 
 
 async def batched(
