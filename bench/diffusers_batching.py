@@ -20,8 +20,9 @@ ratio of aggregate fps, and the on/off ratio of the lone TTFC.
     python bench/diffusers_batching.py --preset gpu-skyreels --preset gpu-wan   # gpu_check.sh
 
 Presets: ``tiny`` (seconds on any CPU: the tests'), ``cpu`` (a SkyReels-V2 DF pipeline
-sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (the tests'
-FramePack pipeline, vanilla sections of ten steps, distilled guidance),
+sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (a FramePack
+pipeline of the tests' widths, six blocks of each kind and four heads, 32x32, vanilla
+sections of ten steps, distilled guidance, the text padded to 64 tokens),
 ``gpu-skyreels`` (SkyReels-V2 DF 1.3B's transformer and Wan's VAE, at 480p) and
 ``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, which does not batch yet, so on and
 off run alike; its figures are the baseline a batched segment path would be measured
@@ -97,10 +98,10 @@ class Preset:
         size = diffusers_tiny.WanSize(**self.size)
         if self.family == "skyreels":
             return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
-        if self.family == "framepack":  # the tests' size only
+        if self.family == "framepack":
             from trio_vstream.engines.diffusers.tiny import build_framepack
 
-            return Path(build_framepack(root / "framepack"))
+            return Path(build_framepack(root / "framepack", **self.size))
         return Path(diffusers_tiny.build_wan_t2v(root / "wan", size=size))
 
 
@@ -144,7 +145,7 @@ PRESETS = {
     "cpu-framepack": Preset(
         name="cpu-framepack",
         family="framepack",
-        size={},
+        size={"layers": 6, "heads": 4},
         width=32,
         height=32,
         fps=24,
@@ -273,7 +274,10 @@ def request(preset: Preset, seed: int) -> GenerationRequest:
             guidance_scale=preset.guidance,
             seed=seed,
             image=image.astype(np.uint8),
-            extra_params={"sampling_type": "vanilla"},
+            # The text padded to 64 tokens, not the call's 256: a batch of more than one
+            # row attends over the padding (masked) where a lone row cuts it, and at
+            # 32x32 the text is most of the sequence (at 480p it is a few per cent).
+            extra_params={"sampling_type": "vanilla", "max_sequence_length": 64},
         )
     return GenerationRequest(
         request_id=f"bench-{seed}",

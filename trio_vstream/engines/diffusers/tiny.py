@@ -426,13 +426,17 @@ FRAMEPACK_WORDS = "a red fox in the snow blue whale blurry cat dog"
 """The tiny FramePack tokenizer's words besides its template's (others are ``<unk>``)."""
 
 
-def build_framepack(path: Path, *, seed: int = 0) -> Path:
+def build_framepack(path: Path, *, seed: int = 0, layers: int = 1, heads: int = 2) -> Path:
     """A random ``HunyuanVideoFramepackPipeline``, saved to ``path``. The transformer and
     VAE follow diffusers' fast test for it (``test_hunyuan_video_framepack.py``); the
     tokenizers, which that test downloads, are `word_tokenizer`s built here over the
     pipeline's own prompt template, and the SigLIP image encoder and its processor are
     built from tiny configs. Requests are multiples of 16 (``check_inputs``) and need an
-    ``image_reference`` (the pipeline is image-to-video)."""
+    ``image_reference`` (the pipeline is image-to-video).
+
+    ``layers`` (double- and single-stream blocks, each) and ``heads`` (of ten channels)
+    make a forward cost measurable time, for the batching benchmark; the defaults are
+    the fast test's."""
     import torch
     from diffusers import (
         AutoencoderKLHunyuanVideo,
@@ -467,10 +471,10 @@ def build_framepack(path: Path, *, seed: int = 0) -> Path:
     model = HunyuanVideoFramepackTransformer3DModel(
         in_channels=4,
         out_channels=4,
-        num_attention_heads=2,
+        num_attention_heads=heads,
         attention_head_dim=10,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=layers,
+        num_single_layers=layers,
         num_refiner_layers=1,
         patch_size=2,
         patch_size_t=1,
