@@ -1,0 +1,192 @@
+"""AnyFlow FAR chunks batched across sessions (issue 24): with ``max_batch`` > 1 the
+flow-map steps of several sessions' chunks run as one transformer forward, each row
+reading its own session's KV cache (joined along the batch dimension for the forward).
+
+Sessions run as the server runs them (test_batching's `run_batched`: a `StepBatcher`,
+each session's checkpoint, ``next_chunk`` in a worker thread), joining and leaving
+mid-stream; each one's frames are compared with the same request run alone on the
+unbatched path (``max_batch`` 1), which test_far checks against the pipeline's single
+call. What reaches the transformer is watched through a hook on the real module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.diffusers_engine.support import live_tensor_bytes, no_stop
+from tests.diffusers_engine.test_batching import Session, alone, assert_same, run_batched
+from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
+    _eager_flex_attention,
+    far_request,
+)
+from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.diffusers import DiffusersEngine
+from trio_vstream.engines.diffusers.loops import far
+
+GUIDED = {"guidance_scale": 3.0, "negative_prompt": "blurry"}
+
+
+def fr(request_id: str, seed: int, num_frames: int = 25, **fields: Any) -> Any:
+    """32x32, three steps a chunk, guided: 25 frames are chunks of 1, 8, 8 and 8 frames
+    (latent 1, 2, 2, 2; the fourth sees the first compressed), 17 frames three chunks."""
+    values: dict[str, Any] = {"num_inference_steps": 3, **GUIDED}
+    values.update(fields)
+    return far_request(request_id=request_id, seed=seed, num_frames=num_frames, **values)
+
+
+@pytest.fixture
+def engine(anyflow_far: Path, make_engine: Any) -> DiffusersEngine:
+    made: DiffusersEngine = make_engine(anyflow_far, segment_frames="8", max_batch="8")
+    return made
+
+
+@pytest.fixture
+def steps(engine: DiffusersEngine) -> Iterator[list[tuple[tuple[int, ...], int]]]:
+    """Every flow-map step's transformer forward (not the cache passes', which run alone):
+    its chunk partition (up to the chunk) and its batch dimension."""
+    seen: list[tuple[tuple[int, ...], int]] = []
+
+    def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not kwargs["kv_cache_flag"]["is_cache_step"]:
+            partition = tuple(kwargs["chunk_partition"])
+            seen.append((partition, int(kwargs["hidden_states"].shape[0])))
+
+    hook = engine.model.pipe.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
+    yield seen
+    hook.remove()
+
+
+def sizes(steps: list[tuple[tuple[int, ...], int]]) -> list[int]:
+    return [size for _, size in steps]
+
+
+def test_far_chunks_batch_when_the_engine_does(anyflow_far: Path, make_engine: Any) -> None:
+    assert far.LOOP.batches  # type: ignore[attr-defined]
+    assert make_engine(anyflow_far, segment_frames="8").max_batch == 1  # the default
+    assert make_engine(anyflow_far, segment_frames="8", max_batch="4").max_batch == 4
+
+
+def test_a_lone_batching_session_runs_its_rows_in_place(
+    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+) -> None:
+    # The base checkpoint (no server) runs each row alone: the batched path, one session,
+    # the image's chunk (context, not denoised) included.
+    image = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
+    for req in (fr("a", 1), fr("i", 2, image=image, guidance_scale=1.0, negative_prompt=None)):
+        steps.clear()
+        stream = engine.open_stream(req)
+        chunks = []
+        try:
+            while (chunk := stream.next_chunk(no_stop)) is not None:
+                chunks.append(chunk.frames)
+        finally:
+            stream.close()
+        guided = req.guidance_scale > 1.0
+        denoised = 4 if req.image is None else 3
+        assert sizes(steps) == [2 if guided else 1] * (3 * denoised)
+        np.testing.assert_array_equal(np.concatenate(chunks), alone(engine, req))
+
+
+@pytest.mark.slow
+async def test_batched_chunks_equal_each_session_alone(
+    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+) -> None:
+    # a and b start together; c (three chunks) and d join once a has made its first
+    # chunk, so they are a chunk behind a and b: a step of another chunk index attends
+    # to another length of history at other positions, so the pairs share no forward.
+    # c leaves after three chunks, while d goes on.
+    sessions = [
+        Session(fr("a", 1)),
+        Session(fr("b", 2)),
+        Session(fr("c", 3, num_frames=17), after=("a", 1)),
+        Session(fr("d", 4), after=("a", 1)),
+    ]
+    frames, batcher = await run_batched(engine, sessions)
+    # Guided rows run their conditional and unconditional passes in one forward (2 per
+    # row), and rows of several sessions share forwards (a and b at least: they are in
+    # their chunks together; whether c and d meet is the threads' timing).
+    assert all(size % 2 == 0 for size in sizes(steps))
+    assert max(sizes(steps)) >= 4, steps
+    assert batcher.rows == 3 * (4 + 4 + 3 + 4) and batcher.batches < batcher.rows
+    steps.clear()
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
+    assert steps and max(sizes(steps)) == 2  # the references: one guided row a forward
+
+
+@pytest.mark.slow
+async def test_a_stop_and_an_interaction_touch_only_their_own_rows(
+    engine: DiffusersEngine,
+) -> None:
+    to_whale = {2: PromptChange("w", "a whale in the sea", 0)}
+    sessions = [
+        Session(fr("stopped", 1), stop_at=5),  # chunk 1's second step
+        Session(fr("changed", 2), changes=to_whale),
+        Session(fr("plain", 2)),  # the same seed and prompt as "changed"
+    ]
+    frames, _ = await run_batched(engine, sessions)
+    stopped, changed, plain = frames["stopped"], frames["changed"], frames["plain"]
+    assert stopped is not None and stopped.shape[0] == 1  # chunk 0 only: 1 is not decoded
+    np.testing.assert_array_equal(stopped, alone(engine, sessions[0].req)[:1])
+    assert changed is not None and plain is not None
+    np.testing.assert_array_equal(changed[:9], plain[:9])
+    assert not np.array_equal(changed[9:], plain[9:])
+    assert_same(changed, alone(engine, sessions[1].req, to_whale))
+    assert_same(plain, alone(engine, sessions[2].req))
+
+
+@pytest.mark.slow
+async def test_rows_of_other_chunks_or_shapes_run_apart(
+    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+) -> None:
+    # Guidance off against on, another size, and another partition (chunks of 1, 3, 3):
+    # four keys at every chunk, but for the first chunk of the guided session and the
+    # one of another partition, which are alike (one latent frame, no history).
+    sessions = [
+        Session(fr("plain", 1, guidance_scale=1.0, negative_prompt=None)),
+        Session(fr("guided", 2)),
+        Session(fr("wide", 3, width=48)),
+        Session(fr("three", 4, extra_params={"chunk_partition": [1, 3, 3]})),
+    ]
+    frames, batcher = await run_batched(engine, sessions)
+    assert batcher.rows == 3 * (4 + 4 + 4 + 3)
+    # One row alone, or one guided row's pair; two pairs only at the first chunk.
+    assert {size for partition, size in steps if partition != (1,)} == {1, 2}, steps
+    assert {size for partition, size in steps if partition == (1,)} <= {1, 2, 4}, steps
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
+
+
+@pytest.mark.slow
+async def test_memory_is_flat_over_batched_chunks(
+    engine: DiffusersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What test_far checks of a lone session holds for sessions stepped together: what
+    # each keeps is allocated at its first chunk, and nothing grows after it; the caches
+    # a batch joins for its forwards outlive neither the forward nor the chunk.
+    held: dict[int, list[int]] = {}
+    finish = far.FarLoop._finish
+
+    def recording(self: far.FarLoop, checkpoint: Any, pipe: Any, latents: Any) -> Any:
+        video = finish(self, checkpoint, pipe, latents)
+        held.setdefault(id(self), []).append(self.held_bytes)
+        return video
+
+    monkeypatch.setattr(far.FarLoop, "_finish", recording)
+    chunks = 5
+    frames = 1 + 8 * (chunks - 1)
+    sessions = [Session(fr(name, seed, num_frames=frames)) for name, seed in (("a", 1), ("b", 2))]
+    await run_batched(engine, sessions)  # the pipeline's own first-use allocations
+    before = live_tensor_bytes()
+    held.clear()
+    await run_batched(engine, sessions)
+    assert len(held) == 2
+    for kept in held.values():
+        assert len(kept) == chunks and len(set(kept[1:])) == 1, kept
+    assert not engine._groups  # no chunk's group outlives its chunk
+    latent_frame = 16 * 4 * 4 * 4  # channels x 4x4 x float32
+    assert abs(live_tensor_bytes() - before) < latent_frame
