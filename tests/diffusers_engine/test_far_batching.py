@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
+import torch
 
-from tests.diffusers_engine.support import live_tensor_bytes, no_stop
+from tests.diffusers_engine.support import encode, live_tensor_bytes, no_stop
 from tests.diffusers_engine.test_batching import Session, alone, assert_same, run_batched
 from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
     _eager_flex_attention,
@@ -44,24 +46,36 @@ def engine(anyflow_far: Path, make_engine: Any) -> DiffusersEngine:
     return made
 
 
+@attrs.define
+class Forwards:
+    """The transformer forwards seen by a hook on the real module: per flow-map step and
+    per cache pass, its chunk partition (up to its chunk) and its batch dimension."""
+
+    steps: list[tuple[tuple[int, ...], int]] = attrs.Factory(list)
+    cache_passes: list[tuple[tuple[int, ...], int]] = attrs.Factory(list)
+
+    def sizes(self) -> list[int]:
+        return [size for _, size in self.steps]
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.cache_passes.clear()
+
+
 @pytest.fixture
-def steps(engine: DiffusersEngine) -> Iterator[list[tuple[tuple[int, ...], int]]]:
-    """Every flow-map step's transformer forward (not the cache passes', which run alone):
-    its chunk partition (up to the chunk) and its batch dimension."""
-    seen: list[tuple[tuple[int, ...], int]] = []
+def forwards(engine: DiffusersEngine) -> Iterator[Forwards]:
+    seen = Forwards()
 
     def before_forward(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if not kwargs["kv_cache_flag"]["is_cache_step"]:
-            partition = tuple(kwargs["chunk_partition"])
-            seen.append((partition, int(kwargs["hidden_states"].shape[0])))
+        seen_now = (tuple(kwargs["chunk_partition"]), int(kwargs["hidden_states"].shape[0]))
+        if kwargs["kv_cache_flag"]["is_cache_step"]:
+            seen.cache_passes.append(seen_now)
+        else:
+            seen.steps.append(seen_now)
 
     hook = engine.model.pipe.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
     yield seen
     hook.remove()
-
-
-def sizes(steps: list[tuple[tuple[int, ...], int]]) -> list[int]:
-    return [size for _, size in steps]
 
 
 def test_far_chunks_batch_when_the_engine_does(anyflow_far: Path, make_engine: Any) -> None:
@@ -71,13 +85,13 @@ def test_far_chunks_batch_when_the_engine_does(anyflow_far: Path, make_engine: A
 
 
 def test_a_lone_batching_session_runs_its_rows_in_place(
-    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+    engine: DiffusersEngine, forwards: Forwards
 ) -> None:
     # The base checkpoint (no server) runs each row alone: the batched path, one session,
     # the image's chunk (context, not denoised) included.
     image = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
     for req in (fr("a", 1), fr("i", 2, image=image, guidance_scale=1.0, negative_prompt=None)):
-        steps.clear()
+        forwards.clear()
         stream = engine.open_stream(req)
         chunks = []
         try:
@@ -87,13 +101,13 @@ def test_a_lone_batching_session_runs_its_rows_in_place(
             stream.close()
         guided = req.guidance_scale > 1.0
         denoised = 4 if req.image is None else 3
-        assert sizes(steps) == [2 if guided else 1] * (3 * denoised)
+        assert forwards.sizes() == [2 if guided else 1] * (3 * denoised)
         np.testing.assert_array_equal(np.concatenate(chunks), alone(engine, req))
 
 
 @pytest.mark.slow
 async def test_batched_chunks_equal_each_session_alone(
-    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+    engine: DiffusersEngine, forwards: Forwards
 ) -> None:
     # a and b start together; c (three chunks) and d join once a has made its first
     # chunk, so they are a chunk behind a and b: a step of another chunk index attends
@@ -109,13 +123,16 @@ async def test_batched_chunks_equal_each_session_alone(
     # Guided rows run their conditional and unconditional passes in one forward (2 per
     # row), and rows of several sessions share forwards (a and b at least: they are in
     # their chunks together; whether c and d meet is the threads' timing).
-    assert all(size % 2 == 0 for size in sizes(steps))
-    assert max(sizes(steps)) >= 4, steps
-    assert batcher.rows == 3 * (4 + 4 + 3 + 4) and batcher.batches < batcher.rows
-    steps.clear()
+    assert all(size % 2 == 0 for size in forwards.sizes())
+    assert max(forwards.sizes()) >= 4, forwards
+    # Each chunk's steps and each cache pass (one before every chunk but the first) are
+    # rows.
+    assert batcher.rows == 3 * (4 + 4 + 3 + 4) + (3 + 3 + 2 + 3)
+    assert batcher.batches < batcher.rows
+    forwards.clear()
     for s in sessions:
         assert_same(frames[s.req.request_id], alone(engine, s.req))
-    assert steps and max(sizes(steps)) == 2  # the references: one guided row a forward
+    assert forwards.steps and max(forwards.sizes()) == 2  # the references: one guided row a forward
 
 
 @pytest.mark.slow
@@ -124,16 +141,16 @@ async def test_a_stop_and_an_interaction_touch_only_their_own_rows(
 ) -> None:
     to_whale = {2: PromptChange("w", "a whale in the sea", 0)}
     sessions = [
-        Session(fr("stopped", 1), stop_at=5),  # chunk 1's second step
+        Session(fr("stopped", 1), stop_at=5),  # chunk 1's first step, after its cache pass
         Session(fr("changed", 2), changes=to_whale),
         Session(fr("plain", 2)),  # the same seed and prompt as "changed"
     ]
     frames, _ = await run_batched(engine, sessions)
     stopped, changed, plain = frames["stopped"], frames["changed"], frames["plain"]
     assert stopped is not None and stopped.shape[0] == 1  # chunk 0 only: 1 is not decoded
-    np.testing.assert_array_equal(stopped, alone(engine, sessions[0].req)[:1])
+    assert_same(stopped, alone(engine, sessions[0].req)[:1])
     assert changed is not None and plain is not None
-    np.testing.assert_array_equal(changed[:9], plain[:9])
+    assert_same(changed[:9], plain[:9])  # the same up to the change, but for rounding
     assert not np.array_equal(changed[9:], plain[9:])
     assert_same(changed, alone(engine, sessions[1].req, to_whale))
     assert_same(plain, alone(engine, sessions[2].req))
@@ -141,7 +158,7 @@ async def test_a_stop_and_an_interaction_touch_only_their_own_rows(
 
 @pytest.mark.slow
 async def test_rows_of_other_chunks_or_shapes_run_apart(
-    engine: DiffusersEngine, steps: list[tuple[tuple[int, ...], int]]
+    engine: DiffusersEngine, forwards: Forwards
 ) -> None:
     # Guidance off against on, another size, and another partition (chunks of 1, 3, 3):
     # four keys at every chunk, but for the first chunk of the guided session and the
@@ -153,10 +170,12 @@ async def test_rows_of_other_chunks_or_shapes_run_apart(
         Session(fr("three", 4, extra_params={"chunk_partition": [1, 3, 3]})),
     ]
     frames, batcher = await run_batched(engine, sessions)
-    assert batcher.rows == 3 * (4 + 4 + 4 + 3)
+    assert batcher.rows == 3 * (4 + 4 + 4 + 3) + (3 + 3 + 3 + 2)
     # One row alone, or one guided row's pair; two pairs only at the first chunk.
-    assert {size for partition, size in steps if partition != (1,)} == {1, 2}, steps
-    assert {size for partition, size in steps if partition == (1,)} <= {1, 2, 4}, steps
+    for seen in (forwards.steps, forwards.cache_passes):
+        later = {size for partition, size in seen if partition != (1,)}
+        first = {size for partition, size in seen if partition == (1,)}
+        assert later == {1, 2} and first <= {1, 2, 4}, forwards
     for s in sessions:
         assert_same(frames[s.req.request_id], alone(engine, s.req))
 
@@ -190,3 +209,87 @@ async def test_memory_is_flat_over_batched_chunks(
     assert not engine._groups  # no chunk's group outlives its chunk
     latent_frame = 16 * 4 * 4 * 4  # channels x 4x4 x float32
     assert abs(live_tensor_bytes() - before) < latent_frame
+
+
+def test_a_batched_forward_gives_each_row_what_it_gives_the_row_alone(
+    engine: DiffusersEngine, forwards: Forwards
+) -> None:
+    # Two guided sessions at their fourth chunk, whose history holds a compressed chunk:
+    # the third chunk's cache pass and a step of the fourth, for both rows in one
+    # forward, and for each row alone on a copy of its cache. Deterministic (no threads),
+    # so the forwards of four rows are certain to have run.
+    streams = [engine.open_stream(fr(name, seed)) for name, seed in (("a", 1), ("b", 2))]
+    pipe = engine.model.pipe
+    embeds, negative = encode(pipe, "a red fox in the snow"), encode(pipe, "blurry")
+    try:
+        for stream in streams:
+            for _ in range(3):
+                assert stream.next_chunk(no_stop) is not None
+        runs = [stream._run for stream in streams]
+        assert all(run.chunks_done == 3 and run._cached_chunks == 2 for run in runs)
+        partition = runs[0].plan.partition
+
+        def key(latents: torch.Tensor, chunks: int, cache_pass: bool) -> far.FarKey:
+            return far.FarKey(
+                partition=partition[:chunks],
+                input_shape=tuple(latents.shape),
+                embeds_shape=tuple(embeds.shape),
+                guided=True,
+                dtype=str(latents.dtype),
+                lora=None,
+                alone=None,
+                cache_pass=cache_pass,
+            )
+
+        def copied(cache: dict[int, dict[str, torch.Tensor]]) -> Any:
+            return {i: {n: t.clone() for n, t in names.items()} for i, names in cache.items()}
+
+        # The cache pass over chunks 0 to 2: the caches it writes.
+        history = [run._output[:, : sum(partition[:3])] for run in runs]  # type: ignore[index]
+        passes = far.CachePassGroup(engine, engine.model, key(history[0], 3, True), None, None)
+        own = [copied(run._kv_cache) for run in runs]  # type: ignore[arg-type]
+        guided = {"embeds": embeds, "negative": negative}
+        forwards.clear()
+        for row_cache, latents in zip(own, history, strict=True):
+            passes([far.CacheRow(latents=latents, cache=row_cache, **guided)])
+        rows = [
+            far.CacheRow(latents=latents, cache=run._kv_cache, **guided)  # type: ignore[arg-type]
+            for latents, run in zip(history, runs, strict=True)
+        ]
+        assert passes(rows) == [None, None]
+        assert forwards.cache_passes == [(partition[:3], 2)] * 2 + [(partition[:3], 4)]
+        for row_cache, run in zip(own, runs, strict=True):
+            assert run._kv_cache is not None
+            for layer, names in run._kv_cache.items():
+                for name, written in names.items():
+                    alone_wrote = row_cache[layer][name]
+                    torch.testing.assert_close(written, alone_wrote, rtol=1e-4, atol=1e-5)
+        for run in runs:  # as the session counts its passes
+            assert run._kv_flag is not None
+            run._kv_flag["num_cached_chunks"] += 1
+        # A step of chunk 3, each row at its own timestep and guidance scale.
+        start, end = runs[0].plan.bounds(3)
+        own_steps = ((999.0, 500.0, 3.0), (700.0, 0.0, 5.0))
+        step_rows = [
+            far.ChunkRow(
+                latents=run._noise[:, start:end],  # type: ignore[index]
+                timestep=torch.tensor(t),
+                r_timestep=torch.tensor(r),
+                guidance=guidance,
+                cache=run._kv_cache,  # type: ignore[arg-type]
+                **guided,
+            )
+            for run, (t, r, guidance) in zip(runs, own_steps, strict=True)
+        ]
+        step_key = key(step_rows[0].latents, 4, False)
+        group = far.ChunkGroup(engine, engine.model, step_key, None, None)
+        together = group(step_rows)
+        apart = [group([row])[0] for row in step_rows]
+        assert forwards.steps == [(partition, 4), (partition, 2), (partition, 2)]
+        assert not torch.equal(apart[0], apart[1])
+        for joint, lone in zip(together, apart, strict=True):
+            assert isinstance(joint, torch.Tensor) and isinstance(lone, torch.Tensor)
+            torch.testing.assert_close(joint, lone, rtol=1e-4, atol=1e-5)
+    finally:
+        for stream in streams:
+            stream.close()

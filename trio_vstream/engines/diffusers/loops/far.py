@@ -35,6 +35,7 @@ costs more the later the chunk.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -327,6 +328,7 @@ class FarLoop:
         width: int,
         image: torch.Tensor | None,
         attention_kwargs: Any,
+        cache_passes: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What comes before the chunk's steps, all of it on the shared pipeline (so
         under the lock): the first chunk's preparation (`_start`), then the cache passes
@@ -350,8 +352,9 @@ class FarLoop:
         output = self._output
         assert output is not None
         # The call's cache pass after each chunk but the last, run here for the chunks
-        # the last call made (one, or the image's context chunk).
-        while self._cached_chunks < index:
+        # the last call made (one, or the image's context chunk); when batching, the
+        # caller runs them batched instead (`_batched_cache_passes`).
+        while cache_passes and self._cached_chunks < index:
             checkpoint()
             done = self._cached_chunks
             self._kv_cache = pipe.encode_kv_cache(
@@ -539,7 +542,15 @@ class FarLoop:
                     width=request.width,
                     image=_first_frame(stream),
                     attention_kwargs=attention_kwargs,
+                    cache_passes=False,
                 )
+            self._batched_cache_passes(
+                stream,
+                checkpoint,
+                embeds=embeds,
+                negative=negative,
+                attention_kwargs=attention_kwargs,
+            )
             noise, output, cache = self._noise, self._output, self._kv_cache
             assert noise is not None and output is not None and cache is not None
             start, end = plan.bounds(chunk)
@@ -563,6 +574,47 @@ class FarLoop:
             with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
                 video = self._finish(checkpoint, pipe, latents)
         return stream.finish_driven(video, remaining, conditioning, index)
+
+    def _batched_cache_passes(
+        self,
+        stream: DiffusersStream,
+        checkpoint: Checkpoint,
+        *,
+        embeds: torch.Tensor,
+        negative: torch.Tensor | None,
+        attention_kwargs: Any,
+    ) -> None:
+        """The cache passes `_catch_up` leaves to the caller when batching, each one a
+        row of a batch (`CachePassGroup`): the same forward as ``encode_kv_cache``'s over
+        the video so far, whose keys and values then go into the session's own cache."""
+        engine, info, plan = stream.engine, stream.plan.first, self.plan
+        output, cache, flag = self._output, self._kv_cache, self._kv_flag
+        assert output is not None and cache is not None and flag is not None
+        lora = stream.lora
+        while self._cached_chunks < self.chunks_done:
+            done = self._cached_chunks
+            assert flag["num_cached_chunks"] == done
+            partition = plan.partition[: done + 1]
+            latents = output[:, : sum(partition)]
+            key = FarKey(
+                partition=partition,
+                input_shape=tuple(latents.shape),
+                embeds_shape=tuple(embeds.shape),
+                guided=negative is not None,
+                dtype=str(latents.dtype),
+                lora=None if lora is None else (lora[0].adapter, lora[1]),
+                alone=None if attention_kwargs is None else object(),
+                cache_pass=True,
+            )
+            group = engine.batch_group(
+                ("far", key),
+                functools.partial(CachePassGroup, engine, info, key, lora, attention_kwargs),
+            )
+            with checkpoint.batched(group) as step:
+                step(CacheRow(latents=latents, embeds=embeds, negative=negative, cache=cache))
+            del group
+            flag["num_cached_chunks"] += 1  # as encode_kv_cache counts it
+            self._cached_chunks += 1
 
     def _batched_steps(
         self,
@@ -666,6 +718,20 @@ class FarKey:
     alone: object | None
     """Set (to an object of its own) for a row that must run alone: a request with
     ``attention_kwargs``, which apply to the whole forward."""
+    cache_pass: bool = False
+    """A cache pass (`CachePassGroup`: ``input_shape`` is then the video's so far, up
+    to the end of ``partition``), not a flow-map step."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class CacheRow:
+    """One session's cache pass: the video's latents so far, its prompt embeddings, and
+    the KV cache the pass writes (its own)."""
+
+    latents: torch.Tensor
+    embeds: torch.Tensor
+    negative: torch.Tensor | None
+    cache: dict[int, dict[str, torch.Tensor]]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -746,14 +812,87 @@ class ChunkGroup:
         return results
 
 
-def _joined_cache(
-    transformer: Any, key: FarKey, rows: Sequence[ChunkRow]
-) -> dict[int, dict[str, torch.Tensor]]:
-    """The rows' KV caches, one after another along the batch dimension, for one forward:
-    per layer, the compressed and the full cache up to the tokens a step of the key's
-    chunk reads (the transformer's ``_forward_inference`` works the same counts out from
-    ``chunk_partition`` and ``num_cached_chunks``, and reads nothing beyond them), so the
-    copy is what the step reads anyway, and a session's unused slots stay out of it."""
+class CachePassGroup:
+    """The batched cache pass (``run_batch``) of every session whose video so far shares
+    a `FarKey` (``cache_pass``): ``encode_kv_cache``'s forward (timesteps zero, the
+    cache mode's attention mask) over every row at once, laid out as `ChunkGroup` lays
+    out its rows. The forward writes the keys and values of all its rows into one cache
+    made for it, of the tokens it writes (`_cache_tokens`); each row's part is then
+    copied into the row's own cache, where a lone pass would have written it. A lone row
+    writes its own cache in place. The result of a row is None: the pass is its
+    writes."""
+
+    def __init__(
+        self,
+        engine: DiffusersEngine,
+        info: PipelineInfo,
+        key: FarKey,
+        lora: tuple[LoadedLora, float] | None,
+        attention_kwargs: Any,
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self.key = key
+        self._lora = lora
+        self._attention_kwargs = attention_kwargs
+
+    def __call__(self, rows: Sequence[CacheRow]) -> list[Exception | None]:
+        key, per = self.key, 2 if self.key.guided else 1
+        hidden: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for row in rows:
+            hidden += [row.latents] * per
+            embeds += [_required(row.negative), row.embeds] if key.guided else [row.embeds]
+        engine, info, lora = self._engine, self._info, self._lora
+        partition = list(key.partition)
+        frames, height, width = key.input_shape[1], key.input_shape[3], key.input_shape[4]
+        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            transformer = info.pipe.transformer
+            model_input = torch.cat(hidden).to(transformer.dtype)
+            zeros = torch.zeros((model_input.shape[0], frames), device=model_input.device)
+            zeros = zeros.to(torch.long)  # encode_kv_cache's torch.tensor([0]), repeated
+            mask = transformer.build_attention_mask(
+                chunk_partition=partition,
+                height=height,
+                width=width,
+                device=model_input.device,
+                mode="cache",
+            )
+            if len(rows) == 1:
+                cache = rows[0].cache
+            else:
+                cache = _empty_cache(transformer, key, rows[0].cache, model_input.shape[0])
+            transformer(
+                hidden_states=model_input,
+                chunk_partition=partition,
+                timestep=zeros,
+                r_timestep=zeros,
+                encoder_hidden_states=torch.cat(embeds),
+                attention_mask=mask,
+                attention_kwargs=self._attention_kwargs,
+                return_dict=False,
+                kv_cache=cache,
+                kv_cache_flag={"num_cached_chunks": len(partition) - 1, "is_cache_step": True},
+            )
+            if len(rows) > 1:
+                for i, row in enumerate(rows):
+                    for layer, names in cache.items():
+                        for name, joined in names.items():
+                            tokens = joined.shape[3]
+                            row.cache[layer][name][:, :, :, :tokens] = joined[
+                                :, i * per : (i + 1) * per
+                            ]
+            del cache
+        return [None] * len(rows)
+
+
+def _cache_tokens(transformer: Any, key: FarKey) -> dict[str, int]:
+    """Tokens of each part of the KV cache that the key's forward touches: a step's
+    reads (``_forward_inference``'s ``num_cached_full_tokens`` and
+    ``num_cached_compressed_tokens``) or a cache pass's writes (``_forward_cache``'s
+    ``num_full_tokens`` and ``num_compressed_tokens``), worked out from the chunk
+    partition as the transformer works them out."""
     config = transformer.config
     partition = key.partition
     height, width = key.input_shape[3], key.input_shape[4]
@@ -762,18 +901,51 @@ def _joined_cache(
         width // config.compressed_patch_size[2]
     )
     chunks = len(partition)
-    limit = config.full_chunk_limit
-    full, compressed = (limit, chunks - limit) if chunks >= limit else (chunks, 0)
-    read = {
-        "full_cache": sum(partition[compressed : compressed + full - 1]) * full_per_frame,
+    if key.cache_pass:  # the pass is over the chunks so far; one fewer stays full
+        limit = config.full_chunk_limit - 1
+        full, compressed = (limit, chunks - limit) if chunks > limit else (chunks, 0)
+        full_frames = sum(partition[compressed:])
+    else:  # the step's chunk is the last full one, and is not in the cache
+        limit = config.full_chunk_limit
+        full, compressed = (limit, chunks - limit) if chunks >= limit else (chunks, 0)
+        full_frames = sum(partition[compressed : compressed + full - 1])
+    return {
+        "full_cache": full_frames * full_per_frame,
         "compressed_cache": sum(partition[:compressed]) * compressed_per_frame,
     }
+
+
+def _empty_cache(
+    transformer: Any, key: FarKey, like: dict[int, dict[str, torch.Tensor]], batch: int
+) -> dict[int, dict[str, torch.Tensor]]:
+    """A KV cache for a batched cache pass of ``batch`` rows, of just the tokens the pass
+    writes (it reads none of them), shaped and typed as ``like`` (a row's)."""
+    tokens = _cache_tokens(transformer, key)
     return {
         layer: {
-            name: torch.cat([row.cache[layer][name][:, :, :, :tokens] for row in rows], dim=1)
-            for name, tokens in read.items()
+            name: t.new_empty((t.shape[0], batch, t.shape[2], tokens[name], t.shape[4]))
+            for name, t in names.items()
         }
-        for layer in rows[0].cache
+        for layer, names in like.items()
+    }
+
+
+def _joined_cache(
+    transformer: Any, key: FarKey, rows: Sequence[ChunkRow]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The rows' KV caches, one after another along the batch dimension, for one step's
+    forward: per layer, the compressed and the full cache up to the tokens a step of the
+    key's chunk reads (`_cache_tokens`: the forward reads nothing beyond them), so the
+    copy is what the step reads anyway, and a session's unused slots stay out of it."""
+    tokens = _cache_tokens(transformer, key)
+    return {
+        layer: {
+            name: torch.cat(
+                [row.cache[layer][name][:, :, :, : tokens[name]] for row in rows], dim=1
+            )
+            for name in names
+        }
+        for layer, names in rows[0].cache.items()
     }
 
 
