@@ -25,9 +25,11 @@ from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
     _eager_flex_attention,
     far_request,
 )
+from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers.loops import far
+from trio_vstream.engines.testing import check_engine
 
 GUIDED = {"guidance_scale": 3.0, "negative_prompt": "blurry"}
 
@@ -293,3 +295,19 @@ def test_a_batched_forward_gives_each_row_what_it_gives_the_row_alone(
     finally:
         for stream in streams:
             stream.close()
+
+
+@pytest.mark.slow
+def test_a_batching_far_engine_keeps_the_contract(anyflow_far: Path) -> None:
+    # The kit steps a few streams alone and then together (its own batcher), stops each
+    # at every checkpoint in turn (cache passes included), fails one, interacts with two.
+    def factory() -> Engine:
+        args = {
+            "model": str(anyflow_far),
+            "segment_frames": "8",
+            "threads": "1",
+            "max_batch": "4",
+        }
+        return load_engine("diffusers", args, device="cpu")
+
+    check_engine(factory, fr("kit", 1, num_inference_steps=2))
