@@ -85,8 +85,8 @@ class FarChunks:
     name = "FAR chunks"
     order = 30
     batches = True
-    """Its chunks' flow-map steps run batched across sessions when the engine's
-    ``max_batch`` > 1 (`ChunkGroup`)."""
+    """Its chunks' flow-map steps and cache passes run batched across sessions when the
+    engine's ``max_batch`` > 1 (`ChunkGroup`, `CachePassGroup`)."""
     frame_continued = False
     image_in_loop = True
     engine_set = ENGINE_SET_ARGS
@@ -504,17 +504,18 @@ class FarLoop:
     def _batched_chunk(
         self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
     ) -> Chunk:
-        """The next chunk, its flow-map steps batched with other sessions' (`ChunkGroup`),
-        as SkyReels-V2 DF windows are (``forcing.ForcingLoop._batched_chunk``).
+        """The next chunk, its cache pass and flow-map steps batched with other sessions'
+        (`CachePassGroup`, `ChunkGroup`), as SkyReels-V2 DF windows are
+        (``forcing.ForcingLoop._batched_chunk``).
 
-        The lock is taken for what touches the shared pipeline outside a step (the
-        prompt's encoding, the first chunk's preparation and the image's encoding, the
-        cache passes, which are whole-history forwards of their own and run alone) and,
-        inside ``run_batch``, for each batched forward; never while the session waits
-        for a batch. The decode takes the engine's ``decode_lock`` instead. The session's
-        scheduler, generator, latents and decoder cache never leave its thread; a row
-        carries the step's inputs and a reference to the session's KV cache, which the
-        steps only read (the cache passes alone write it, in the session's own thread)."""
+        The lock is taken for what touches the shared pipeline outside a forward (the
+        prompt's encoding, the first chunk's preparation: the noise, the cache's
+        allocation, the image's encoding) and, inside ``run_batch``, for each batched
+        forward; never while the session waits for a batch. The decode takes the engine's
+        ``decode_lock`` instead. The session's scheduler, generator, latents and decoder
+        cache never leave its thread; a row carries the forward's inputs and a reference
+        to the session's KV cache, which a step only reads and a cache pass writes, both
+        while the session's thread waits for its row's result."""
         engine, request = stream.engine, stream.request
         info, index = stream.plan.first, stream.index
         conditioning = stream.next_conditioning()
