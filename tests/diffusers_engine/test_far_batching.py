@@ -311,3 +311,45 @@ def test_a_batching_far_engine_keeps_the_contract(anyflow_far: Path) -> None:
         return load_engine("diffusers", args, device="cpu")
 
     check_engine(factory, fr("kit", 1, num_inference_steps=2))
+
+
+@pytest.fixture(scope="module")
+def far_lora(anyflow_far: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA for the FAR transformer (its attention names are Wan's)."""
+    from trio_vstream.engines.diffusers.tiny import build_lora
+
+    root = tmp_path_factory.mktemp("far_lora")
+    made = build_lora(anyflow_far, root / "lora", model_class="AnyFlowFARTransformer3DModel")
+    return Path(made) / "pytorch_lora_weights.safetensors"
+
+
+@pytest.mark.slow
+async def test_rows_share_a_forward_only_with_the_same_lora(
+    anyflow_far: Path, make_engine: Any, far_lora: Path
+) -> None:
+    engine = make_engine(
+        anyflow_far, segment_frames="8", max_batch="8", lora_root=str(far_lora.parents[1])
+    )
+    sizes: list[int] = []
+    hook = engine.model.pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(int(kwargs["hidden_states"].shape[0])),
+        with_kwargs=True,
+    )
+    lora = {"path": str(far_lora), "scale": 0.8}
+    unguided = {"guidance_scale": 1.0, "negative_prompt": None, "num_frames": 17}
+    sessions = [
+        Session(fr("lora1", 1, lora=lora, **unguided)),
+        Session(fr("lora2", 2, lora=lora, **unguided)),
+        Session(fr("plain", 1, **unguided)),
+        Session(fr("half", 2, lora={**lora, "scale": 0.4}, **unguided)),
+    ]
+    try:
+        frames, _ = await run_batched(engine, sessions)
+    finally:
+        hook.remove()
+    # The two sessions of the same adapter and scale share forwards (steps and cache
+    # passes alike); the plain one and the one at another scale run apart.
+    assert max(sizes) == 2 and sizes.count(2) >= 1, sizes
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
+    assert not np.array_equal(frames["lora1"], frames["plain"])  # the adapter was on

@@ -207,14 +207,19 @@ def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
     return _saved(pipe, path)
 
 
-def build_lora(pipeline_path: Path, out: Path, *, seed: int = 2) -> Path:
+def build_lora(
+    pipeline_path: Path, out: Path, *, seed: int = 2, model_class: str = "WanTransformer3DModel"
+) -> Path:
     """A random LoRA for the transformer of the pipeline at ``pipeline_path``, saved with
-    the pipeline class's ``save_lora_weights`` (``pytorch_lora_weights.safetensors``)."""
+    the pipeline class's ``save_lora_weights`` (``pytorch_lora_weights.safetensors``).
+    ``model_class`` names the diffusers class the transformer loads as (Wan's attention
+    names, which SkyReels-V2 and AnyFlow FAR share; FAR's needs its own class)."""
+    import diffusers
     import torch
-    from diffusers import WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    model = WanTransformer3DModel.from_pretrained(pipeline_path / "transformer")
+    model = getattr(diffusers, model_class).from_pretrained(pipeline_path / "transformer")
     torch.manual_seed(seed)
     model.add_adapter(
         LoraConfig(
