@@ -18,8 +18,9 @@ import attrs
 import numpy as np
 import pytest
 import torch
+import trio
 
-from tests.diffusers_engine.support import encode, live_tensor_bytes, no_stop
+from tests.diffusers_engine.support import START, encode, live_tensor_bytes, no_stop, run_session
 from tests.diffusers_engine.test_batching import Session, alone, assert_same, run_batched
 from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
     _eager_flex_attention,
@@ -353,3 +354,30 @@ async def test_rows_share_a_forward_only_with_the_same_lora(
     for s in sessions:
         assert_same(frames[s.req.request_id], alone(engine, s.req))
     assert not np.array_equal(frames["lora1"], frames["plain"])  # the adapter was on
+
+
+@pytest.mark.slow
+async def test_a_server_batches_the_sessions_of_a_far_engine(
+    engine: DiffusersEngine, serve: Any
+) -> None:
+    server, summaries = await serve(engine)
+    assert server.batcher is not None and server.batcher.max_batch == 8
+    start = {**START, "size": "32x32", "num_frames": 17, "num_inference_steps": 2, **GUIDED}
+    transcripts: list[Any] = []
+
+    async def one(seed: int) -> None:
+        transcripts.append(await run_session(server.url, {**start, "seed": seed}))
+
+    async with trio.open_nursery() as nursery:
+        for seed in (1, 2, 3):
+            nursery.start_soon(one, seed)
+    for transcript in transcripts:
+        media = [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+        assert [m["num_frames"] for m in media] == [1, 8, 8]
+        assert transcript.terminal[-1]["type"] == "session.done"
+    with trio.fail_after(5):
+        await summaries.wait_for(3)
+    assert [s.outcome.value for s in summaries] == ["completed"] * 3
+    # Every step and cache pass went through the batcher (whether sessions met in a
+    # batch depends on when their connections came: that rows do share is tested above).
+    assert server.batcher.rows == 3 * (3 * 2 + 2)
