@@ -21,12 +21,14 @@ ratio of aggregate fps, and the on/off ratio of the lone TTFC.
 
 Presets: ``tiny`` (seconds on any CPU: the tests'), ``cpu`` (a SkyReels-V2 DF pipeline
 sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (the tests'
-FramePack pipeline, vanilla sections of ten steps, distilled guidance), ``cpu-far``
-(AnyFlow FAR, the tests' widths four blocks deep, chunks of four guided steps),
+FramePack pipeline, vanilla sections of ten steps, distilled guidance),
 ``gpu-skyreels`` (SkyReels-V2 DF 1.3B's transformer and Wan's VAE, at 480p) and
 ``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, which does not batch yet, so on and
 off run alike; its figures are the baseline a batched segment path would be measured
 against).
+
+``cpu-far``: AnyFlow FAR chunks (which batch, cache passes included), the tests' widths
+four blocks deep, 32x32, chunks of four guided steps.
 """
 
 from __future__ import annotations
@@ -99,13 +101,13 @@ class Preset:
 
     def build(self, root: Path) -> Path:
         size = diffusers_tiny.WanSize(**self.size)
-        if self.family == "skyreels":
-            return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
         if self.family == "far":  # the tests' widths, ``size``'s depth
             far = diffusers_tiny.build_anyflow_far(
                 root / "anyflow-far", size=size, layers=size.layers
             )
             return Path(far)
+        if self.family == "skyreels":
+            return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
         if self.family == "framepack":  # the tests' size only
             from trio_vstream.engines.diffusers.tiny import build_framepack
 
