@@ -27,17 +27,22 @@ sections of ten steps, distilled guidance, the text padded to 64 tokens),
 ``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, which does not batch yet, so on and
 off run alike; its figures are the baseline a batched segment path would be measured
 against).
+
+``cpu-far``: AnyFlow FAR chunks (which batch, cache passes included), the tests' widths
+four blocks deep, 32x32, chunks of four guided steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +84,8 @@ encoder stays tiny (prompts are encoded once a session)."""
 class Preset:
     name: str
     family: str
-    """``skyreels`` (diffusion-forcing windows, which batch) or ``wan`` (segments)."""
+    """``skyreels`` (diffusion-forcing windows, which batch), ``far`` (AnyFlow FAR chunks,
+    which batch), ``framepack`` (vanilla sections, which batch) or ``wan`` (segments)."""
     size: dict[str, Any]
     width: int
     height: int
@@ -96,6 +102,11 @@ class Preset:
 
     def build(self, root: Path) -> Path:
         size = diffusers_tiny.WanSize(**self.size)
+        if self.family == "far":  # the tests' widths, ``size``'s depth
+            far = diffusers_tiny.build_anyflow_far(
+                root / "anyflow-far", size=size, layers=size.layers
+            )
+            return Path(far)
         if self.family == "skyreels":
             return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
         if self.family == "framepack":
@@ -153,6 +164,21 @@ PRESETS = {
         num_frames=27,
         steps=10,
         guidance=6.0,
+        device="cpu",
+        levels=(1, 4, 8),
+        max_batch=8,
+    ),
+    "cpu-far": Preset(
+        name="cpu-far",
+        family="far",
+        size={"layers": 4},
+        width=32,
+        height=32,
+        fps=16,
+        window=8,
+        num_frames=25,
+        steps=4,
+        guidance=3.0,
         device="cpu",
         levels=(1, 4, 8),
         max_batch=8,
@@ -293,13 +319,38 @@ def request(preset: Preset, seed: int) -> GenerationRequest:
     )
 
 
+@contextlib.contextmanager
+def eager_flex_attention(preset: Preset) -> Iterator[None]:
+    """AnyFlow FAR on a CPU: flex attention's eager path (the same math; the tests' too)
+    rather than its dynamo wrapper, which costs about 0.1 s a call there, a cost per
+    forward that batching would save and a compiled GPU run would not have."""
+    if preset.family != "far" or preset.device != "cpu":
+        yield
+        return
+    import warnings
+
+    from torch.nn.attention import flex_attention
+
+    before = getattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
 def measure(preset: Preset, repeat: int, levels: tuple[int, ...]) -> dict[str, Any]:
     """Every level in both modes, ``repeat`` times; medians and ratios per level."""
-    with tempfile.TemporaryDirectory(prefix="diffusers-batching-") as root:
+    with (
+        tempfile.TemporaryDirectory(prefix="diffusers-batching-") as root,
+        eager_flex_attention(preset),
+    ):
         model = preset.build(Path(root))
         args = {"model": str(model), "segment_frames": str(preset.window)}
         args["max_batch"] = str(preset.max_batch)
