@@ -87,12 +87,17 @@ class SessionCalls:
         def returned(result: outcome.Outcome[Chunk | None]) -> None:
             # A chunk made after the session stopped waiting is never sent: its deferred
             # frames are released (not decoded), then the stream is closed.
-            if isinstance(result, outcome.Value):
-                release_chunk(result.value, self.request_id)
+            _release_result(result, self.request_id)
             self._close_in_thread(stream)
 
         try:
             return await self.call(call, returned, closed)
+        except trio.Cancelled:
+            if call.started and not call.detached:
+                # It returned just as the session was cancelled, too late to be left
+                # behind and too late to be used: the chunk it made is nobody's.
+                call.when_returned(lambda: _release_result(call.result, self.request_id))
+            raise
         finally:
             # Read after the thread returned (a detached call's cost is not counted).
             self._res.stats.engine_cpu_seconds += call.cpu_seconds
@@ -281,6 +286,11 @@ def encode_chunk(
     samples = encoder.audio_samples_for(frames.shape[0])
     audio = audio_to_float32_array(chunk.audio, channels=encoder.audio_channels, samples=samples)
     return frames.shape[0], samples, encoder.encode(frames, audio=audio, abandon=abandon)
+
+
+def _release_result(result: outcome.Outcome[Chunk | None] | None, request_id: str | None) -> None:
+    if isinstance(result, outcome.Value):
+        release_chunk(result.value, request_id)
 
 
 def release_chunk(chunk: Chunk | None, request_id: str | None) -> None:
