@@ -100,10 +100,11 @@ class ShapesSettings:
     """Sessions whose steps run as one batch; 1 steps each session alone. On a 2-core
     CPU a batch of 8 makes about twice the frames per second of single steps."""
     defer_decode: bool = True
-    """Return each chunk before its decode (the resize to the requested size and the
-    conversion to uint8), as `DeferredFrames` the server decodes in its encode thread
-    while the next chunk is denoised; 0 decodes in ``next_chunk``. The frames are the
-    same either way (tested)."""
+    """Return each chunk after the first before its decode (the resize to the requested
+    size and the conversion to uint8), as `DeferredFrames` the server decodes in its
+    encode thread while the next chunk is denoised; 0 decodes in ``next_chunk``. The
+    first chunk is always decoded in ``next_chunk``: its decode then does not compete
+    with the second chunk's steps. The frames are the same either way (tested)."""
 
 
 def parse_settings(args: Mapping[str, str]) -> ShapesSettings:
@@ -387,9 +388,12 @@ class ShapesStream:
             self._hint = None
             count = min(self._chunk_frames, remaining)
             frames: torch.Tensor | DeferredFrames
-            if self._engine.settings.defer_decode:
+            if self._engine.settings.defer_decode and self._next_index > 0:
                 # The next chunk is conditioned on the native frame kept above, never on
-                # decoded pixels: the decode can wait for the server's encode thread.
+                # decoded pixels: the decode can wait for the server's encode thread. Not
+                # the first chunk's: deferred, it would compete with the second chunk's
+                # steps for the first picture (the time to first chunk), where eager it
+                # has the machine to itself.
                 frames = ShapesFrames(kept[:count], request.width, request.height)
             else:
                 checkpoint()  # the decode: resize and convert
