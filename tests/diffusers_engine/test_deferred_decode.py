@@ -82,3 +82,12 @@ def test_defer_decode_is_off_by_default_and_parsed() -> None:
     assert parse_settings({"model": "m", "defer_decode": "on"}).defer_decode is True
     with pytest.raises(EngineError, match="defer_decode must be 1 or 0"):
         parse_settings({"model": "m", "defer_decode": "2"})
+
+
+def test_defer_decode_is_ignored_with_a_warning_where_windows_are_not_batched(
+    skyreels: dict[str, Path], make_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(skyreels["t2v"], segment_frames="17", defer_decode="1")
+    assert "defer_decode ignored" in caplog.text
+    chunk = windows(engine, num_frames=17)[0]
+    assert not isinstance(chunk.frames, ForcingFrames)  # decoded in next_chunk

@@ -19,6 +19,7 @@ import trio
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
+from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
@@ -245,3 +246,29 @@ async def test_a_chunk_made_after_the_session_stopped_waiting_is_released(
     assert engine.indices("made") == [0]
     assert engine.indices("decode") == []
     assert engine.indices("release") == [0]
+
+
+async def test_sound_stays_with_its_deferred_frames(start_server: Callable[..., Any]) -> None:
+    """The chunk's audio is made in next_chunk, its frames decoded later: the stream's
+    sound and pictures line up exactly as with eager frames."""
+    sound = SyntheticSettings(chunk_frames=3, audio_tone=440.0, audio_sample_rate=44100)
+    start = {**START, "size": "32x32", "fps": 7, "num_frames": 17}
+    deferred = await (await start_server(sound, engine_class=engine_class())).run_session(start)
+    eager = await (await start_server(sound)).run_session(start)
+    for transcript in (deferred, eager):
+        assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+
+    def counts(transcript: Transcript) -> list[tuple[int, int]]:
+        return [
+            (m["num_frames"], m["num_audio_samples"])
+            for m in transcript.of_type("video.chunk_metadata")
+        ]
+
+    assert counts(deferred) == counts(eager)
+    deferred_sound, eager_sound = (
+        decode_audio(deferred.video_bytes),
+        decode_audio(eager.video_bytes),
+    )
+    assert deferred_sound is not None and eager_sound is not None
+    np.testing.assert_array_equal(deferred_sound[1], eager_sound[1])
+    np.testing.assert_array_equal(frames_of(deferred), frames_of(eager))
