@@ -260,8 +260,10 @@ class DeferredFrames(Protocol):
       cache carried from chunk to chunk stays in order), and never after a chunk of the
       stream was dropped.
     * A chunk that will not be sent (a stop, a disconnect, a stall, an error, a shutdown)
-      is never decoded: ``release()`` is called instead. ``release()`` is also called
-      once the server is done with a decoded chunk, and after a failed ``decode()``.
+      is not decoded: ``release()`` is called instead. (A decode already under way when
+      the session ends is let finish, in its thread; its frames are dropped.)
+      ``release()`` is also called once the server is done with a decoded chunk, and
+      after a failed ``decode()``.
     * Either may come after the stream's ``close``: the object owns what it needs (its
       latents, the session's decoder cache), not the stream.
 
