@@ -24,6 +24,7 @@ SCENARIOS: Final = (
     "encoder",
     "diffusers",
     "batching",
+    "decode",
     "effect",
     "streaming",
     "glass",
@@ -38,6 +39,7 @@ SERVER_SCENARIOS: Final = SCENARIOS[:4]
 OWN_SERVER_SCENARIOS: Final = (
     "diffusers",
     "batching",
+    "decode",
     "effect",
     "streaming",
     "glass",
@@ -102,7 +104,8 @@ class Settings:
     """Per run: sessions through the server, and as many direct and engine-alone ones."""
     batching_preset: str | None = None
     """quick, cpu or gpu; None: quick with --quick, else gpu where CUDA is available, else
-    cpu (see `bench.scenarios.batching.BatchingPreset`)."""
+    cpu (see `bench.scenarios.batching.BatchingPreset`). The ``decode`` scenario's preset
+    of the same name too (`bench.scenarios.decode.DecodePreset`)."""
     effect_chunk_frames: tuple[int, ...] = (8, 4, 2)
     """``extra_params.chunk_frames`` of the effect scenario's sessions: its trade-off."""
     effect_levels: tuple[int, ...] = (1, 8)

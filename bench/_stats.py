@@ -296,12 +296,28 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     "overhead.errors": ("count", "per run: failed sessions, or frames missing"),
 }
 
+CATALOGUE.update(
+    {
+        # The decode scenario is the batching one with other modes (bench.scenarios.decode).
+        "decode." + key.removeprefix("batching."): (
+            unit,
+            text.replace("batching on/off", "decode deferred/eager").replace(
+                "batching on / off", "decode deferred / eager"
+            ),
+        )
+        for key, (unit, text) in list(CATALOGUE.items())
+        if key.startswith("batching.")
+    }
+)
+
 
 def catalogue_key(name: str) -> str:
     """``concurrency.n8.ping_rtt_ms`` -> ``concurrency.n{N}.ping_rtt_ms``, and so on."""
     name = re.sub(r"^concurrency\.n\d+\.", "concurrency.n{N}.", name)
     name = re.sub(r"^batching\.(on|off)\.n\d+\.", "batching.{M}.n{N}.", name)
     name = re.sub(r"^batching\.n\d+\.", "batching.n{N}.", name)
+    name = re.sub(r"^decode\.(deferred|eager)\.n\d+\.", "decode.{M}.n{N}.", name)
+    name = re.sub(r"^decode\.n\d+\.", "decode.n{N}.", name)
     name = re.sub(r"^effect\.c\d+\.n\d+\.", "effect.c{C}.n{N}.", name)
     name = re.sub(r"^streaming\.(paced|unpaced)\.n\d+\.", "streaming.{M}.n{N}.", name)
     name = re.sub(r"^streaming\.paused\.(alone|paused|active)\.", "streaming.paused.{C}.", name)

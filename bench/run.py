@@ -21,6 +21,9 @@
 * ``batching`` (by name, not in ``all``): the shapes engine with its sessions' steps
   batched and not, at 1 to 16 sessions, in the same run: aggregate and per-session fps,
   TTFC, stop -> done, and the on/off ratios;
+* ``decode`` (by name, not in ``all``): the shapes engine with its decode deferred to the
+  server's encode thread (``defer_decode``, the default) and in ``next_chunk``, in the same
+  run: TTFC and aggregate fps at 1 and 4 sessions, and the deferred/eager ratios;
 * ``effect`` (by name, not in ``all``): a camera interaction sent -> the first chunk
   generated under it, at 1 and 8 sessions and 8-, 4- and 2-frame chunks, against the
   delivered fps each chunk size gives.
@@ -107,6 +110,7 @@ from bench._stats import CATALOGUE, Figure, Figures, catalogue_key, percentile, 
 from bench.scenarios import SCENARIO_FUNCTIONS, run_target
 from bench.scenarios.batching import BATCHING_PRESETS, BatchingPreset, BatchingScenario
 from bench.scenarios.concurrency import session_fps
+from bench.scenarios.decode import DecodePreset, DecodeScenario
 from bench.scenarios.diffusers import (
     DIFFUSERS_OVERHEAD_LIMIT_PCT,
     DIFFUSERS_PRESETS,
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching, effect and streaming, which take minutes: name them)",
+        "(all leaves out batching, decode, effect and streaming, which take minutes: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -280,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batching-preset",
         choices=BATCHING_PRESETS,
         default=None,
-        help="the batching scenario's levels, batch size and device (default: quick with "
-        "--quick, else gpu where CUDA is available, else cpu)",
+        help="the batching and decode scenarios' levels, batch size and device (default: "
+        "quick with --quick, else gpu where CUDA is available, else cpu)",
     )
     add(
         "--streaming-startup",
@@ -434,6 +438,16 @@ async def main_async(args: argparse.Namespace) -> int:
             batching = BatchingScenario(s, batching_preset, args.server_arg)
             for run in range(s.repeat):
                 await batching.run(run, Path(log_dir))
+        decode: DecodeScenario | None = None
+        if "decode" in s.scenarios:
+            decode_preset = (
+                DecodePreset.named(s.batching_preset)
+                if s.batching_preset
+                else DecodePreset.default(s.quick)
+            )
+            decode = DecodeScenario(s, decode_preset, args.server_arg)
+            for run in range(s.repeat):
+                await decode.run(run, Path(log_dir))
         effect: EffectScenario | None = None
         if "effect" in s.scenarios:
             effect = EffectScenario(s, args.server_arg)
@@ -494,6 +508,7 @@ async def main_async(args: argparse.Namespace) -> int:
     section_verdicts: list[dict[str, Any]] = []
     named: tuple[tuple[str, Section | None], ...] = (
         ("batching", batching),
+        ("decode", decode),
         ("effect", effect),
         ("streaming", streaming),
         ("glass", glass),

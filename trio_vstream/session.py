@@ -76,7 +76,12 @@ from trio_vstream.outcomes import (
 from trio_vstream.pacing import Pacer, PlaybackGate
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.sending import Sender, SocketBroken
-from trio_vstream.session_calls import SessionCalls, close_quietly, encode_chunk
+from trio_vstream.session_calls import (
+    SessionCalls,
+    close_quietly,
+    encode_chunk,
+    release_chunk,
+)
 from trio_vstream.session_interactions import Interactions
 from trio_vstream.session_prepare import StartFailure, first_failure, prepare, receive_start
 from trio_vstream.session_request import config_echo
@@ -506,7 +511,11 @@ class Session:
             waited = self._checkpoint.take_waited()
             self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
             self._touch()
-            await send_chunks.send(chunk)
+            try:
+                await send_chunks.send(chunk)
+            except BaseException:  # cancelled, or the deliverer is gone: never sent
+                release_chunk(chunk, self.request_id)
+                raise
 
     async def _before_chunk(self, stream: EngineStream) -> None:
         """A paced session's waits at a chunk boundary, then the live changes due.
@@ -535,52 +544,77 @@ class Session:
         encoder = self._encoder
         width, height = self._size
         async with receive_chunks:
-            async for chunk in receive_chunks:
-                waiting_since = trio.current_time()
-                if not await self._take_encode_slot(self._frames_generated):
-                    logger.info(
-                        "session %s: dropping generated chunk %d after %s",
-                        self.request_id,
-                        chunk.index,
-                        self._ending.outcome.value if self._ending.outcome else "the end",
-                    )
-                    continue
-                encoding_since = trio.current_time()
-                # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
-                # left behind, the call keeps the encoder and closes it when it returns.
-                encoding = EngineCall(
-                    encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+            try:
+                async for chunk in receive_chunks:
+                    await self._deliver_chunk(chunk, encoder, width, height)
+            finally:
+                # The session ended with a chunk still waiting (a disconnect, a stall): it
+                # is dropped, and what its deferred decode holds is freed now.
+                while True:
+                    try:
+                        release_chunk(receive_chunks.receive_nowait(), self.request_id)
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+
+    async def _deliver_chunk(
+        self, chunk: Chunk, encoder: FragmentedMP4Encoder, width: int, height: int
+    ) -> None:
+        """Encode one chunk and send it, or drop it if the session ended.
+
+        Its `DeferredFrames` are decoded in the encode's thread, just before the encode
+        (`encode_chunk`, which releases them whatever happens); a chunk dropped before
+        its encode call started is released here, and never decoded.
+        """
+        encoding: EngineCall[tuple[int, int | None, bytes]] | None = None
+        try:
+            waiting_since = trio.current_time()
+            if not await self._take_encode_slot(self._frames_generated):
+                logger.info(
+                    "session %s: dropping generated chunk %d after %s",
+                    self.request_id,
+                    chunk.index,
+                    self._ending.outcome.value if self._ending.outcome else "the end",
                 )
-                try:
-                    frames, audio_samples, data = await self._calls.call(
-                        encoding, lambda _result: close_quietly(encoder)
-                    )
-                except EncodingAbandoned:
-                    logger.info(
-                        "session %s: dropped chunk %d mid-encode after %s",
-                        self.request_id,
-                        chunk.index,
-                        self._ending.outcome.value if self._ending.outcome else "the end",
-                    )
-                    continue
-                except Exception as exc:
-                    logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
-                    if isinstance(exc, EncodingError):
-                        error = (ErrorCode.ENCODING_FAILED, describe(exc))
-                    else:
-                        error = engine_failure(exc, "converting its frames", self.request_id)
-                    self.stop(Outcome.FAILED, error)
-                    continue
-                finally:
-                    if encoding.detached:
-                        self._encoder = None  # the call's now
-                    # Even for a call left behind: blocked on a device, it uses no CPU.
-                    self._res.encode_limiter.release_on_behalf_of(self)
-                now = trio.current_time()
-                self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
-                self._frames_generated += frames
-                await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
-                self._touch()
+                return
+            encoding_since = trio.current_time()
+            # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
+            # left behind, the call keeps the encoder and closes it when it returns.
+            encoding = EngineCall(
+                encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+            )
+            try:
+                frames, audio_samples, data = await self._calls.call(
+                    encoding, lambda _result: close_quietly(encoder)
+                )
+            except EncodingAbandoned:
+                logger.info(
+                    "session %s: dropped chunk %d mid-encode after %s",
+                    self.request_id,
+                    chunk.index,
+                    self._ending.outcome.value if self._ending.outcome else "the end",
+                )
+                return
+            except Exception as exc:
+                logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
+                if isinstance(exc, EncodingError):
+                    error = (ErrorCode.ENCODING_FAILED, describe(exc))
+                else:
+                    error = engine_failure(exc, "converting its frames", self.request_id)
+                self.stop(Outcome.FAILED, error)
+                return
+            finally:
+                if encoding.detached:
+                    self._encoder = None  # the call's now
+                # Even for a call left behind: blocked on a device, it uses no CPU.
+                self._res.encode_limiter.release_on_behalf_of(self)
+        finally:
+            if encoding is None or not encoding.started:
+                release_chunk(chunk, self.request_id)
+        now = trio.current_time()
+        self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
+        self._frames_generated += frames
+        await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
+        self._touch()
 
     async def _take_encode_slot(self, first_frame: int) -> bool:
         """Wait for a turn to encode; False, holding nothing, if the session ended meanwhile.

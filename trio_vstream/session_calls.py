@@ -30,9 +30,16 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from trio_vstream.encoding import FragmentedMP4Encoder
+from trio_vstream.encoding import EncodingAbandoned, FragmentedMP4Encoder
 from trio_vstream.engine_calls import EngineCall
-from trio_vstream.engines.base import Chunk, Engine, EngineStream, GenerationRequest
+from trio_vstream.engines.base import (
+    Chunk,
+    DeferredFrames,
+    Engine,
+    EngineStream,
+    GenerationRequest,
+    release_frames,
+)
 from trio_vstream.engines.frames import audio_to_float32_array, frames_to_uint8_array
 from trio_vstream.logsafe import get_logger
 from trio_vstream.session_resources import ServerResources
@@ -77,8 +84,20 @@ class SessionCalls:
             checkpoint.release()
             self._stream_closed()
 
+        def returned(result: outcome.Outcome[Chunk | None]) -> None:
+            # A chunk made after the session stopped waiting is never sent: its deferred
+            # frames are released (not decoded), then the stream is closed.
+            _release_result(result, self.request_id)
+            self._close_in_thread(stream)
+
         try:
-            return await self.call(call, lambda _result: self._close_in_thread(stream), closed)
+            return await self.call(call, returned, closed)
+        except trio.Cancelled:
+            if call.started and not call.detached:
+                # It returned just as the session was cancelled, too late to be left
+                # behind and too late to be used: the chunk it made is nobody's.
+                call.when_returned(lambda: _release_result(call.result, self.request_id))
+            raise
         finally:
             # Read after the thread returned (a detached call's cost is not counted).
             self._res.stats.engine_cpu_seconds += call.cpu_seconds
@@ -249,13 +268,41 @@ def encode_chunk(
     """A session's encode, in a worker thread: tensor to array, then H.264 (and AAC, for
     an engine that makes sound) into fMP4: its frame count, its audio sample count (None
     without sound) and bytes. An `EngineCall`: a GPU tensor's copy to the host may block
-    for good on a hung kernel."""
-    frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
+    for good on a hung kernel, and so may the decode of `DeferredFrames`, which runs here,
+    right before the encode (the engine's thread denoises the next chunk meanwhile).
+
+    A chunk's frames are released here whatever happens: decoded and encoded, abandoned,
+    or failed. A session that ended before its chunk's decode began (``abandon``) decodes
+    nothing: the decode is the engine's heavy work, for frames nobody will see.
+    """
+    try:
+        if isinstance(chunk.frames, DeferredFrames) and abandon():
+            raise EncodingAbandoned("the session ended before the chunk was decoded")
+        frames = frames_to_uint8_array(chunk.frames, width=width, height=height)
+    finally:
+        release_frames(chunk.frames)
     if encoder.audio_sample_rate is None:
         return frames.shape[0], None, encoder.encode(frames, abandon=abandon)
     samples = encoder.audio_samples_for(frames.shape[0])
     audio = audio_to_float32_array(chunk.audio, channels=encoder.audio_channels, samples=samples)
     return frames.shape[0], samples, encoder.encode(frames, audio=audio, abandon=abandon)
+
+
+def _release_result(result: outcome.Outcome[Chunk | None] | None, request_id: str | None) -> None:
+    if isinstance(result, outcome.Value):
+        release_chunk(result.value, request_id)
+
+
+def release_chunk(chunk: Chunk | None, request_id: str | None) -> None:
+    """Release a chunk the session drops (`release_frames`): what its `DeferredFrames`
+    hold (latents on the device) is freed now, not when the chunk object goes. A failing
+    ``release`` is the engine's bug, logged; the session goes on ending."""
+    if chunk is None:
+        return
+    try:
+        release_frames(chunk.frames)
+    except Exception:
+        logger.exception("session %s: releasing chunk %d's frames failed", request_id, chunk.index)
 
 
 def close_quietly(encoder: FragmentedMP4Encoder) -> None:

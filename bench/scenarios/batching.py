@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import attrs
 import trio
@@ -122,7 +122,13 @@ class _Level:
 
 
 class BatchingScenario:
-    """The scenario over all runs: its servers, figures, checks and verdicts."""
+    """The scenario over all runs: its servers, figures, checks and verdicts.
+
+    ``name`` prefixes its figures and ``modes`` are its two servers, the first measured
+    against the second: the ``decode`` scenario is this one with other modes."""
+
+    name: ClassVar[str] = "batching"
+    modes: ClassVar[tuple[str, str]] = MODES
 
     def __init__(self, s: Settings, preset: BatchingPreset, server_args: Sequence[str]) -> None:
         self.settings = s
@@ -140,7 +146,7 @@ class BatchingScenario:
                 max_sessions=max(preset.levels),
                 num_frames=preset.num_frames,
             )
-            for mode in MODES
+            for mode in self.modes
         }
 
     def start_json(self) -> str:
@@ -148,11 +154,11 @@ class BatchingScenario:
         return start_json(p.width, p.height, p.fps, p.num_frames)
 
     async def run(self, run: int, log_dir: Path) -> None:
-        order = MODES if run % 2 == 0 else MODES[::-1]
+        order = self.modes if run % 2 == 0 else self.modes[::-1]
         info: dict[str, Any] = {"run": run, "order": list(order), "modes": {}}
         self.runs.append(info)
-        tag = f"run {run + 1}/{self.settings.repeat} batching"
-        async with serving(self.targets, log_dir, f"batching-{run}", tag) as served:
+        tag = f"run {run + 1}/{self.settings.repeat} {self.name}"
+        async with serving(self.targets, log_dir, f"{self.name}-{run}", tag) as served:
             for mode in order:
                 ctx = await started_context(
                     served[mode], self.targets[mode], self.settings, self.figures, run, self.checks
@@ -162,7 +168,7 @@ class BatchingScenario:
                 for level in self.preset.levels:
                     progress(f"{tag} {mode}: N={level}")
                     info["modes"][mode]["levels"].append(await self._level(ctx, mode, level))
-        for mode in MODES:
+        for mode in self.modes:
             info["modes"][mode]["server_exit"] = served[mode].exit_status
         self._ratios(run)
 
@@ -171,7 +177,7 @@ class BatchingScenario:
         process (first allocations, first batch shapes)."""
         client = SessionClient(ctx.endpoint, self.start_json())
         await _first_chunk_then_stop([client], self.settings.session_timeout_s)
-        report_failures([client], "batching: warm-up")
+        report_failures([client], f"{self.name}: warm-up")
         await ctx.settle()
 
     async def _level(self, ctx: RunContext, mode: str, level: int) -> dict[str, Any]:
@@ -211,9 +217,9 @@ class BatchingScenario:
 
         await run_clients(measured.clients, body, s.session_timeout_s)
         failures = report_failures(
-            [*measured.probes, *measured.clients], f"batching {mode} N={level}"
+            [*measured.probes, *measured.clients], f"{self.name} {mode} N={level}"
         )
-        await ctx.check_after(f"batching {mode} n{level}")
+        await ctx.check_after(f"{self.name} {mode} n{level}")
         measured.stats_after = await ctx.metrics()
         self._record(ctx, mode, level, measured, failures)
         return {
@@ -226,7 +232,7 @@ class BatchingScenario:
     def _record(
         self, ctx: RunContext, mode: str, level: int, measured: _Level, failures: int
     ) -> None:
-        prefix = f"batching.{mode}.n{level}"
+        prefix = f"{self.name}.{mode}.n{level}"
         everyone = [*measured.probes, *measured.clients]
         ctx.add(
             f"{prefix}.ttfc_ms",
@@ -265,9 +271,11 @@ class BatchingScenario:
         """Per run, on / off: aggregate fps and median TTFC, level by level."""
         for level in self.preset.levels:
             for figure, name in (("aggregate_fps", "fps_ratio"), ("ttfc_ms", "ttfc_ratio")):
-                on, off = (self._run_median(run, f"batching.{m}.n{level}.{figure}") for m in MODES)
+                on, off = (
+                    self._run_median(run, f"{self.name}.{m}.n{level}.{figure}") for m in self.modes
+                )
                 if on is not None and off:
-                    self.figures.add(run, f"batching.n{level}.{name}", [on / off])
+                    self.figures.add(run, f"{self.name}.n{level}.{name}", [on / off])
 
     def _run_median(self, run: int, name: str) -> float | None:
         figure = self.figures.get(name)
@@ -307,7 +315,7 @@ class BatchingScenario:
             f"{p.window_chunks} chunks per session; {p.ttfc_sessions} single-session TTFC "
             f"sample(s) per run",
             "",
-            *(f"Server {mode}: `{self.targets[mode].shown}`" for mode in MODES),
+            *(f"Server {mode}: `{self.targets[mode].shown}`" for mode in self.modes),
         ]
 
     def markdown(self) -> list[str]:

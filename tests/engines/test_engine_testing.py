@@ -235,6 +235,53 @@ def sounding(stream_class: type[ToyStream], rate: int = 11025) -> Callable[[], T
     return engine_with(stream_class, audio_sample_rate=rate, audio_channels=1)
 
 
+class ToyFrames:
+    """`DeferredFrames` that own their level: decoded later, they make the same frames."""
+
+    def __init__(self, level: float, request: GenerationRequest) -> None:
+        self.level: float | None = level
+        self.shape = (2, request.height, request.width, 3)
+
+    def decode(self) -> np.ndarray:
+        assert self.level is not None, "decoded after release"
+        return np.full(self.shape, self.level % 256).astype(np.uint8)
+
+    def release(self) -> None:
+        self.level = None
+
+
+class Defers(ToyStream):
+    """Returns each chunk with its frames still to decode (`ToyFrames`)."""
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        chunk = super().next_chunk(checkpoint)
+        if chunk is None:
+            return None
+        return attrs.evolve(chunk, frames=self.frames(chunk))
+
+    def frames(self, chunk: Chunk) -> object:
+        return ToyFrames(self.level, self.request)
+
+
+class StreamFrames(ToyFrames):
+    """Reads the level from its stream when decoded, not at the chunk's end."""
+
+    def __init__(self, stream: ToyStream) -> None:
+        super().__init__(stream.level, stream.request)
+        self.stream = stream
+
+    def decode(self) -> np.ndarray:
+        return np.full(self.shape, self.stream.level % 256).astype(np.uint8)
+
+
+class DecodesFromTheStream(Defers):
+    """Its deferred decode uses the stream's state: decoded after the stream has made its
+    next chunk (as the server decodes), a chunk shows the next one's level."""
+
+    def frames(self, chunk: Chunk) -> object:
+        return StreamFrames(self)
+
+
 class MixesRows(ToyEngine):
     """Batches, and gives every row of a batch the first row's result."""
 
@@ -261,6 +308,10 @@ def test_a_toy_engine_with_sound_of_exactly_its_frames_length_passes() -> None:
     check_engine(sounding(Sounds), REQUEST)
 
 
+def test_a_toy_engine_that_defers_its_decode_correctly_passes() -> None:
+    check_engine(engine_with(Defers), REQUEST)
+
+
 def test_a_toy_engine_that_batches_rows_correctly_passes() -> None:
     check_engine(engine_with(ToyStream, max_batch=4), REQUEST, batch_atol=0)
 
@@ -275,6 +326,7 @@ BROKEN = {
     "a mid-window change dropped": (engine_with(DropsMidWindow), {}, "interact"),
     "float frames": (engine_with(WrongFrames), {}, "chunks"),
     "batched rows differ": (MixesRows, {}, "batching"),
+    "a deferred decode that reads the stream": (engine_with(DecodesFromTheStream), {}, "deferred"),
     "no open_stream": (Incomplete, {}, "interface"),
     "audio rounded chunk by chunk": (sounding(RoundsEachChunk), {}, "audio"),
     "audio at a rate AAC lacks": (sounding(Sounds, rate=96000), {}, "audio"),

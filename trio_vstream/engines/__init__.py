@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
+    DeferredFrames,
     Engine,
     EngineConfigError,
     EngineError,
@@ -25,6 +26,7 @@ from trio_vstream.engines.base import (
     PromptChange,
     SamplingSettings,
     checkpoint_calling,
+    release_frames,
 )
 from trio_vstream.engines.interfaces import (
     DEFAULT_INTERACTION_KINDS,
@@ -39,6 +41,7 @@ __all__ = [
     "Checkpoint",
     "Chunk",
     "ChunkConditioning",
+    "DeferredFrames",
     "Engine",
     "EngineConfigError",
     "EngineError",
@@ -52,6 +55,7 @@ __all__ = [
     "checkpoint_calling",
     "interaction_kinds",
     "load_engine",
+    "release_frames",
 ]
 
 BUILTIN_ENGINES: Mapping[str, str] = {

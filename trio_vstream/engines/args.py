@@ -13,7 +13,7 @@ from typing import Any
 
 from trio_vstream.engines.base import EngineConfigError
 
-__all__ = ["parse_number_arg", "reject_unknown_args"]
+__all__ = ["parse_bool_arg", "parse_number_arg", "reject_unknown_args"]
 
 
 def reject_unknown_args(engine: str, args: Mapping[str, str], known: Iterable[str]) -> None:
@@ -48,3 +48,18 @@ def parse_number_arg(
     if maximum is not None and value > maximum:
         raise EngineConfigError(f"{engine} engine: {name} must be <= {maximum}, got {raw}")
     return value
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool_arg(engine: str, name: str, raw: str) -> bool:
+    """One on/off ``--engine-arg``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/
+    ``off`` (any case); anything else is an ``EngineConfigError`` naming the key."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise EngineConfigError(f"{engine} engine: {name} must be 1 or 0 (true or false), got {raw!r}")

@@ -242,13 +242,74 @@ class PromptChange:
         )
 
 
+@runtime_checkable
+class DeferredFrames(Protocol):
+    """A chunk's frames, decoded later and off the step path: ``Chunk.frames`` may be one.
+
+    An engine whose decode is heavy work (a VAE's, a resize) returns its chunk as soon as
+    the denoising is done, with its frames still to decode: the server then runs
+    ``decode()`` in the chunk's encode thread, while the engine's thread already denoises
+    the next chunk. So a chunk's decode overlaps the next one's steps, and a chunk's
+    decode and encode run back to back in one thread, without a hand-off between them.
+
+    What the server promises:
+
+    * ``decode()`` runs at most once, after the ``next_chunk`` that returned it, in
+      another thread than the stream's ``next_chunk`` (which may run meanwhile), and in
+      chunk order: a stream's chunk k is decoded before its chunk k+1 (a causal decoder
+      cache carried from chunk to chunk stays in order), and never after a chunk of the
+      stream was dropped.
+    * A chunk that will not be sent (a stop, a disconnect, a stall, an error, a shutdown)
+      is not decoded: ``release()`` is called instead. (A decode already under way when
+      the session ends is let finish, in its thread; its frames are dropped.)
+      ``release()`` is also called once the server is done with a decoded chunk, and
+      after a failed ``decode()``.
+    * Either may come after the stream's ``close``: the object owns what it needs (its
+      latents, the session's decoder cache), not the stream.
+
+    What the engine promises: ``shape`` is the (T, H, W, 3) of the frames ``decode()``
+    will return, known without decoding (the session paces its chunks by it and the
+    server refuses frames that differ); ``decode()`` returns what ``Chunk.frames`` would
+    otherwise hold (a test may call it twice; after ``release()`` it may raise
+    `EngineError`); ``release()`` drops what the object holds, never blocks (the server
+    may call it from its event loop), may be called more than once and after
+    ``decode()``. A decode takes no checkpoint: the server checks the session is still
+    on just before it. The memory this costs is one chunk's decode beside the next
+    chunk's steps: an engine where both do not fit keeps the decode in ``next_chunk``
+    (see docs/engines.md).
+    """
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(T, H, W, 3): the shape of the frames ``decode()`` returns."""
+        ...
+
+    def decode(self) -> Any:
+        """The frames, as ``Chunk.frames`` would hold them. Blocking; a worker thread."""
+        ...
+
+    def release(self) -> None:
+        """Drop what is still held (latents, a cache reference), decoded or not."""
+        ...
+
+
+def release_frames(frames: object) -> None:
+    """Release a chunk's frames if they are `DeferredFrames`; nothing otherwise.
+
+    For whoever drops or has finished with a chunk (the server, a test, a benchmark).
+    """
+    if isinstance(frames, DeferredFrames):
+        frames.release()
+
+
 @attrs.frozen(kw_only=True)
 class Chunk:
     """Frames an engine produced, and which interactions they reflect."""
 
     frames: Any
     """(T, H, W, 3) uint8 RGB: a numpy array, or a torch tensor on any device
-    (the server converts it off the event loop)."""
+    (the server converts it off the event loop); or `DeferredFrames` that decode to
+    one, for the server to decode off the engine's step path."""
     index: int
     """The generation chunk index, 0-based."""
     started_event_ids: tuple[str, ...] = ()

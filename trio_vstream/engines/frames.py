@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trio_vstream.engines.base import EngineError
+from trio_vstream.engines.base import DeferredFrames, EngineError
 
 __all__ = ["audio_to_float32_array", "frame_count", "frames_to_uint8_array"]
 
@@ -20,8 +20,14 @@ def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray
     """Bring an engine's frames to a contiguous (T, H, W, 3) uint8 numpy array.
 
     Runs in a worker thread: a GPU tensor is copied to the host here, once per
-    chunk, never on the event loop.
+    chunk, never on the event loop. `DeferredFrames` are decoded here (the server's
+    encode thread; a test's or a benchmark's own), and must decode to the shape they
+    declared.
     """
+    declared: tuple[int, ...] | None = None
+    if isinstance(frames, DeferredFrames):
+        declared = tuple(frames.shape)
+        frames = frames.decode()
     if not isinstance(frames, np.ndarray):
         to_cpu = getattr(frames, "cpu", None)  # a torch tensor, on whatever device
         frames = to_cpu().numpy() if to_cpu is not None else np.asarray(frames)
@@ -35,6 +41,10 @@ def frames_to_uint8_array(frames: Any, *, width: int, height: int) -> np.ndarray
         raise EngineError(
             f"engine produced frames of shape {tuple(frames.shape)} {frames.dtype}, "
             f"expected {expected}"
+        )
+    if declared is not None and declared != frames.shape:
+        raise EngineError(
+            f"engine's deferred frames declared shape {declared}, decoded to {frames.shape}"
         )
     return np.ascontiguousarray(frames)
 

@@ -35,6 +35,7 @@ import numpy as np
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
+    DeferredFrames,
     Engine,
     EngineError,
     EngineStream,
@@ -44,6 +45,7 @@ from trio_vstream.engines.base import (
     PromptChange,
     RunBatch,
     batch_result,
+    release_frames,
 )
 from trio_vstream.engines.frames import audio_to_float32_array, frames_to_uint8_array
 from trio_vstream.engines.interfaces import (
@@ -87,6 +89,9 @@ RULES: Final[dict[str, str]] = {
     "(0, 1)) too",
     "batching": "an engine with max_batch > 1 makes the same frames for rows stepped together "
     "as for rows stepped alone",
+    "deferred": "a chunk whose frames are DeferredFrames decodes to the same frames when the "
+    "server decodes it: in another thread, after the stream's next chunk and its close; and "
+    "one released instead of decoded, as after a stop, leaves the engine serving",
     "audio": "an engine with sound (audio_sample_rate) declares a rate and channels the server "
     "carries, and each chunk's audio covers exactly its frames: audio_samples_through(end) - "
     "audio_samples_through(start) samples, float PCM",
@@ -404,6 +409,7 @@ class _Kit:
             self.check_stops(full)
             self.check_interact(full)
             self.check_window_offset(full)
+            self.check_deferred(full)
             self.check_batching()
         except _Skip:
             pass
@@ -625,6 +631,77 @@ class _Kit:
         if run.error is not None or len(run.chunks) < min(self.chunks, len(full.chunks)):
             self.fail("cancellation", f"after {previous}, the next stream {run.ending()}")
 
+    def check_deferred(self, full: _Run) -> None:
+        """`DeferredFrames` decoded as the server decodes them: not at once (as in the full
+        run), but in another thread once the stream has made its next chunks and been
+        closed, in chunk order; they must give the full run's frames. Then a stream whose
+        chunk is released, never decoded (a stop while it waits to be sent), must close,
+        and the engine serve the next stream."""
+        if not any(isinstance(chunk.frames, DeferredFrames) for chunk in full.chunks):
+            return
+        request = self.request
+        stream = self.open(request)
+        chunks: list[Chunk] = []
+        try:
+            while len(chunks) <= request.num_frames:
+                chunk = _in_thread("next_chunk", self.timeout, stream.next_chunk, _Probe())
+                if chunk is None:
+                    break
+                chunks.append(chunk)
+        except _Hung as exc:
+            self.fail("deferred", f"{exc} (a stream whose chunks were not decoded yet)")
+            raise _Skip from exc
+        except BaseException as exc:  # the engine's own error, reported under this rule
+            self.fail("deferred", f"next_chunk raised {exc!r} before its chunks were decoded")
+            return
+        finally:
+            self.close(stream, "with its chunks not decoded yet")
+
+        def decode_all() -> list[np.ndarray]:
+            return [
+                frames_to_uint8_array(chunk.frames, width=request.width, height=request.height)
+                for chunk in chunks
+            ]
+
+        try:
+            later = _in_thread("DeferredFrames.decode()", self.timeout, decode_all)
+        except _Hung as exc:
+            self.fail("deferred", str(exc))
+            raise _Skip from exc
+        except Exception as exc:
+            self.fail("deferred", f"decoding after the stream's close raised {exc!r}")
+            return
+        finally:
+            for chunk in chunks:
+                release_frames(chunk.frames)
+        if len(later) != len(full.frames):
+            self.fail(
+                "deferred", f"{len(later)} chunks, where the full run made {len(full.frames)}"
+            )
+            return
+        for index, (a, b) in enumerate(zip(later, full.frames, strict=True)):
+            if _max_difference(a, b) > self.batch_atol:
+                self.fail(
+                    "deferred",
+                    f"chunk {index} decoded after the stream's next chunk and close differs "
+                    "from the same chunk decoded at once: what a decode needs (the latents, a "
+                    "decoder cache) must be the frames' own, not the stream's",
+                )
+                return
+        stream = self.open(request, "a stream whose chunks were decoded after its close")
+        try:
+            chunk = _in_thread("next_chunk", self.timeout, stream.next_chunk, _Probe())
+            if chunk is not None:
+                release_frames(chunk.frames)
+                release_frames(chunk.frames)  # the server may release twice
+        except _Hung as exc:
+            self.fail("deferred", f"{exc} (a chunk released, not decoded)")
+            raise _Skip from exc
+        except BaseException as exc:
+            self.fail("deferred", f"releasing a chunk's frames raised {exc!r}")
+        finally:
+            self.close(stream, "after a chunk was released, not decoded")
+
     def check_stopped(self, what: str, probe: _Probe, run: _Run) -> None:
         if probe.calls_after_stop:
             self.fail(
@@ -828,11 +905,7 @@ class _Kit:
             )
             return
         for index, (a, b) in enumerate(zip(together.frames, alone.frames, strict=True)):
-            difference = (
-                255
-                if a.shape != b.shape
-                else int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max(initial=0))
-            )
+            difference = _max_difference(a, b)
             if difference > self.batch_atol:
                 self.fail(
                     "batching",
@@ -842,3 +915,11 @@ class _Kit:
                     once="differ",
                 )
                 return
+
+
+def _max_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The largest difference between two chunks' frames, in levels (255 if their shapes
+    differ)."""
+    if a.shape != b.shape:
+        return 255
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max(initial=0))

@@ -220,6 +220,14 @@ class DiffusersEngine:
                 settings.max_batch,
                 self.loop.name,
             )
+        if settings.defer_decode and not (
+            self.max_batch > 1 and getattr(self.loop, "defers_decode", False)
+        ):
+            logger.warning(
+                "diffusers engine: defer_decode ignored: only batched (max_batch > 1) "
+                "SkyReels-V2 DF windows defer their decode; %s decodes in next_chunk",
+                self.loop.name,
+            )
         if self.max_batch > 1 and settings.offload != "none":
             raise config_error(
                 f"max_batch={settings.max_batch} needs offload=none: a batch holds the "

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from trio_vstream.engines.args import parse_number_arg
+from trio_vstream.engines.args import parse_bool_arg, parse_number_arg
 from trio_vstream.engines.base import EngineConfigError
 
 DTYPES: Mapping[str, torch.dtype] = {
@@ -47,6 +47,10 @@ class DiffusersSettings:
     max_batch: int = 1
     """Sessions whose denoising steps may run as one batch (families that batch:
     ``DiffusersEngine.max_batch``); 1 runs each session's chunk alone under the lock."""
+    defer_decode: bool = False
+    """Return a batched SkyReels-V2 DF window before its VAE decode, for the server to
+    decode in its encode thread while the next window is denoised (`DeferredFrames`):
+    off by default, since the device then holds a decode beside the next steps."""
 
 
 _SETTING_HELP = {
@@ -60,6 +64,7 @@ _SETTING_HELP = {
     "name": "served model name",
     "lora_root": "directory that request LoRA paths must be inside",
     "max_batch": "sessions' steps batched together (1: none)",
+    "defer_decode": "1: decode batched DF windows in the server's encode thread (0: off)",
 }
 
 
@@ -100,6 +105,8 @@ def parse_settings(args: Mapping[str, str]) -> DiffusersSettings:
     for key, minimum in (("segment_frames", 2), ("threads", 1), ("max_batch", 1)):
         if key in args:
             values[key] = parse_number_arg("diffusers", key, args[key], int, minimum=minimum)
+    if "defer_decode" in args:
+        values["defer_decode"] = parse_bool_arg("diffusers", "defer_decode", args["defer_decode"])
     if args.get("name"):
         values["name"] = args["name"]
     return DiffusersSettings(**values)

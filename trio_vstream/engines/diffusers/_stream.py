@@ -23,6 +23,7 @@ import torch
 from trio_vstream.engines.base import (
     Checkpoint,
     Chunk,
+    DeferredFrames,
     EngineError,
     GenerationRequest,
     PromptChange,
@@ -232,6 +233,14 @@ class DiffusersStream:
         host = np.ascontiguousarray(frames[:remaining].cpu().numpy())  # one host copy
         del frames
         return self.chunk(host, conditioning, index)
+
+    def deferred_chunk(
+        self, frames: DeferredFrames, conditioning: ChunkConditioning, index: int
+    ) -> Chunk:
+        """Chunk ``index`` whose ``frames`` the server decodes later: counted as sent."""
+        self._frames_done += frames.shape[0]
+        self._next_index += 1
+        return conditioning.chunk(frames, index)
 
     def embeds_and_negative(
         self, info: PipelineInfo, mix: Mix, guidance: float

@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 
 from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
@@ -43,7 +44,7 @@ from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
-from trio_vstream.engines.diffusers._stream import logger
+from trio_vstream.engines.diffusers._stream import frames_to_uint8, logger
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing
 
@@ -82,6 +83,9 @@ class ForcingWindows:
     batches = True
     """Its windows' steps run batched across sessions when the engine's ``max_batch`` > 1
     (`ForwardGroup`)."""
+    defers_decode = True
+    """With ``defer_decode`` and ``max_batch`` > 1, its batched windows leave their decode
+    to the server (`ForcingFrames`)."""
     frame_continued = False
     image_in_loop = True
     engine_set: tuple[str, ...] = ()
@@ -547,10 +551,45 @@ class ForcingLoop:
                     )
                     self._update(window, i, noise_pred)
             del group
+            if engine.settings.defer_decode:
+                # The decode is left to the server's encode thread (`ForcingFrames`): the
+                # next window's steps start at once.
+                frames = self._deferred(engine, pipe, window, remaining, request)
+                del window
+                return stream.deferred_chunk(frames, conditioning, index)
             with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
                 video = self._finish(checkpoint, pipe, window)
         del window
         return stream.finish_driven(video, remaining, conditioning, index)
+
+    def _deferred(
+        self,
+        engine: DiffusersEngine,
+        pipe: Any,
+        window: _Window,
+        remaining: int,
+        request: Any,
+    ) -> ForcingFrames:
+        """`_finish` without its decode: the window becomes the next one's history now,
+        and its new latents go with the session's decoder cache into `ForcingFrames`."""
+        plan, latents = self.plan, window.latents
+        first = self.windows_done == 0
+        new = latents if first else latents[:, :, plan.overlap :]
+        if plan.overlap:
+            joined = new if self._history is None else torch.cat([self._history, new], dim=2)
+            self._history = joined[:, :, -plan.overlap :].clone()
+        self.windows_done += 1
+        if self._decoder_cache is None:
+            self._decoder_cache = []
+        scale = int(getattr(pipe, "vae_scale_factor_temporal", 4))
+        count = (new.shape[2] - 1) * scale + 1 if first else new.shape[2] * scale
+        return ForcingFrames(
+            engine.decode_lock,
+            pipe,
+            new.clone(),
+            self._decoder_cache,
+            (min(count, remaining), request.height, request.width, 3),
+        )
 
     def _prefix(self, block: int) -> torch.Tensor | None:
         """The next window's prefix: the history's last ``overlap`` latent frames, less
@@ -567,6 +606,53 @@ class ForcingLoop:
         if self._decoder_cache is None:
             self._decoder_cache = []
         return decode_continuing(pipe, latents, self._decoder_cache)
+
+
+class ForcingFrames:
+    """A batched window's new frames, decoded when the server asks (`DeferredFrames`).
+
+    It owns what the decode needs: the window's new latents and a reference to the
+    session's causal decoder cache (which the stream's close drops, not this), so it
+    decodes the same after the stream has gone on or closed. The server decodes a
+    stream's windows one at a time in order, which keeps the cache in order; the decode
+    takes the engine's ``decode_lock``, as the eager decode does (one decode at a time
+    on the shared VAE). Decoded frames are kept until `release`, so a second ``decode``
+    returns them rather than running the causal cache on again.
+    """
+
+    def __init__(
+        self,
+        lock: Any,
+        pipe: Any,
+        latents: torch.Tensor,
+        cache: list[Any],
+        shape: tuple[int, int, int, int],
+    ) -> None:
+        self._lock = lock
+        self._pipe: Any = pipe
+        self._latents: torch.Tensor | None = latents
+        self._cache: list[Any] | None = cache
+        self._frames: Any = None
+        self.shape = shape
+
+    def decode(self) -> Any:
+        if self._frames is not None:
+            return self._frames
+        latents, cache = self._latents, self._cache
+        if latents is None or cache is None:
+            raise EngineError("a window's frames were decoded after their release")
+        # The server's thread has no checkpoint: a plain one waits its turn, unstoppable
+        # but bounded by one other session's decode.
+        with torch.no_grad(), self._lock.held(Checkpoint()):
+            video = decode_continuing(self._pipe, latents, cache)
+        self._latents = None
+        frames = frames_to_uint8(video)[: self.shape[0]]
+        self._frames = np.ascontiguousarray(frames.cpu().numpy())
+        return self._frames
+
+    def release(self) -> None:
+        self._latents = self._cache = self._frames = None
+        self._pipe = None
 
 
 def _fps_flag(fps: int) -> int:
