@@ -208,6 +208,10 @@ class DiffusersEngine:
         )
         self.video_defaults = video_defaults(model, self.size_multiple, self.segment_frames)
         batches = bool(getattr(self.loop, "batches", False))
+        batches_for = getattr(self.loop, "batches_for", None)
+        if batches and batches_for is not None:
+            # A family of pipeline calls batches only the pipelines its forwards fit.
+            batches = bool(batches_for(model, i2v))
         self.max_batch = settings.max_batch if batches else 1
         """Rows per batched step (`interfaces.SupportsBatching`): ``max_batch`` for a family
         that batches its steps (its ``LOOP.batches``, read with a default so that a family
@@ -215,10 +219,11 @@ class DiffusersEngine:
         each session alone"."""
         if settings.max_batch > 1 and not batches:
             logger.warning(
-                "diffusers engine: max_batch=%d ignored: %s does not batch sessions' steps "
-                "(each session's chunk runs alone under the lock)",
+                "diffusers engine: max_batch=%d ignored: %s (%s) does not batch sessions' "
+                "steps (each session's chunk runs alone under the lock)",
                 settings.max_batch,
                 self.loop.name,
+                model.class_name,
             )
         if self.max_batch > 1 and settings.offload != "none":
             raise config_error(
