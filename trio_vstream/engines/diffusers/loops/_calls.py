@@ -272,11 +272,13 @@ class BatchedCall:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Any]:
-        """The call's pipeline, for one call; the batch is left however the call ends."""
+        """The call's pipeline, for one call; the batch is left however the call ends, and
+        the copy let go (its stand-ins point back here: no cycle outlives the call)."""
         try:
             yield self.pipe
         finally:
             self.leave()
+            self.pipe = None
 
     def forward(self, module: Any, context: str | None, args: tuple[Any, ...], kwargs: Any) -> Any:
         """One forward of ``module``, as a row of the session's batch."""
