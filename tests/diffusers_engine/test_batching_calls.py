@@ -12,10 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.diffusers_engine.support import no_stop, request
 from tests.diffusers_engine.test_batching import (
@@ -27,6 +29,7 @@ from tests.diffusers_engine.test_batching import (
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
+from trio_vstream.engines.diffusers._lock import SegmentLock
 from trio_vstream.engines.diffusers.loops import _calls, history, segments
 from trio_vstream.engines.testing import check_engine
 
@@ -328,3 +331,56 @@ def test_a_batching_helios_engine_keeps_the_contract(helios: dict[str, Path]) ->
         return load_engine("diffusers", args, device="cpu")
 
     check_engine(factory, helios_request("kit", 1, guidance_scale=1.0, negative_prompt=None))
+
+
+# -- what may share a forward
+
+
+def test_rows_share_a_forward_only_when_their_arguments_agree() -> None:
+    module = torch.nn.Linear(2, 2)
+    other = torch.nn.Linear(2, 2)
+
+    def key(*args: Any, of: Any = module, context: str | None = "cond", **kwargs: Any) -> Any:
+        return _calls.row_key(of, context, args, kwargs)
+
+    row = {"hidden_states": torch.zeros(1, 4, 2), "timestep": torch.ones(1), "return_dict": False}
+    # Other values, another step and the other pass (no cache hooks): one forward.
+    assert key(**row) == key(
+        **{**row, "hidden_states": torch.ones(1, 4, 2), "timestep": torch.zeros(1)},
+        context="uncond",
+    )
+    assert key(**row) != key(**row, of=other)  # Wan 2.2's other expert
+    assert key(**row) != key(**{**row, "hidden_states": torch.zeros(1, 6, 2)})  # a size
+    assert key(**row) != key(**{**row, "hidden_states": torch.zeros(1, 4, 2).double()})
+    assert key(**row) != key(**{**row, "return_dict": True})
+    # Alone: what cannot be joined or compared.
+    assert key(**row, attention_kwargs={"scale": 0.5}) is None
+    assert key(torch.zeros(1, 2), **row) is None
+    assert key(**{**row, "hidden_states": torch.zeros(2, 4, 2)}) is None
+    assert key(**{**row, "timestep": torch.tensor(1.0)}) is None
+    assert key(**row, attention_kwargs=None) is not None
+
+
+def test_a_group_runs_one_forward_per_key_and_gives_each_row_its_own() -> None:
+    sizes: list[int] = []
+
+    class Doubling(torch.nn.Module):
+        def forward(self, hidden_states: torch.Tensor, scale: float) -> tuple[torch.Tensor]:
+            sizes.append(hidden_states.shape[0])
+            if scale < 0:
+                raise ValueError("refused")
+            return (hidden_states * scale,)
+
+    module = Doubling()
+    engine = SimpleNamespace(lock=SegmentLock(), loras=SimpleNamespace(activate=lambda *a: None))
+    group = _calls.CallGroup(engine, SimpleNamespace(), None)  # type: ignore[arg-type]
+
+    def row(value: float, width: int = 2, scale: float = 2.0) -> _calls.CallRow:
+        kwargs = {"hidden_states": torch.full((1, width), value), "scale": scale}
+        return _calls.CallRow(module, None, kwargs, _calls.row_key(module, None, (), kwargs))
+
+    results = group([row(1.0), row(2.0, width=3), row(3.0), row(4.0, scale=-1.0)])
+    assert sorted(sizes) == [1, 1, 2]  # the two rows of width 2 and scale 2 in one forward
+    assert [r[0].tolist() for r in results[:3]] == [[[2.0, 2.0]], [[4.0] * 3], [[6.0, 6.0]]]
+    assert isinstance(results[3], ValueError)  # its own forward failed: only its row
+    assert not engine.lock._held

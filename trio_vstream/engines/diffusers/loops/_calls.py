@@ -97,12 +97,12 @@ def row_key(module: Any, context: str | None, args: tuple[Any, ...], kwargs: dic
     diffusers hooks that read it, `stateful_hooks`: the conditional and the unconditional
     pass are the same computation on other embeddings, and a session one pass ahead of
     another must not keep the two apart for the rest of their calls); for each tensor
-    argument its
-    name, shape, dtype and device, the shape a batch of one (dim 0 is 1: rows are joined
-    along it); every other argument equal, as a value that can be compared (None, a
-    number, a string, a tuple of those). A row runs alone when an argument cannot be
-    joined or compared: positional arguments, a tensor whose dim 0 is not 1, a dict (a
-    request's ``attention_kwargs``, which would apply to the whole forward)."""
+    argument its name, shape, dtype and device, the shape a batch of one (dim 0 is 1:
+    rows are joined along it); every other argument equal, as a value that can be
+    compared (None, a number, a string, a tuple of those). A row runs alone when an
+    argument cannot be joined or compared: positional arguments, a tensor whose dim 0 is
+    not 1, a dict (a request's ``attention_kwargs``, which would apply to the whole
+    forward)."""
     if args:
         return None
     parts: list[Any] = [id(module), context if stateful_hooks(module) else None]
@@ -145,9 +145,9 @@ class CallGroup:
     The server's batcher gathers rows by this object (`DiffusersEngine.batch_group`).
     Called with some rows, it takes the pipeline's lock, puts the group's LoRA on the
     pipeline, and runs one forward per set of rows with equal keys (`row_key`): usually
-    one, the same step of every session; the rows of a Wan 2.2 session at its other
-    expert, or at its unconditional pass while the others are at their conditional one,
-    make a second. Each row gets its own slice of the output."""
+    one, a pass of every session; the rows of a Wan 2.2 session at its other expert, or
+    of another resolution, make a second. Each row gets its own slice of the output; a
+    forward that fails fails its own rows only."""
 
     def __init__(
         self, engine: DiffusersEngine, info: PipelineInfo, lora: tuple[LoadedLora, float] | None
@@ -179,7 +179,7 @@ class CallGroup:
 _NEVER_STOPS = Checkpoint()
 """The batch's own wait for the lock: a batch serves several sessions, and stops for
 none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`).
-The wait is bounded by one prompt encoding."""
+The wait is bounded by one session's prompt, text or image encoding."""
 
 
 def _forward(rows: Sequence[CallRow]) -> list[Any]:
