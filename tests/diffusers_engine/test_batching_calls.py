@@ -9,6 +9,7 @@ transformer is watched through a hook on the real module."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,6 +182,51 @@ async def test_continued_segments_batch_on_the_image_to_video_pipeline(
         assert_same(frames[s.req.request_id], alone(engine, s.req))
 
 
+@pytest.fixture(scope="module")
+def wan22(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Wan as Wan 2.2 makes it: a second expert (``transformer_2``, other
+    weights) for the low-noise steps below ``boundary_ratio``."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(models.t2v, local_files_only=True)
+    second = copy.deepcopy(pipe.transformer)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.mul_(0.5)
+    made = WanPipeline(
+        tokenizer=pipe.tokenizer,
+        text_encoder=pipe.text_encoder,
+        transformer=pipe.transformer,
+        vae=pipe.vae,
+        scheduler=pipe.scheduler,
+        transformer_2=second,
+        boundary_ratio=0.9,
+    )
+    path = tmp_path_factory.mktemp("wan22") / "Wan2.2-tiny"
+    made.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+async def test_both_experts_of_a_two_stage_wan_batch(wan22: Path, make_engine: Any) -> None:
+    engine = make_engine(wan22, max_batch="8")
+    pipe = engine.model.pipe
+    first, remove_first = watch_batches(pipe.transformer)
+    second, remove_second = watch_batches(pipe.transformer_2)
+    sessions = [
+        Session(wan_request("a", 1, num_frames=7, num_inference_steps=4)),
+        Session(wan_request("b", 2, num_frames=7, num_inference_steps=4)),
+    ]
+    try:
+        frames, _ = await run_batched(engine, sessions)
+    finally:
+        remove_first()
+        remove_second()
+    assert max(first) == 2 and max(second) == 2, (first, second)
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
+
+
 @pytest.mark.slow
 async def test_a_session_with_another_lora_shares_no_forward(models: Any, make_engine: Any) -> None:
     engine = make_engine(models.t2v, max_batch="8", lora_root=str(models.root))
@@ -317,6 +363,29 @@ async def test_helios_sessions_with_an_image_reference_batch(
     frames, _ = await run_batched(helios_engine, sessions)
     for s in sessions:
         assert_same(frames[s.req.request_id], alone(helios_engine, s.req))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["pyramid", "distilled"])
+async def test_pyramid_stages_batch_stage_by_stage(
+    helios: dict[str, Path], make_engine: Any, variant: str
+) -> None:
+    # Each stage denoises at its own resolution: rows of sessions at the same stage share
+    # forwards, whatever the step; the latents' shape keeps the stages apart.
+    engine = make_engine(helios[variant], segment_frames="33", max_batch="8")
+    sizes, remove = watch_batches(engine.model.pipe.transformer)
+    unguided = {"guidance_scale": 1.0, "negative_prompt": None, "num_inference_steps": 2}
+    sessions = [
+        Session(helios_request("a", 1, **unguided)),
+        Session(helios_request("b", 2, **unguided)),
+    ]
+    try:
+        frames, _ = await run_batched(engine, sessions)
+    finally:
+        remove()
+    assert max(sizes) == 2, sizes
+    for s in sessions:
+        assert_same(frames[s.req.request_id], alone(engine, s.req))
 
 
 @pytest.mark.slow
