@@ -174,13 +174,19 @@ class SegmentRun:
         if info.accepts("output_type"):
             kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk
 
+        batched = stream.engine.max_batch > 1 and batchable(info)
+        # Batched, each forward's ``step`` is the checkpoint (it counts the progress and
+        # takes the turn), so the callback only looks for a stop: no third hand-over to
+        # the event loop a step.
+        check = checkpoint.check_cancelled if batched else checkpoint
+
         def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
-            checkpoint()  # raises when the session is over: no more steps, no decode
+            check()  # raises when the session is over: no more steps, no decode
             self._on_step(tensors)
             return tensors
 
         kwargs["callback_on_step_end"] = on_step_end
-        if stream.engine.max_batch > 1 and batchable(info):
+        if batched:
             return self._video(
                 self._batched_call(stream, checkpoint, info, conditioning, kwargs, index, image)
             )
