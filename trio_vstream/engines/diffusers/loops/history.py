@@ -15,7 +15,10 @@ order; so the frames are exactly those of the single call (tested).
 The history kept is the pipeline's fixed window, whatever the video's length: memory
 stays flat over any number of chunks. A chunk is the segment path's call (`SegmentRun`)
 with `ChunkHistory`'s continuation arguments and one generator for the whole session in
-place of a frame and a generator per segment.
+place of a frame and a generator per segment; so it batches as a segment does
+(``max_batch`` > 1, `_calls.BatchedCall`): the history latents and frame indices are
+arguments of each forward, per row, of one fixed shape for every session at a
+resolution.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ image-to-video pipeline (``i2v_model``, or the model itself when its ``__call__`
 ``image=``) every segment after the first continues from the last frame of the one
 before (whose copy, the new segment's first frame, is dropped); without one, segments
 are independent clips. A request's ``image_reference`` conditions the first segment.
+With ``max_batch`` > 1 and a Wan transformer, the call runs in the session's thread on a
+copy of the pipeline, and only its transformer forwards go, batched with other sessions',
+under the lock (`_calls.BatchedCall`).
 
 This family takes any pipeline the engine loads, so the registry asks it last. Its run,
 `SegmentRun`, is also what a family of pipeline calls builds on: Helios' chunks
