@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import trio
 
-from tests.diffusers_engine.support import no_stop, request
+from tests.diffusers_engine.support import START, no_stop, request, run_session
 from tests.diffusers_engine.test_batching import (
     Session,
     alone,
@@ -312,6 +313,32 @@ def test_decodes_never_overlap_and_the_shared_pipeline_is_untouched(
     assert pipe.scheduler is scheduler and getattr(pipe, "_guidance_scale", None) is None
     for seed in (1, 2):
         assert_same(results[seed], alone(wan, wan_request(str(seed), seed)))
+
+
+@pytest.mark.slow
+async def test_a_server_batches_the_segments_of_its_sessions(
+    wan: DiffusersEngine, serve: Any
+) -> None:
+    server, summaries = await serve(wan)
+    assert server.batcher is not None and server.batcher.max_batch == 8
+    start = {**START, "num_frames": 7, "guidance_scale": 6.0, "negative_prompt": "blurry"}
+    transcripts: list[Any] = []
+
+    async def one(seed: int) -> None:
+        transcripts.append(await run_session(server.url, {**start, "seed": seed}))
+
+    async with trio.open_nursery() as nursery:
+        for seed in (1, 2, 3):
+            nursery.start_soon(one, seed)
+    for transcript in transcripts:
+        media = [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+        assert [m["num_frames"] for m in media] == [5, 2]
+        assert transcript.terminal[-1]["type"] == "session.done"
+    with trio.fail_after(5):
+        await summaries.wait_for(3)
+    assert [s.outcome.value for s in summaries] == ["completed"] * 3
+    # Every forward went through the batcher: 3 sessions, 2 segments of 2 guided steps.
+    assert server.batcher.rows == 3 * 2 * 2 * 2
 
 
 @pytest.mark.slow
