@@ -201,7 +201,7 @@ def wan22(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
         vae=pipe.vae,
         scheduler=pipe.scheduler,
         transformer_2=second,
-        boundary_ratio=0.9,
+        boundary_ratio=0.8,
     )
     path = tmp_path_factory.mktemp("wan22") / "Wan2.2-tiny"
     made.save_pretrained(path)
@@ -215,8 +215,9 @@ async def test_both_experts_of_a_two_stage_wan_batch(wan22: Path, make_engine: A
     first, remove_first = watch_batches(pipe.transformer)
     second, remove_second = watch_batches(pipe.transformer_2)
     sessions = [
-        Session(wan_request("a", 1, num_frames=7, num_inference_steps=4)),
-        Session(wan_request("b", 2, num_frames=7, num_inference_steps=4)),
+        # Six steps: three on each expert (timesteps 999, 937, 857 | 750, 600, 376).
+        Session(wan_request("a", 1, num_inference_steps=6)),
+        Session(wan_request("b", 2, num_inference_steps=6)),
     ]
     try:
         frames, _ = await run_batched(engine, sessions)
@@ -457,7 +458,7 @@ def test_rows_share_a_forward_only_when_their_arguments_agree() -> None:
     assert key(**row, attention_kwargs=None) is not None
 
 
-def test_a_group_runs_one_forward_per_key_and_gives_each_row_its_own() -> None:
+def test_a_group_runs_the_largest_set_of_equal_rows_and_puts_the_others_off() -> None:
     sizes: list[int] = []
 
     class Doubling(torch.nn.Module):
@@ -471,12 +472,31 @@ def test_a_group_runs_one_forward_per_key_and_gives_each_row_its_own() -> None:
     engine = SimpleNamespace(lock=SegmentLock(), loras=SimpleNamespace(activate=lambda *a: None))
     group = _calls.CallGroup(engine, SimpleNamespace(), None)  # type: ignore[arg-type]
 
-    def row(value: float, width: int = 2, scale: float = 2.0) -> _calls.CallRow:
+    def row(value: float, width: int = 2, scale: float = 2.0, put_off: int = 0) -> Any:
         kwargs = {"hidden_states": torch.full((1, width), value), "scale": scale}
-        return _calls.CallRow(module, None, kwargs, _calls.row_key(module, None, (), kwargs))
+        key = _calls.row_key(module, None, (), kwargs)
+        return _calls.CallRow(module, None, kwargs, key, put_off)
 
+    # The largest set of equal keys runs, in one forward; the others are put off.
     results = group([row(1.0), row(2.0, width=3), row(3.0), row(4.0, scale=-1.0)])
-    assert sorted(sizes) == [1, 1, 2]  # the two rows of width 2 and scale 2 in one forward
-    assert [r[0].tolist() for r in results[:3]] == [[[2.0, 2.0]], [[4.0] * 3], [[6.0, 6.0]]]
-    assert isinstance(results[3], ValueError)  # its own forward failed: only its row
+    assert sizes == [2]  # the two rows of width 2 and scale 2
+    assert [r[0].tolist() for r in results[::2]] == [[[2.0, 2.0]], [[6.0, 6.0]]]
+    assert results[1] is _calls.DEFERRED and results[3] is _calls.DEFERRED
+    # Put off as often as may be, they run: each in a forward of its own.
+    last = _calls.MAX_DEFERRED
+    results = group([row(2.0, width=3, put_off=last), row(4.0, scale=-1.0, put_off=last)])
+    assert sizes == [2, 1, 1]
+    assert results[0][0].tolist() == [[4.0] * 3]
+    assert isinstance(results[1], ValueError)  # its own forward failed: only its row
+    # A tie goes to the row put off most, then to the oldest.
+    results = group([row(1.0), row(2.0, width=3, put_off=1)])
+    assert results[0] is _calls.DEFERRED and results[1] is not _calls.DEFERRED
+    results = group([row(1.0), row(2.0, width=3)])
+    assert results[0] is not _calls.DEFERRED and results[1] is _calls.DEFERRED
+    # A row that can share no forward is never put off.
+    alone_row = _calls.CallRow(
+        module, None, {"hidden_states": torch.ones(1, 2), "scale": 1.0}, None
+    )
+    results = group([row(1.0), row(3.0), alone_row])
+    assert all(result is not _calls.DEFERRED for result in results)
     assert not engine.lock._held

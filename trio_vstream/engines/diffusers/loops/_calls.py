@@ -85,6 +85,16 @@ class CallRow:
     kwargs: dict[str, Any]
     key: Hashable
     """`row_key`: rows with equal keys run in one forward."""
+    deferred: int = 0
+    """How many batches in a row have put this forward off (`CallGroup`)."""
+
+
+DEFERRED = object()
+"""A row's result when its batch put it off: the session hands the same row again."""
+
+MAX_DEFERRED = 2
+"""The most batches in a row that may put a forward off: a row waits that long at most
+for others to reach its key."""
 
 
 _ALONE = object()
@@ -145,9 +155,10 @@ class CallGroup:
     The server's batcher gathers rows by this object (`DiffusersEngine.batch_group`).
     Called with some rows, it takes the pipeline's lock, puts the group's LoRA on the
     pipeline, and runs one forward per set of rows with equal keys (`row_key`): usually
-    one, a pass of every session; the rows of a Wan 2.2 session at its other expert, or
-    of another resolution, make a second. Each row gets its own slice of the output; a
-    forward that fails fails its own rows only."""
+    one, a pass of every session. Where rows differ (a Wan 2.2 session at its other
+    expert, a Helios pyramid session at another stage, another resolution), it runs the
+    largest set and puts the others off for a batch or two (`_running`). Each row gets its
+    own slice of the output; a forward that fails fails its own rows only."""
 
     def __init__(
         self, engine: DiffusersEngine, info: PipelineInfo, lora: tuple[LoadedLora, float] | None
@@ -161,11 +172,12 @@ class CallGroup:
         for i, row in enumerate(rows):
             key = ("alone", i) if row.key is None else row.key
             parts.setdefault(key, []).append(i)
-        results: list[Any] = [None] * len(rows)
+        results: list[Any] = [DEFERRED] * len(rows)
+        running = _running(rows, list(parts.values()))
         engine, lora = self._engine, self._lora
         with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
             engine.loras.activate(self._info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            for indices in parts.values():
+            for indices in running:
                 members = [rows[i] for i in indices]
                 try:
                     outputs = _forward(members)
@@ -174,6 +186,31 @@ class CallGroup:
                 for i, output in zip(indices, outputs, strict=True):
                     results[i] = output
         return results
+
+
+def _running(rows: Sequence[CallRow], parts: list[list[int]]) -> list[list[int]]:
+    """The sets of rows (indices, one set per key) a batch runs now; it puts the others off.
+
+    Sessions in one group step in lockstep (a batch waits for a row of each), so two
+    sessions a stage apart (Helios' pyramid stages at their own resolutions, Wan 2.2's two
+    experts) would stay a stage apart, their rows never in one forward. So where rows
+    differ, the batch runs the largest set (on a tie, the one put off most, then the
+    oldest) and puts the others off: their sessions hand the same rows again, and the
+    sessions behind catch up. Never more than `MAX_DEFERRED` batches in a row, and never
+    a row that can share no forward (no key): those run now, in forwards of their own."""
+    if len(parts) == 1:
+        return parts
+    best = max(
+        parts,
+        key=lambda part: (len(part), max(rows[i].deferred for i in part), -part[0]),
+    )
+    return [
+        part
+        for part in parts
+        if part is best
+        or rows[part[0]].key is None
+        or any(rows[i].deferred >= MAX_DEFERRED for i in part)
+    ]
 
 
 _NEVER_STOPS = Checkpoint()
@@ -230,6 +267,10 @@ class BatchedCall:
     (`pipe`, a shallow copy of the shared one with stand-ins for its components), and its
     place in the batch (joined at its first forward, left at its first other work).
 
+    Its group (`CallGroup`) is that of the calls of the same pipeline, LoRA and ``shape``
+    (the video's size and the call's frames): calls of another size could share no
+    forward, so their sessions do not wait for one another's rows.
+
     Use it in the session's thread only, and close it when the call ends (`running`)."""
 
     def __init__(
@@ -240,11 +281,13 @@ class BatchedCall:
         lora: tuple[LoadedLora, float] | None,
         scheduler: Any,
         config_overrides: Mapping[str, Any],
+        shape: Hashable,
     ) -> None:
         self._engine = engine
         self._info = info
         self._checkpoint = checkpoint
         self._lora = lora
+        self._shape = shape
         self._batch: contextlib.ExitStack | None = None
         self._step: Any = None
         self.forwards = 0
@@ -288,7 +331,11 @@ class BatchedCall:
             self._join()
         row = CallRow(module, context, dict(kwargs), row_key(module, context, args, kwargs))
         self.forwards += 1
-        return self._step(row)
+        while True:
+            result = self._step(row)
+            if result is not DEFERRED:
+                return result
+            row = attrs.evolve(row, deferred=row.deferred + 1)  # the same forward, again
 
     def leave(self) -> None:
         """Leave the batch (the session has other work than forwards to do)."""
@@ -305,7 +352,12 @@ class BatchedCall:
 
     def _join(self) -> None:
         engine, info, lora = self._engine, self._info, self._lora
-        key = ("calls", info.role, None if lora is None else (lora[0].adapter, lora[1]))
+        key = (
+            "calls",
+            info.role,
+            self._shape,
+            None if lora is None else (lora[0].adapter, lora[1]),
+        )
         group = engine.batch_group(key, lambda: CallGroup(engine, info, lora))
         stack = contextlib.ExitStack()
         self._step = stack.enter_context(self._checkpoint.batched(group))

@@ -227,6 +227,7 @@ class SegmentRun:
             stream.lora,
             stream.fresh_scheduler(info),
             stream.plan.config_overrides,
+            (stream.request.width, stream.request.height, kwargs["num_frames"]),
         )
         with engine.lock.held(checkpoint):
             stream.activate_lora(info)
