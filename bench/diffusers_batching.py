@@ -20,24 +20,29 @@ ratio of aggregate fps, and the on/off ratio of the lone TTFC.
     python bench/diffusers_batching.py --preset gpu-skyreels --preset gpu-wan   # gpu_check.sh
 
 Presets: ``tiny`` (seconds on any CPU: the tests'), ``cpu`` (a SkyReels-V2 DF pipeline
-sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (the tests'
-FramePack pipeline, vanilla sections of ten steps, distilled guidance),
+sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (a FramePack
+pipeline of the tests' widths, six blocks of each kind and four heads, 32x32, vanilla
+sections of ten steps, distilled guidance, the text padded to 64 tokens),
 ``cpu-wan`` (the ``cpu`` preset's transformer as a Wan text-to-video pipeline: segments
 of 17 frames, each call's forwards batched), ``gpu-skyreels`` (SkyReels-V2 DF 1.3B's
-transformer and Wan's VAE, at 480p) and
-``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, whose calls' transformer forwards
-batch across sessions).
+transformer and Wan's VAE, at 480p) and ``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment
+path, whose calls' transformer forwards batch across sessions).
+
+``cpu-far``: AnyFlow FAR chunks (which batch, cache passes included), the tests' widths
+four blocks deep, 32x32, chunks of four guided steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +84,8 @@ encoder stays tiny (prompts are encoded once a session)."""
 class Preset:
     name: str
     family: str
-    """``skyreels`` (diffusion-forcing windows, which batch) or ``wan`` (segments)."""
+    """``skyreels`` (diffusion-forcing windows, which batch), ``far`` (AnyFlow FAR chunks,
+    which batch), ``framepack`` (vanilla sections, which batch) or ``wan`` (segments)."""
     size: dict[str, Any]
     width: int
     height: int
@@ -96,12 +102,17 @@ class Preset:
 
     def build(self, root: Path) -> Path:
         size = diffusers_tiny.WanSize(**self.size)
+        if self.family == "far":  # the tests' widths, ``size``'s depth
+            far = diffusers_tiny.build_anyflow_far(
+                root / "anyflow-far", size=size, layers=size.layers
+            )
+            return Path(far)
         if self.family == "skyreels":
             return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
-        if self.family == "framepack":  # the tests' size only
+        if self.family == "framepack":
             from trio_vstream.engines.diffusers.tiny import build_framepack
 
-            return Path(build_framepack(root / "framepack"))
+            return Path(build_framepack(root / "framepack", **self.size))
         return Path(diffusers_tiny.build_wan_t2v(root / "wan", size=size))
 
 
@@ -160,7 +171,7 @@ PRESETS = {
     "cpu-framepack": Preset(
         name="cpu-framepack",
         family="framepack",
-        size={},
+        size={"layers": 6, "heads": 4},
         width=32,
         height=32,
         fps=24,
@@ -168,6 +179,21 @@ PRESETS = {
         num_frames=27,
         steps=10,
         guidance=6.0,
+        device="cpu",
+        levels=(1, 4, 8),
+        max_batch=8,
+    ),
+    "cpu-far": Preset(
+        name="cpu-far",
+        family="far",
+        size={"layers": 4},
+        width=32,
+        height=32,
+        fps=16,
+        window=8,
+        num_frames=25,
+        steps=4,
+        guidance=3.0,
         device="cpu",
         levels=(1, 4, 8),
         max_batch=8,
@@ -289,7 +315,10 @@ def request(preset: Preset, seed: int) -> GenerationRequest:
             guidance_scale=preset.guidance,
             seed=seed,
             image=image.astype(np.uint8),
-            extra_params={"sampling_type": "vanilla"},
+            # The text padded to 64 tokens, not the call's 256: a batch of more than one
+            # row attends over the padding (masked) where a lone row cuts it, and at
+            # 32x32 the text is most of the sequence (at 480p it is a few per cent).
+            extra_params={"sampling_type": "vanilla", "max_sequence_length": 64},
         )
     return GenerationRequest(
         request_id=f"bench-{seed}",
@@ -305,13 +334,38 @@ def request(preset: Preset, seed: int) -> GenerationRequest:
     )
 
 
+@contextlib.contextmanager
+def eager_flex_attention(preset: Preset) -> Iterator[None]:
+    """AnyFlow FAR on a CPU: flex attention's eager path (the same math; the tests' too)
+    rather than its dynamo wrapper, which costs about 0.1 s a call there, a cost per
+    forward that batching would save and a compiled GPU run would not have."""
+    if preset.family != "far" or preset.device != "cpu":
+        yield
+        return
+    import warnings
+
+    from torch.nn.attention import flex_attention
+
+    before = getattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
 def measure(preset: Preset, repeat: int, levels: tuple[int, ...]) -> dict[str, Any]:
     """Every level in both modes, ``repeat`` times; medians and ratios per level."""
-    with tempfile.TemporaryDirectory(prefix="diffusers-batching-") as root:
+    with (
+        tempfile.TemporaryDirectory(prefix="diffusers-batching-") as root,
+        eager_flex_attention(preset),
+    ):
         model = preset.build(Path(root))
         args = {"model": str(model), "segment_frames": str(preset.window)}
         args["max_batch"] = str(preset.max_batch)

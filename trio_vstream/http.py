@@ -85,7 +85,9 @@ class ReplayStream(trio.abc.Stream):
     another task fails with ``ClosedResourceError`` (which trio-websocket takes
     for a closed connection), the shutdown of the write side waits for a send
     under way to finish (never cutting a frame), and a second ``aclose`` waits
-    for the first one's linger instead of racing it.
+    for the first one's linger instead of racing it. A receive under way when the close
+    begins (trio-websocket's reader, which goes on reading after it sent 1009) is let
+    finish before the linger reads: the socket allows one reader at a time.
     """
 
     def __init__(self, stream: trio.abc.Stream, prefix: bytes) -> None:
@@ -94,6 +96,7 @@ class ReplayStream(trio.abc.Stream):
         self._send_lock = trio.Lock()
         self._closing = False
         self._closed = trio.Event()
+        self._receive_done: trio.Event | None = None
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if self._closing:
@@ -104,7 +107,12 @@ class ReplayStream(trio.abc.Stream):
             data, self._prefix = self._prefix[:size], self._prefix[size:]
             await trio.lowlevel.checkpoint()
             return data
-        return await self._stream.receive_some(max_bytes)
+        done = self._receive_done = trio.Event()
+        try:
+            return await self._stream.receive_some(max_bytes)
+        finally:
+            self._receive_done = None
+            done.set()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing:
@@ -127,6 +135,12 @@ class ReplayStream(trio.abc.Stream):
                 with trio.move_on_after(LINGER_SECONDS):
                     async with self._send_lock:  # a frame being written is finished first
                         await stream.send_eof()
+                    # A receive under way (trio-websocket's reader, after it sent 1009)
+                    # gets what comes next; only then can this one read. Reading at
+                    # once would be refused (BusyResourceError), and closing instead
+                    # would reset the connection and lose the Close frame.
+                    if (receiving := self._receive_done) is not None:
+                        await receiving.wait()
                     while await stream.receive_some(65536):
                         pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):

@@ -49,3 +49,13 @@ def test_the_gpu_presets_run_at_a_tiny_size_on_cpu(name: str) -> None:
     assert result["batches"]  # Wan's segments batch their calls' forwards too
     assert all(row["on_fps"] > 0 and row["off_fps"] > 0 for row in result["levels"])
     assert "| 2 |" in diffusers_batching.markdown(result)
+
+
+@pytest.mark.slow
+def test_the_far_preset_runs_batched_and_not() -> None:
+    # AnyFlow FAR at the tests' size (one block, one step a chunk): the preset builds,
+    # its sessions run in both modes, and the family batches.
+    preset = attrs.evolve(diffusers_batching.PRESETS["cpu-far"], size={"layers": 1}, steps=1)
+    result = diffusers_batching.measure(preset, 1, (1, 2))
+    assert result["batches"]
+    assert all(row["on_fps"] > 0 and row["off_fps"] > 0 for row in result["levels"])

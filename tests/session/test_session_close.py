@@ -208,6 +208,41 @@ async def test_the_write_side_shuts_after_a_frame_under_way() -> None:
     assert contract.eof_started.is_set()
 
 
+async def test_a_close_while_another_task_reads_still_lingers() -> None:
+    """trio-websocket's reader goes on reading after it sent Close 1009 for an oversized
+    message, while the client may still be writing it. The close must still linger (read
+    until the client closes), not close at once with bytes unread: a socket would answer
+    with a reset and the client would lose the Close frame (1006, not 1009)."""
+    client, server = trio.testing.memory_stream_pair()
+    replay = ReplayStream(ContractStream(server, hold_eof=False), b"")
+    read: list[bytes] = []
+    closed = trio.Event()
+
+    async def reader() -> None:
+        read.append(bytes(await replay.receive_some()))
+        with pytest.raises(trio.ClosedResourceError):  # the close has begun
+            await replay.receive_some()
+
+    async def close() -> None:
+        await replay.aclose()
+        closed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()  # its receive is under way
+        nursery.start_soon(close)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not closed.is_set(), "closed at once, with the client still writing"
+        assert await client.receive_some() == b""  # the server's EOF
+        await client.send_all(b"the rest of the oversized message")
+        await trio.testing.wait_all_tasks_blocked()
+        assert not closed.is_set()
+        await client.send_all(b"and more")
+        await client.aclose()
+    assert read == [b"the rest of the oversized message"]
+    assert closed.is_set()
+
+
 async def test_a_second_close_waits_for_the_first() -> None:
     client, server = trio.testing.memory_stream_pair()
     replay = ReplayStream(ContractStream(server, hold_eof=False), b"")

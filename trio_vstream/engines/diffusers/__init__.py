@@ -37,10 +37,10 @@ serves its waiters first come, first served.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes. With ``max_batch`` > 1, the families that batch (SkyReels-V2 DF
-windows, FramePack vanilla sections, and the forwards of Wan segments' and Helios chunks'
-pipeline calls, `loops._calls`) hold the lock per batched forward instead of per chunk,
-and run every session's denoising steps that share a batch key as one forward
-(docs/diffusers.md, "Batching sessions' steps").
+windows, FramePack vanilla sections, AnyFlow FAR chunks, and the forwards of Wan
+segments' and Helios chunks' pipeline calls, `loops._calls`) hold the lock per batched
+forward instead of per chunk, and run every session's denoising steps that share a batch
+key as one forward (docs/diffusers.md, "Batching sessions' steps").
 
 Layout. This module holds the engine (what every family shares of request planning)
 and its factory; ``loops`` holds the families, one module each. What each private

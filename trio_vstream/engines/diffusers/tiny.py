@@ -207,14 +207,19 @@ def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
     return _saved(pipe, path)
 
 
-def build_lora(pipeline_path: Path, out: Path, *, seed: int = 2) -> Path:
+def build_lora(
+    pipeline_path: Path, out: Path, *, seed: int = 2, model_class: str = "WanTransformer3DModel"
+) -> Path:
     """A random LoRA for the transformer of the pipeline at ``pipeline_path``, saved with
-    the pipeline class's ``save_lora_weights`` (``pytorch_lora_weights.safetensors``)."""
+    the pipeline class's ``save_lora_weights`` (``pytorch_lora_weights.safetensors``).
+    ``model_class`` names the diffusers class the transformer loads as (Wan's attention
+    names, which SkyReels-V2 and AnyFlow FAR share; FAR's needs its own class)."""
+    import diffusers
     import torch
-    from diffusers import WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    model = WanTransformer3DModel.from_pretrained(pipeline_path / "transformer")
+    model = getattr(diffusers, model_class).from_pretrained(pipeline_path / "transformer")
     torch.manual_seed(seed)
     model.add_adapter(
         LoraConfig(
@@ -355,13 +360,14 @@ ANYFLOW_FAR_PARTITION = (1, 2, 2)
 (the first frame), then chunks of two (8 frames each)."""
 
 
-def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Path:
+def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY, layers: int = 1) -> Path:
     """A random ``AnyFlowFARPipeline`` (causal, chunk by chunk, with a FAR KV cache),
     saved to ``path``: the Wan text encoder and VAE of the other tiny pipelines, a
     one-layer ``AnyFlowFARTransformer3DModel`` with ``full_chunk_limit`` 3 (so a fourth
     chunk already sees the first one compressed) and ``FlowMapEulerDiscreteScheduler``.
-    Its attention is flex attention, slow unfused on a CPU: one layer keeps a call short.
-    Requests must be multiples of 16 (``check_inputs``)."""
+    Its attention is flex attention, slow unfused on a CPU: one layer (``layers``, the
+    tests') keeps a call short; the bench asks for more. Requests must be multiples of
+    16 (``check_inputs``)."""
     import torch
     from diffusers import (
         AnyFlowFARPipeline,
@@ -376,7 +382,7 @@ def build_anyflow_far(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Pat
         attention_head_dim=size.head_dim,
         text_dim=TEXT_DIM,
         ffn_dim=size.ffn_dim,
-        num_layers=1,
+        num_layers=layers,
         full_chunk_limit=3,
         rope_max_seq_len=size.rope_max_seq_len,
         chunk_partition=ANYFLOW_FAR_PARTITION,
@@ -426,13 +432,17 @@ FRAMEPACK_WORDS = "a red fox in the snow blue whale blurry cat dog"
 """The tiny FramePack tokenizer's words besides its template's (others are ``<unk>``)."""
 
 
-def build_framepack(path: Path, *, seed: int = 0) -> Path:
+def build_framepack(path: Path, *, seed: int = 0, layers: int = 1, heads: int = 2) -> Path:
     """A random ``HunyuanVideoFramepackPipeline``, saved to ``path``. The transformer and
     VAE follow diffusers' fast test for it (``test_hunyuan_video_framepack.py``); the
     tokenizers, which that test downloads, are `word_tokenizer`s built here over the
     pipeline's own prompt template, and the SigLIP image encoder and its processor are
     built from tiny configs. Requests are multiples of 16 (``check_inputs``) and need an
-    ``image_reference`` (the pipeline is image-to-video)."""
+    ``image_reference`` (the pipeline is image-to-video).
+
+    ``layers`` (double- and single-stream blocks, each) and ``heads`` (of ten channels)
+    make a forward cost measurable time, for the batching benchmark; the defaults are
+    the fast test's."""
     import torch
     from diffusers import (
         AutoencoderKLHunyuanVideo,
@@ -467,10 +477,10 @@ def build_framepack(path: Path, *, seed: int = 0) -> Path:
     model = HunyuanVideoFramepackTransformer3DModel(
         in_channels=4,
         out_channels=4,
-        num_attention_heads=2,
+        num_attention_heads=heads,
         attention_head_dim=10,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=layers,
+        num_single_layers=layers,
         num_refiner_layers=1,
         patch_size=2,
         patch_size_t=1,

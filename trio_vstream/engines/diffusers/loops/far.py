@@ -35,22 +35,27 @@ costs more the later the chunk.
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas, timesteps
 from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers._stream import logger
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing, onload
 
 if TYPE_CHECKING:
+    from trio_vstream.engines.diffusers import DiffusersEngine
     from trio_vstream.engines.diffusers._loading import PipelineInfo
+    from trio_vstream.engines.diffusers._lora import LoadedLora
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
@@ -79,6 +84,9 @@ class FarChunks:
 
     name = "FAR chunks"
     order = 30
+    batches = True
+    """Its chunks' flow-map steps and cache passes run batched across sessions when the
+    engine's ``max_batch`` > 1 (`ChunkGroup`, `CachePassGroup`)."""
     frame_continued = False
     image_in_loop = True
     engine_set = ENGINE_SET_ARGS
@@ -222,12 +230,12 @@ class FarLoop:
         return self.chunks_done >= self.plan.chunks
 
     def next_chunk(self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int) -> Chunk:
-        """The next chunk's frames."""
+        """The next chunk's frames: its steps batched with other sessions' when the
+        engine batches (``max_batch`` > 1), else the whole chunk under the lock."""
+        if stream.engine.max_batch > 1:
+            return self._batched_chunk(stream, checkpoint, remaining)
         request = stream.request
-        image = None
-        if stream.index == 0 and stream.image is not None:
-            pixels = np.asarray(stream.image.convert("RGB"), dtype=np.float32) / 255.0
-            image = torch.from_numpy(pixels).permute(2, 0, 1)[None, None]  # (1, 1, 3, H, W)
+        image = _first_frame(stream)
 
         def chunk(info: PipelineInfo, mix: Mix, pass_: DrivenPass) -> torch.Tensor:
             embeds, negative = stream.embeds_and_negative(info, mix, pass_.guidance)
@@ -278,37 +286,19 @@ class FarLoop:
         call), read at the first chunk only."""
         plan, index = self.plan, self.chunks_done
         device = pipe._execution_device
-        transformer = pipe.transformer
-        dtype = transformer.dtype
-        cfg = guidance_scale > 1.0
-        prompt_embeds = prompt_embeds.to(device, dtype)
-        if cfg:
-            assert negative_prompt_embeds is not None
-            negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
-        else:
-            negative_prompt_embeds = None
-        # encode_kv_cache reads these two from the pipeline, as the call sets them.
-        pipe._guidance_scale = guidance_scale
-        pipe._attention_kwargs = attention_kwargs
-        if self._noise is None:
-            self._start(pipe, height=height, width=width, batch=2 if cfg else 1, image=image)
+        prompt_embeds, negative_prompt_embeds = self._catch_up(
+            checkpoint,
+            pipe,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            image=image,
+            attention_kwargs=attention_kwargs,
+        )
         noise, output = self._noise, self._output
         assert noise is not None and output is not None
-        # The call's cache pass after each chunk but the last, run here for the chunks
-        # the last call made (one, or the image's context chunk).
-        while self._cached_chunks < index:
-            checkpoint()
-            done = self._cached_chunks
-            self._kv_cache = pipe.encode_kv_cache(
-                self._kv_cache,
-                self._kv_flag,
-                chunk_partition=list(plan.partition[: done + 1]),
-                chunk_idx=done,
-                output=output,
-                prompt_embeds=prompt_embeds,
-                negative_prompt_embeds=negative_prompt_embeds,
-            )
-            self._cached_chunks += 1
         start, end = plan.bounds(index)
         if index >= self._context_chunks:
             latents = self._denoise(
@@ -324,6 +314,66 @@ class FarLoop:
             )
         else:
             latents = output[:, start:end]  # the image's chunk: context, not denoised
+        return self._finish(checkpoint, pipe, latents)
+
+    def _catch_up(
+        self,
+        checkpoint: Any,
+        pipe: Any,
+        *,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        image: torch.Tensor | None,
+        attention_kwargs: Any,
+        cache_passes: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What comes before the chunk's steps, all of it on the shared pipeline (so
+        under the lock): the first chunk's preparation (`_start`), then the cache passes
+        of the chunks made since the last call. Returns the prompt embeddings on the
+        device in the transformer's dtype, the negative ones None without guidance."""
+        plan, index = self.plan, self.chunks_done
+        device = pipe._execution_device
+        dtype = pipe.transformer.dtype
+        cfg = guidance_scale > 1.0
+        prompt_embeds = prompt_embeds.to(device, dtype)
+        if cfg:
+            assert negative_prompt_embeds is not None
+            negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
+        else:
+            negative_prompt_embeds = None
+        # encode_kv_cache reads these two from the pipeline, as the call sets them.
+        pipe._guidance_scale = guidance_scale
+        pipe._attention_kwargs = attention_kwargs
+        if self._noise is None:
+            self._start(pipe, height=height, width=width, batch=2 if cfg else 1, image=image)
+        output = self._output
+        assert output is not None
+        # The call's cache pass after each chunk but the last, run here for the chunks
+        # the last call made (one, or the image's context chunk); when batching, the
+        # caller runs them batched instead (`_batched_cache_passes`).
+        while cache_passes and self._cached_chunks < index:
+            checkpoint()
+            done = self._cached_chunks
+            self._kv_cache = pipe.encode_kv_cache(
+                self._kv_cache,
+                self._kv_flag,
+                chunk_partition=list(plan.partition[: done + 1]),
+                chunk_idx=done,
+                output=output,
+                prompt_embeds=prompt_embeds,
+                negative_prompt_embeds=negative_prompt_embeds,
+            )
+            self._cached_chunks += 1
+        return prompt_embeds, negative_prompt_embeds
+
+    def _finish(self, checkpoint: Any, pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Decode the chunk's latent frames; only then is it the next one's context."""
+        output = self._output
+        assert output is not None
+        start, end = self.plan.bounds(self.chunks_done)
         checkpoint()  # the decode
         video = decode_continuing(pipe, latents.permute(0, 2, 1, 3, 4), self._decoder_cache)
         # The chunk is complete: only now does it become the next one's context.
@@ -449,6 +499,182 @@ class FarLoop:
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
         return latents
 
+    # ------------------------------------------------------------ batched chunks
+
+    def _batched_chunk(
+        self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
+    ) -> Chunk:
+        """The next chunk, its cache pass and flow-map steps batched with other sessions'
+        (`CachePassGroup`, `ChunkGroup`), as SkyReels-V2 DF windows are
+        (``forcing.ForcingLoop._batched_chunk``).
+
+        The lock is taken for what touches the shared pipeline outside a forward (the
+        prompt's encoding, the first chunk's preparation: the noise, the cache's
+        allocation, the image's encoding) and, inside ``run_batch``, for each batched
+        forward; never while the session waits for a batch. The decode takes the engine's
+        ``decode_lock`` instead. The session's scheduler, generator, latents and decoder
+        cache never leave its thread; a row carries the forward's inputs and a reference
+        to the session's KV cache, which a step only reads and a cache pass writes, both
+        while the session's thread waits for its row's result."""
+        engine, request = stream.engine, stream.request
+        info, index = stream.plan.first, stream.index
+        conditioning = stream.next_conditioning()
+        pass_ = stream.driven_pass(info, 1.0)
+        attention_kwargs = pass_.kwargs.get("attention_kwargs")
+        pipe = info.pipe
+        device = pipe._execution_device
+        dtype = pipe.transformer.dtype
+        scheduler = stream.fresh_scheduler(info)
+        plan, chunk = self.plan, self.chunks_done
+        logger.debug("request %s: %d, batched chunk of %d", request.request_id, index, plan.chunks)
+        with torch.no_grad():
+            with engine.lock.held(checkpoint):
+                stream.activate_lora(info)
+                embeds, negative = stream.embeds_and_negative(
+                    info, conditioning.mix, pass_.guidance
+                )
+                embeds, negative = self._catch_up(
+                    checkpoint,
+                    pipe,
+                    prompt_embeds=embeds,
+                    negative_prompt_embeds=negative,
+                    guidance_scale=pass_.guidance,
+                    height=request.height,
+                    width=request.width,
+                    image=_first_frame(stream),
+                    attention_kwargs=attention_kwargs,
+                    cache_passes=False,
+                )
+            self._batched_cache_passes(
+                stream,
+                checkpoint,
+                embeds=embeds,
+                negative=negative,
+                attention_kwargs=attention_kwargs,
+            )
+            noise, output, cache = self._noise, self._output, self._kv_cache
+            assert noise is not None and output is not None and cache is not None
+            start, end = plan.bounds(chunk)
+            if chunk < self._context_chunks:
+                latents = output[:, start:end]  # the image's chunk: context, not denoised
+            else:
+                latents = self._batched_steps(
+                    stream,
+                    checkpoint,
+                    scheduler,
+                    noise[:, start:end],
+                    embeds=embeds,
+                    negative=negative,
+                    guidance=pass_.guidance,
+                    steps=pass_.steps,
+                    attention_kwargs=attention_kwargs,
+                    cache=cache,
+                    device=device,
+                    dtype=dtype,
+                )
+            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
+                video = self._finish(checkpoint, pipe, latents)
+        return stream.finish_driven(video, remaining, conditioning, index)
+
+    def _batched_cache_passes(
+        self,
+        stream: DiffusersStream,
+        checkpoint: Checkpoint,
+        *,
+        embeds: torch.Tensor,
+        negative: torch.Tensor | None,
+        attention_kwargs: Any,
+    ) -> None:
+        """The cache passes `_catch_up` leaves to the caller when batching, each one a
+        row of a batch (`CachePassGroup`): the same forward as ``encode_kv_cache``'s over
+        the video so far, whose keys and values then go into the session's own cache."""
+        engine, info, plan = stream.engine, stream.plan.first, self.plan
+        output, cache, flag = self._output, self._kv_cache, self._kv_flag
+        assert output is not None and cache is not None and flag is not None
+        lora = stream.lora
+        while self._cached_chunks < self.chunks_done:
+            done = self._cached_chunks
+            assert flag["num_cached_chunks"] == done
+            partition = plan.partition[: done + 1]
+            latents = output[:, : sum(partition)]
+            key = FarKey(
+                partition=partition,
+                input_shape=tuple(latents.shape),
+                embeds_shape=tuple(embeds.shape),
+                guided=negative is not None,
+                dtype=str(latents.dtype),
+                lora=None if lora is None else (lora[0].adapter, lora[1]),
+                alone=None if attention_kwargs is None else object(),
+                cache_pass=True,
+            )
+            group = engine.batch_group(
+                ("far", key),
+                functools.partial(CachePassGroup, engine, info, key, lora, attention_kwargs),
+            )
+            with checkpoint.batched(group) as step:
+                step(CacheRow(latents=latents, embeds=embeds, negative=negative, cache=cache))
+            del group
+            flag["num_cached_chunks"] += 1  # as encode_kv_cache counts it
+            self._cached_chunks += 1
+
+    def _batched_steps(
+        self,
+        stream: DiffusersStream,
+        checkpoint: Checkpoint,
+        scheduler: Any,
+        latents: torch.Tensor,
+        *,
+        embeds: torch.Tensor,
+        negative: torch.Tensor | None,
+        guidance: float,
+        steps: int,
+        attention_kwargs: Any,
+        cache: dict[int, dict[str, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """`_denoise`'s steps, each one a row of a batch (`ChunkGroup`), the session's own
+        scheduler stepping its latents in its own thread."""
+        engine, info, plan, chunk = stream.engine, stream.plan.first, self.plan, self.chunks_done
+        assert self._kv_flag is not None and self._kv_flag["num_cached_chunks"] == chunk
+        scheduler.set_timesteps(
+            steps,
+            device=device,
+            sigmas=list(plan.sigmas) if plan.sigmas is not None else None,
+            timesteps=list(plan.timesteps) if plan.timesteps is not None else None,
+        )
+        lora = stream.lora
+        key = FarKey(
+            partition=plan.partition[: chunk + 1],
+            input_shape=tuple(latents.shape),
+            embeds_shape=tuple(embeds.shape),
+            guided=negative is not None,
+            dtype=str(dtype),
+            lora=None if lora is None else (lora[0].adapter, lora[1]),
+            alone=None if attention_kwargs is None else object(),
+        )
+        group = engine.batch_group(
+            ("far", key), lambda: ChunkGroup(engine, info, key, lora, attention_kwargs)
+        )
+        with checkpoint.batched(group) as step:
+            for i, t in enumerate(scheduler.timesteps):
+                r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
+                if t == r:
+                    continue
+                row = ChunkRow(
+                    latents=latents,
+                    timestep=t,
+                    r_timestep=r if plan.use_mean_velocity else t,
+                    embeds=embeds,
+                    negative=negative,
+                    guidance=guidance,
+                    cache=cache,
+                )
+                noise_pred = step(row)
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        del group
+        return latents
+
     @property
     def held_bytes(self) -> int:
         """Bytes of tensors the session holds now (for tests)."""
@@ -457,3 +683,279 @@ class FarLoop:
             tensors.extend(layer.values())
         tensors.extend(t for t in self._decoder_cache if isinstance(t, torch.Tensor))
         return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def _first_frame(stream: DiffusersStream) -> torch.Tensor | None:
+    """The request's image as the call's ``video=`` takes it, (1, 1, 3, H, W) in [0, 1],
+    for the video's first chunk; None for any other, or without an image."""
+    if stream.index != 0 or stream.image is None:
+        return None
+    pixels = np.asarray(stream.image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels).permute(2, 0, 1)[None, None]
+
+
+@attrs.frozen(kw_only=True)
+class FarKey:
+    """What rows must share to run in one transformer forward (one `ChunkGroup`).
+
+    The chunk partition up to the row's chunk, because the forward takes one
+    ``chunk_partition`` and one ``num_cached_chunks`` for the whole batch: they fix the
+    rotary positions (the video's frames so far), which chunks are compressed, and how
+    much of every row's KV cache is read. So only chunks at the same index of videos
+    partitioned alike up to it share a forward: sessions that started together, or
+    whose chunk boundaries line up; a session at another chunk runs in another group.
+    Then the chunk's latent shape (frames, channels, latent height and width), the
+    prompt embeddings' (the text's padded length), guidance on or off (a guided row's
+    cache holds two rows, the negative prompt's and the prompt's), the transformer's
+    dtype and the LoRA (adapter and scale, or none). Not the guidance scale, the step,
+    the timesteps nor the schedule: each row brings its own."""
+
+    partition: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    embeds_shape: tuple[int, ...]
+    guided: bool
+    dtype: str
+    lora: tuple[str, float] | None
+    alone: object | None
+    """Set (to an object of its own) for a row that must run alone: a request with
+    ``attention_kwargs``, which apply to the whole forward."""
+    cache_pass: bool = False
+    """A cache pass (`CachePassGroup`: ``input_shape`` is then the video's so far, up
+    to the end of ``partition``), not a flow-map step."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class CacheRow:
+    """One session's cache pass: the video's latents so far, its prompt embeddings, and
+    the KV cache the pass writes (its own)."""
+
+    latents: torch.Tensor
+    embeds: torch.Tensor
+    negative: torch.Tensor | None
+    cache: dict[int, dict[str, torch.Tensor]]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ChunkRow:
+    """One session's flow-map step: its inputs and the KV cache it reads (its own; the
+    step does not write it)."""
+
+    latents: torch.Tensor
+    """(1, frames, channels, height, width): the chunk's, in the call's layout."""
+    timestep: torch.Tensor
+    r_timestep: torch.Tensor
+    """Where the flow-map step lands (``t`` itself without ``use_mean_velocity``)."""
+    embeds: torch.Tensor
+    negative: torch.Tensor | None
+    guidance: float
+    cache: dict[int, dict[str, torch.Tensor]]
+
+
+class ChunkGroup:
+    """The batched step (``run_batch``) of every chunk whose rows share a `FarKey`.
+
+    Called with some rows, it takes the pipeline's lock, puts the key's LoRA on the
+    shared transformer and runs one forward over every row, each row laid out as a lone
+    chunk's is (with guidance, its input twice, its negative prompt's embeddings then
+    its prompt's: the layout of its KV cache), the rows one after another; their KV
+    caches are joined along the batch dimension for that forward (`_joined_cache`), the
+    part the forward reads only. A lone row reads its own cache in place. Each row gets
+    its own guided prediction back, a tensor of its own."""
+
+    def __init__(
+        self,
+        engine: DiffusersEngine,
+        info: PipelineInfo,
+        key: FarKey,
+        lora: tuple[LoadedLora, float] | None,
+        attention_kwargs: Any,
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self.key = key
+        self._lora = lora
+        self._attention_kwargs = attention_kwargs
+
+    def __call__(self, rows: Sequence[ChunkRow]) -> list[torch.Tensor | Exception]:
+        key, per = self.key, 2 if self.key.guided else 1
+        frames = key.input_shape[1]
+        hidden, timestep, r_timestep, embeds = [], [], [], []
+        for row in rows:
+            hidden += [row.latents] * per
+            timestep.append(row.timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
+            r_timestep.append(row.r_timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
+            embeds += [_required(row.negative), row.embeds] if key.guided else [row.embeds]
+        engine, info, lora = self._engine, self._info, self._lora
+        partition = list(key.partition)
+        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            transformer = info.pipe.transformer
+            cache = rows[0].cache if len(rows) == 1 else _joined_cache(transformer, key, rows)
+            out, _ = transformer(
+                hidden_states=torch.cat(hidden),
+                timestep=torch.cat(timestep),
+                r_timestep=torch.cat(r_timestep),
+                encoder_hidden_states=torch.cat(embeds),
+                attention_kwargs=self._attention_kwargs,
+                return_dict=False,
+                chunk_partition=partition,
+                kv_cache=cache,
+                kv_cache_flag={"num_cached_chunks": len(partition) - 1, "is_cache_step": False},
+            )
+            del cache
+            results: list[torch.Tensor | Exception] = []
+            for i, row in enumerate(rows):
+                if key.guided:
+                    uncond, cond = out[2 * i : 2 * i + 2].chunk(2)
+                    results.append(uncond + row.guidance * (cond - uncond))
+                else:
+                    results.append(out[i : i + 1].clone())  # not a view keeping the batch's
+        return results
+
+
+class CachePassGroup:
+    """The batched cache pass (``run_batch``) of every session whose video so far shares
+    a `FarKey` (``cache_pass``): ``encode_kv_cache``'s forward (timesteps zero, the
+    cache mode's attention mask) over every row at once, laid out as `ChunkGroup` lays
+    out its rows. The forward writes the keys and values of all its rows into one cache
+    made for it, of the tokens it writes (`_cache_tokens`); each row's part is then
+    copied into the row's own cache, where a lone pass would have written it. A lone row
+    writes its own cache in place. The result of a row is None: the pass is its
+    writes."""
+
+    def __init__(
+        self,
+        engine: DiffusersEngine,
+        info: PipelineInfo,
+        key: FarKey,
+        lora: tuple[LoadedLora, float] | None,
+        attention_kwargs: Any,
+    ) -> None:
+        self._engine = engine
+        self._info = info
+        self.key = key
+        self._lora = lora
+        self._attention_kwargs = attention_kwargs
+
+    def __call__(self, rows: Sequence[CacheRow]) -> list[Exception | None]:
+        key, per = self.key, 2 if self.key.guided else 1
+        hidden: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for row in rows:
+            hidden += [row.latents] * per
+            embeds += [_required(row.negative), row.embeds] if key.guided else [row.embeds]
+        engine, info, lora = self._engine, self._info, self._lora
+        partition = list(key.partition)
+        frames, height, width = key.input_shape[1], key.input_shape[3], key.input_shape[4]
+        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
+            transformer = info.pipe.transformer
+            model_input = torch.cat(hidden).to(transformer.dtype)
+            zeros = torch.zeros((model_input.shape[0], frames), device=model_input.device)
+            zeros = zeros.to(torch.long)  # encode_kv_cache's torch.tensor([0]), repeated
+            mask = transformer.build_attention_mask(
+                chunk_partition=partition,
+                height=height,
+                width=width,
+                device=model_input.device,
+                mode="cache",
+            )
+            if len(rows) == 1:
+                cache = rows[0].cache
+            else:
+                cache = _empty_cache(transformer, key, rows[0].cache, model_input.shape[0])
+            transformer(
+                hidden_states=model_input,
+                chunk_partition=partition,
+                timestep=zeros,
+                r_timestep=zeros,
+                encoder_hidden_states=torch.cat(embeds),
+                attention_mask=mask,
+                attention_kwargs=self._attention_kwargs,
+                return_dict=False,
+                kv_cache=cache,
+                kv_cache_flag={"num_cached_chunks": len(partition) - 1, "is_cache_step": True},
+            )
+            if len(rows) > 1:
+                for i, row in enumerate(rows):
+                    for layer, names in cache.items():
+                        for name, joined in names.items():
+                            tokens = joined.shape[3]
+                            row.cache[layer][name][:, :, :, :tokens] = joined[
+                                :, i * per : (i + 1) * per
+                            ]
+            del cache
+        return [None] * len(rows)
+
+
+def _cache_tokens(transformer: Any, key: FarKey) -> dict[str, int]:
+    """Tokens of each part of the KV cache that the key's forward touches: a step's
+    reads (``_forward_inference``'s ``num_cached_full_tokens`` and
+    ``num_cached_compressed_tokens``) or a cache pass's writes (``_forward_cache``'s
+    ``num_full_tokens`` and ``num_compressed_tokens``), worked out from the chunk
+    partition as the transformer works them out."""
+    config = transformer.config
+    partition = key.partition
+    height, width = key.input_shape[3], key.input_shape[4]
+    full_per_frame = (height // config.patch_size[1]) * (width // config.patch_size[2])
+    compressed_per_frame = (height // config.compressed_patch_size[1]) * (
+        width // config.compressed_patch_size[2]
+    )
+    chunks = len(partition)
+    if key.cache_pass:  # the pass is over the chunks so far; one fewer stays full
+        limit = config.full_chunk_limit - 1
+        full, compressed = (limit, chunks - limit) if chunks > limit else (chunks, 0)
+        full_frames = sum(partition[compressed:])
+    else:  # the step's chunk is the last full one, and is not in the cache
+        limit = config.full_chunk_limit
+        full, compressed = (limit, chunks - limit) if chunks >= limit else (chunks, 0)
+        full_frames = sum(partition[compressed : compressed + full - 1])
+    return {
+        "full_cache": full_frames * full_per_frame,
+        "compressed_cache": sum(partition[:compressed]) * compressed_per_frame,
+    }
+
+
+def _empty_cache(
+    transformer: Any, key: FarKey, like: dict[int, dict[str, torch.Tensor]], batch: int
+) -> dict[int, dict[str, torch.Tensor]]:
+    """A KV cache for a batched cache pass of ``batch`` rows, of just the tokens the pass
+    writes (it reads none of them), shaped and typed as ``like`` (a row's)."""
+    tokens = _cache_tokens(transformer, key)
+    return {
+        layer: {
+            name: t.new_empty((t.shape[0], batch, t.shape[2], tokens[name], t.shape[4]))
+            for name, t in names.items()
+        }
+        for layer, names in like.items()
+    }
+
+
+def _joined_cache(
+    transformer: Any, key: FarKey, rows: Sequence[ChunkRow]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The rows' KV caches, one after another along the batch dimension, for one step's
+    forward: per layer, the compressed and the full cache up to the tokens a step of the
+    key's chunk reads (`_cache_tokens`: the forward reads nothing beyond them), so the
+    copy is what the step reads anyway, and a session's unused slots stay out of it."""
+    tokens = _cache_tokens(transformer, key)
+    return {
+        layer: {
+            name: torch.cat(
+                [row.cache[layer][name][:, :, :, : tokens[name]] for row in rows], dim=1
+            )
+            for name in names
+        }
+        for layer, names in rows[0].cache.items()
+    }
+
+
+_NEVER_STOPS = Checkpoint()
+"""The batch's own wait for the lock: a batch serves several sessions, and stops for
+none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`)."""
+
+
+def _required(negative: torch.Tensor | None) -> torch.Tensor:
+    if negative is None:  # a guided key is made only from rows with a negative prompt
+        raise EngineError("a guided row without negative prompt embeddings")
+    return negative
