@@ -23,10 +23,10 @@ Presets: ``tiny`` (seconds on any CPU: the tests'), ``cpu`` (a SkyReels-V2 DF pi
 sized so a step takes measurable time on a 2-core CPU), ``cpu-framepack`` (a FramePack
 pipeline of the tests' widths, six blocks of each kind and four heads, 32x32, vanilla
 sections of ten steps, distilled guidance, the text padded to 64 tokens),
-``gpu-skyreels`` (SkyReels-V2 DF 1.3B's transformer and Wan's VAE, at 480p) and
-``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment path, which does not batch yet, so on and
-off run alike; its figures are the baseline a batched segment path would be measured
-against).
+``cpu-wan`` (the ``cpu`` preset's transformer as a Wan text-to-video pipeline: segments
+of 17 frames, each call's forwards batched), ``gpu-skyreels`` (SkyReels-V2 DF 1.3B's
+transformer and Wan's VAE, at 480p) and ``gpu-wan`` (Wan 2.1 1.3B at 480p: the segment
+path, whose calls' transformer forwards batch across sessions).
 
 ``cpu-far``: AnyFlow FAR chunks (which batch, cache passes included), the tests' widths
 four blocks deep, 32x32, chunks of four guided steps.
@@ -145,6 +145,21 @@ PRESETS = {
         width=32,
         height=32,
         fps=24,
+        window=17,
+        num_frames=33,
+        steps=10,
+        guidance=5.0,
+        device="cpu",
+        levels=(1, 4, 8),
+        max_batch=8,
+    ),
+    "cpu-wan": Preset(
+        name="cpu-wan",
+        family="wan",
+        size=_CPU_SIZE,
+        width=32,
+        height=32,
+        fps=16,
         window=17,
         num_frames=33,
         steps=10,

@@ -46,7 +46,7 @@ def test_the_gpu_presets_run_at_a_tiny_size_on_cpu(name: str) -> None:
         threads=1,
     )
     result = diffusers_batching.measure(preset, 1, (1, 2))
-    assert result["batches"] is (preset.family == "skyreels")  # Wan's segments do not batch
+    assert result["batches"]  # Wan's segments batch their calls' forwards too
     assert all(row["on_fps"] > 0 and row["off_fps"] > 0 for row in result["levels"])
     assert "| 2 |" in diffusers_batching.markdown(result)
 

@@ -240,9 +240,9 @@ def test_max_batch_is_an_engine_arg_of_the_families_that_batch(
     assert make_engine(skyreels["t2v"], segment_frames="17").max_batch == 1  # the default
     assert make_engine(skyreels["t2v"], segment_frames="17", max_batch="4").max_batch == 4
     assert forcing.LOOP.batches  # type: ignore[attr-defined]
-    # Whole pipeline calls per segment do not batch: the engine says so and steps alone.
-    wan = make_engine(models.t2v, max_batch="4")
-    assert wan.max_batch == 1
+    # Wan segments batch their calls' forwards too (test_batching_calls.py); a family
+    # that does not batch is served with 1 (test_sana_wm.py).
+    assert make_engine(models.t2v, max_batch="4").max_batch == 4
     with pytest.raises(EngineConfigError, match="max_batch must be >= 1"):
         make_engine(skyreels["t2v"], max_batch="0")
     engine = make_engine(skyreels["t2v"], segment_frames="17")

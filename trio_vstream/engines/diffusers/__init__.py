@@ -37,7 +37,8 @@ serves its waiters first come, first served.
 A session's LoRA is loaded (once per path, shared by the sessions that use
 it), activated for that session's segments only and unloaded when the last
 session using it closes. With ``max_batch`` > 1, the families that batch (SkyReels-V2 DF
-windows, FramePack vanilla sections, AnyFlow FAR chunks) hold the lock per batched
+windows, FramePack vanilla sections, AnyFlow FAR chunks, and the forwards of Wan
+segments' and Helios chunks' pipeline calls, `loops._calls`) hold the lock per batched
 forward instead of per chunk, and run every session's denoising steps that share a batch
 key as one forward (docs/diffusers.md, "Batching sessions' steps").
 
@@ -208,6 +209,10 @@ class DiffusersEngine:
         )
         self.video_defaults = video_defaults(model, self.size_multiple, self.segment_frames)
         batches = bool(getattr(self.loop, "batches", False))
+        batches_for = getattr(self.loop, "batches_for", None)
+        if batches and batches_for is not None:
+            # A family of pipeline calls batches only the pipelines its forwards fit.
+            batches = bool(batches_for(model, i2v))
         self.max_batch = settings.max_batch if batches else 1
         """Rows per batched step (`interfaces.SupportsBatching`): ``max_batch`` for a family
         that batches its steps (its ``LOOP.batches``, read with a default so that a family
@@ -215,10 +220,11 @@ class DiffusersEngine:
         each session alone"."""
         if settings.max_batch > 1 and not batches:
             logger.warning(
-                "diffusers engine: max_batch=%d ignored: %s does not batch sessions' steps "
-                "(each session's chunk runs alone under the lock)",
+                "diffusers engine: max_batch=%d ignored: %s (%s) does not batch sessions' "
+                "steps (each session's chunk runs alone under the lock)",
                 settings.max_batch,
                 self.loop.name,
+                model.class_name,
             )
         if settings.defer_decode and not (
             self.max_batch > 1 and getattr(self.loop, "defers_decode", False)

@@ -39,7 +39,10 @@ Adding a family is one new module here and its tests:
    A family whose steps can run batched across sessions also sets ``batches = True``
    (optional, read with a default) and, when the engine's ``max_batch`` > 1, steps
    inside ``checkpoint.batched`` with one ``run_batch`` per batch key
-   (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and ``far`` do.
+   (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and ``far`` do. A
+   family of pipeline calls built on ``SegmentRun`` batches its calls' transformer
+   forwards through ``_calls.BatchedCall`` (``segments``, ``history``); its optional
+   ``batches_for(model, i2v)`` says which pipelines it batches.
 2. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
    (a builder in ``tiny``): the streamed frames equal the pipeline's own single call,
    sessions take turns, a stop ends within a step and the stopped chunk is not decoded,

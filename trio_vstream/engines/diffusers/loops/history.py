@@ -15,7 +15,10 @@ order; so the frames are exactly those of the single call (tested).
 The history kept is the pipeline's fixed window, whatever the video's length: memory
 stays flat over any number of chunks. A chunk is the segment path's call (`SegmentRun`)
 with `ChunkHistory`'s continuation arguments and one generator for the whole session in
-place of a frame and a generator per segment.
+place of a frame and a generator per segment; so it batches as a segment does
+(``max_batch`` > 1, `_calls.BatchedCall`): the history latents and frame indices are
+arguments of each forward, per row, of one fixed shape for every session at a
+resolution.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from trio_vstream.engines.diffusers._extra import (
     whole,
 )
 from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._calls import batchable
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
 
@@ -83,6 +87,9 @@ class HistoryChunks:
 
     name = "history chunks"
     order = 10
+    batches = True
+    """Its chunks' forwards run batched across sessions when the engine's ``max_batch`` > 1
+    (`_calls.BatchedCall`)."""
     frame_continued = False
     image_in_loop = False
     engine_set = ENGINE_SET_ARGS
@@ -90,6 +97,10 @@ class HistoryChunks:
     def recognises(self, info: PipelineInfo) -> bool:
         """A ``__call__`` that takes its history back in (Helios's signature)."""
         return all(name in info.params for name in HISTORY_ARGS)
+
+    def batches_for(self, model: PipelineInfo, i2v: PipelineInfo | None) -> bool:
+        """Whether ``model``'s transformer takes rows of several calls (Helios' does)."""
+        return batchable(model)
 
     def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
         segment = (chunk_latent_frames(model) - 1) * frame_step + 1
@@ -239,6 +250,7 @@ class HistoryRun(SegmentRun):
         stream: DiffusersStream,
         checkpoint: Checkpoint,
         info: PipelineInfo,
+        pipe: Any,
         kwargs: dict[str, Any],
         index: int,
         image: Any,
@@ -248,9 +260,7 @@ class HistoryRun(SegmentRun):
         if index == 0 and image is not None:
             request = stream.request
             checkpoint()  # the first frame's VAE encode
-            self.history.start_from_image(
-                info.pipe, image, height=request.height, width=request.width
-            )
+            self.history.start_from_image(pipe, image, height=request.height, width=request.width)
         kwargs.update(self.history.call_kwargs())
 
     def _on_step(self, tensors: dict[str, Any]) -> None:

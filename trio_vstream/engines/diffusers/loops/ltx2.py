@@ -125,6 +125,8 @@ class LTX2Segments(Segments):
 
     name = "LTX-2 segments"
     order = 47
+    batches = False
+    """Its calls run alone under the lock (its transformer is not one `_calls` batches)."""
     engine_set: tuple[str, ...] = ("audio_latents", "min_seconds", "max_seconds")
 
     def recognises(self, info: PipelineInfo) -> bool:

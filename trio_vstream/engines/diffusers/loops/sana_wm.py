@@ -95,6 +95,8 @@ class SanaWMSegments(Segments):
 
     name = "SANA-WM segments"
     order = 45
+    batches = False
+    """Its calls run alone under the lock (its transformer is not one `_calls` batches)."""
     frame_continued = False
     """It continues each segment from the last frame itself (`plan`), with its own
     pipeline: another one (``i2v_model``) would take no camera path, so it is refused."""

@@ -9,6 +9,9 @@ image-to-video pipeline (``i2v_model``, or the model itself when its ``__call__`
 ``image=``) every segment after the first continues from the last frame of the one
 before (whose copy, the new segment's first frame, is dropped); without one, segments
 are independent clips. A request's ``image_reference`` conditions the first segment.
+With ``max_batch`` > 1 and a Wan transformer, the call runs in the session's thread on a
+copy of the pipeline, and only its transformer forwards go, batched with other sessions',
+under the lock (`_calls.BatchedCall`).
 
 This family takes any pipeline the engine loads, so the registry asks it last. Its run,
 `SegmentRun`, is also what a family of pipeline calls builds on: Helios' chunks
@@ -29,6 +32,7 @@ from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers._stream import frames_to_uint8, logger, to_pil
+from trio_vstream.engines.diffusers.loops._calls import BatchedCall, batchable
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 
 if TYPE_CHECKING:
@@ -60,12 +64,20 @@ class Segments:
 
     name = "segments"
     order = 1000
+    batches = True
+    """Its calls' forwards run batched across sessions when the engine's ``max_batch`` > 1,
+    for the pipelines whose transformer takes it (`batches_for`)."""
     frame_continued = True
     image_in_loop = False
     engine_set: tuple[str, ...] = ()
 
     def recognises(self, info: PipelineInfo) -> bool:
         return True
+
+    def batches_for(self, model: PipelineInfo, i2v: PipelineInfo | None) -> bool:
+        """Whether the engine's pipelines batch: each one's transformers are of a class
+        whose forward is known to take rows of several calls (Wan's)."""
+        return batchable(model) and (i2v is None or batchable(i2v))
 
     def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
         if given is None:
@@ -154,37 +166,88 @@ class SegmentRun:
         image: Any,
         index: int,
     ) -> Any:
-        """One pipeline call of ``count`` frames, holding the lock for all of it: the
-        scheduler, the LoRA and the per-call attributes are the pipeline's, not ours."""
+        """One pipeline call of ``count`` frames: its forwards batched with other sessions'
+        when the engine batches and the pipeline can (`_calls.batchable`), else holding
+        the lock for all of it (the scheduler, the LoRA and the per-call attributes are
+        the pipeline's, not ours)."""
         plan = self.plan
         kwargs: dict[str, Any] = dict(stream.plan.call_kwargs[info.role])
         kwargs["num_frames"] = count if plan.call_frames is None else min(count, plan.call_frames)
         self._seed_call(kwargs, index, image)
         if info.accepts("output_type"):
             kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk
+
+        batched = stream.engine.max_batch > 1 and batchable(info)
+        # Batched, each forward's ``step`` is the checkpoint (it counts the progress and
+        # takes the turn), so the callback only looks for a stop: no third hand-over to
+        # the event loop a step.
+        check = checkpoint.check_cancelled if batched else checkpoint
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
+            check()  # raises when the session is over: no more steps, no decode
+            self._on_step(tensors)
+            return tensors
+
+        kwargs["callback_on_step_end"] = on_step_end
+        if batched:
+            return self._video(
+                self._batched_call(stream, checkpoint, info, conditioning, kwargs, index, image)
+            )
         with stream.engine.lock.held(checkpoint):
-
-            def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> Any:
-                checkpoint()  # raises when the session is over: no more steps, no decode
-                self._on_step(tensors)
-                return tensors
-
-            kwargs["callback_on_step_end"] = on_step_end
-            self._before_call(stream, checkpoint, info, kwargs, index, image)
+            self._before_call(stream, checkpoint, info, info.pipe, kwargs, index, image)
             stream.activate_lora(info)
             kwargs.update(self._prompt_kwargs(stream, info, conditioning))
             with stream.call_overrides(info):
                 checkpoint()
-                logger.debug(
-                    "request %s: segment %d, %d frames on %s",
-                    stream.request.request_id,
-                    index,
-                    count,
-                    info.class_name,
-                )
+                self._log(stream, index, count, info)
                 output = info.pipe(**kwargs)
             self._after_call(info)
         return self._video(output)
+
+    def _batched_call(
+        self,
+        stream: DiffusersStream,
+        checkpoint: Checkpoint,
+        info: PipelineInfo,
+        conditioning: ChunkConditioning,
+        kwargs: dict[str, Any],
+        index: int,
+        image: Any,
+    ) -> Any:
+        """The call in the session's thread, on a copy of the pipeline whose forwards go
+        to the batch (`_calls.BatchedCall`). The lock is held only for the prompt's
+        encoding (with the session's LoRA, as the call's own encoding would be); the call
+        takes it again for each batched forward and each encoder call, and the VAE's
+        lock for each encode and decode; never while waiting for a batch."""
+        engine = stream.engine
+        call = BatchedCall(
+            engine,
+            info,
+            checkpoint,
+            stream.lora,
+            stream.fresh_scheduler(info),
+            stream.plan.config_overrides,
+            (stream.request.width, stream.request.height, kwargs["num_frames"]),
+        )
+        with engine.lock.held(checkpoint):
+            stream.activate_lora(info)
+            kwargs.update(self._prompt_kwargs(stream, info, conditioning))
+        with call.running() as pipe:
+            self._before_call(stream, checkpoint, info, pipe, kwargs, index, image)
+            checkpoint()
+            self._log(stream, index, kwargs["num_frames"], info)
+            output = pipe(**kwargs)
+        self._after_call(info)
+        return output
+
+    def _log(self, stream: DiffusersStream, index: int, count: int, info: PipelineInfo) -> None:
+        logger.debug(
+            "request %s: segment %d, %d frames on %s",
+            stream.request.request_id,
+            index,
+            count,
+            info.class_name,
+        )
 
     # ------------------------------------------------------------ hooks
 
@@ -207,17 +270,21 @@ class SegmentRun:
         stream: DiffusersStream,
         checkpoint: Checkpoint,
         info: PipelineInfo,
+        pipe: Any,
         kwargs: dict[str, Any],
         index: int,
         image: Any,
     ) -> None:
-        """Under the lock, before the LoRA and the prompt: nothing here."""
+        """Before the call, on ``pipe``, the pipeline it calls: nothing here. Unbatched,
+        under the lock, before the LoRA and the prompt; batched, after them, on the
+        session's copy of the pipeline (`_calls.BatchedCall`), whose VAE takes its own
+        lock."""
 
     def _on_step(self, tensors: dict[str, Any]) -> None:
         """After each denoising step, with the call's ``callback_on_step_end`` tensors."""
 
     def _after_call(self, info: PipelineInfo) -> None:
-        """After the call, still under the lock."""
+        """After the call (unbatched, still under the lock)."""
 
     def _video(self, output: Any) -> Any:
         """The call's video: its output's ``frames``, or its first value. A family whose
