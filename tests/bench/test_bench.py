@@ -463,7 +463,9 @@ def test_diffusers_scenario_quick(tmp_path: Path) -> None:
     ):
         streamed = verdicts[target]
         fraction = figures[figure]["median"]
-        assert 0 < fraction < 1 and streamed["measured"] == pytest.approx(fraction), target
+        # Two wall-clock times: a loaded machine can put the first chunk past the whole
+        # call (1.68 once), so only the sign is the code's; the verdict must follow.
+        assert fraction > 0 and streamed["measured"] == pytest.approx(fraction), target
         assert streamed["threshold"] == pytest.approx(1.5 / segments), target
         assert streamed["status"] == ("PASS" if fraction <= 1.5 / segments else "FAIL"), target
     assert verdicts["diffusers: cleanup"]["status"] == "PASS", result["checks"]
