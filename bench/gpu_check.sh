@@ -66,8 +66,8 @@ step ltx2-bench 60 "$python" bench/ltx2_check.py --device cuda --segments 2 \
     --json "$out/ltx2.json"
 # Batching the diffusers engine (issue 24): random SkyReels-V2 DF 1.3B- and Wan 1.3B-sized
 # pipelines at 480p (built in code), max_batch 16 against 1 at 1/4/8/16 sessions: aggregate
-# fps, per-session real-time factor, peak memory. Wan's segments do not batch yet, so its
-# table is measured once, as the baseline; the JSON is written after each preset.
+# fps, per-session real-time factor, peak memory. Wan's segments batch their calls'
+# forwards; the JSON is written after each preset, so SkyReels' table survives a timeout.
 step diffusers-batching 120 "$python" bench/diffusers_batching.py --preset gpu-skyreels \
     --preset gpu-wan --output "$out/diffusers_batching.json"
 
