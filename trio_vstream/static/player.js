@@ -47,6 +47,10 @@ const LIVE_DEFAULT_FIELDS = ["num_inference_steps", "guidance_scale", "flow_shif
 // Media arriving faster than this (media seconds per wall second) is not paced in real
 // time: catching up would not shorten the lag (see Session.catchUp).
 const CATCH_UP_PACED_RATE = 1.05;
+// A video that has waited this long with at least STUCK_AHEAD_S buffered ahead of the
+// playhead is stuck, not short of media (see Session.unstick).
+const STUCK_MS = 1000;
+const STUCK_AHEAD_S = 0.3;
 // How often the page reports its playhead (session.playback), as vllm-omni's player does.
 const PLAYBACK_REPORT_MS = 100;
 // While the playhead does not move (paused by the user, say), generation waits and the
@@ -385,6 +389,8 @@ class Session {
     this.slacks = [];            // s, the last media chunks' slack (see catchUp)
     this.catchUpRate = 1;        // the playbackRate the page last set
     this.catchUps = 0;           // times it began to catch up
+    this.unsticks = 0;           // seeks in place that restarted a stuck video (see unstick)
+    this.unstuckAt = null;       // when the last one was made (performance.now())
 
     this.video = $("video");
     this.openMediaSource();
@@ -414,7 +420,10 @@ class Session {
       else this.onBinary(event.data);
     });
     this.ws.addEventListener("close", (event) => this.onClose(event));
-    this.ticker = setInterval(() => this.render(), 250);
+    this.ticker = setInterval(() => {
+      this.unstick();
+      this.render();
+    }, 250);
     if (this.paced) this.reporter = setInterval(() => this.reportPlayback(), PLAYBACK_REPORT_MS);
   }
 
@@ -493,6 +502,31 @@ class Session {
     this.video.addEventListener("playing", this.onPlaying);
   }
 
+  // Chromium's audio renderer asks for more decoded audio before it plays again after
+  // each underrun (a threshold that grows; measured: after two, 0.7 s buffered was not
+  // enough), soon more than a Live stream's window (bufferSeconds) holds. The server makes no more than the window
+  // ahead of the playhead, and the playhead waits for the renderer: with sound, a loaded
+  // machine's video waited for good (readyState 2, 0.7 s buffered, the media log saying
+  // audio BUFFERING_HAVE_NOTHING). A seek to where the playhead stands flushes the
+  // renderers, whose thresholds start over, and playback goes on. Only a stall with
+  // media buffered ahead for a second, long after a renderer with enough would play.
+  unstick() {
+    const video = this.video;
+    if (this.stalledSince == null || !this.sourceBuffer || video.seeking || video.paused) return;
+    const now = performance.now();
+    if (now - Math.max(this.stalledSince, this.unstuckAt ?? 0) < STUCK_MS) return;
+    const ranges = this.sourceBuffer.buffered;
+    const at = video.currentTime;
+    let ahead = 0;
+    for (let i = 0; i < ranges.length; i++) {
+      if (ranges.start(i) <= at && at < ranges.end(i)) ahead = ranges.end(i) - at;
+    }
+    if (ahead < STUCK_AHEAD_S) return;
+    this.unstuckAt = now;
+    this.unsticks += 1;
+    video.currentTime = at;
+  }
+
   endStall() {
     if (this.stalledSince == null) return;
     this.stallMs += performance.now() - this.stalledSince;
@@ -529,6 +563,7 @@ class Session {
       playbackRate: this.video.playbackRate,
       catchUps: this.catchUps,
       slacks: [...this.slacks],
+      unsticks: this.unsticks,
       keyParts: this.keyParts.map((pair) => [...pair]),
       arrivals: this.arrivals.map((pair) => [...pair]),
     };
