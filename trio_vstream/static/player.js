@@ -391,6 +391,7 @@ class Session {
     this.catchUps = 0;           // times it began to catch up
     this.unsticks = 0;           // seeks in place that restarted a stuck video (see unstick)
     this.unstuckAt = null;       // when the last one was made (performance.now())
+    this.standingSince = null;   // since when the playing video has not moved (see unstick)
 
     this.video = $("video");
     this.openMediaSource();
@@ -504,17 +505,27 @@ class Session {
 
   // Chromium's audio renderer asks for more decoded audio before it plays again after
   // each underrun (a threshold that grows; measured: after two, 0.7 s buffered was not
-  // enough), soon more than a Live stream's window (bufferSeconds) holds. The server makes no more than the window
-  // ahead of the playhead, and the playhead waits for the renderer: with sound, a loaded
-  // machine's video waited for good (readyState 2, 0.7 s buffered, the media log saying
-  // audio BUFFERING_HAVE_NOTHING). A seek to where the playhead stands flushes the
-  // renderers, whose thresholds start over, and playback goes on. Only a stall with
-  // media buffered ahead for a second, long after a renderer with enough would play.
+  // enough), soon more than a Live stream's window (bufferSeconds) holds. The server
+  // makes no more than the window ahead of the playhead, and the playhead waits for the
+  // renderer: with sound, a loaded machine's video waited for good (readyState 2, 0.7 s
+  // buffered, the media log saying audio BUFFERING_HAVE_NOTHING). A seek to where the
+  // playhead stands flushes the renderers, whose thresholds start over, and playback
+  // goes on. Only a video that has stood still for a second with media buffered ahead,
+  // long after a renderer with enough would play. Called by the ticker.
   unstick() {
     const video = this.video;
-    if (this.stalledSince == null || !this.sourceBuffer || video.seeking || video.paused) return;
     const now = performance.now();
-    if (now - Math.max(this.stalledSince, this.unstuckAt ?? 0) < STUCK_MS) return;
+    // Its own clock, from the element's state: Chromium may fire "playing" as media comes
+    // and stay at HAVE_CURRENT_DATA with no "waiting" after it (seen), which ends the
+    // page's stall count (stalledSince) while the video still stands.
+    const standing = this.started && this.sourceBuffer && !video.paused && !video.seeking &&
+      !video.ended && video.readyState < HTMLMediaElement.HAVE_FUTURE_DATA;
+    if (!standing) {
+      this.standingSince = null;
+      return;
+    }
+    this.standingSince ??= now;
+    if (now - Math.max(this.standingSince, this.unstuckAt ?? 0) < STUCK_MS) return;
     const ranges = this.sourceBuffer.buffered;
     const at = video.currentTime;
     let ahead = 0;
