@@ -88,9 +88,10 @@ def test_a_stream_without_sound_shows_no_unmute_button(browser: Browser, tmp_pat
 
 
 # The page's socket messages, held on demand: `window.underrun()` holds every message
-# until the video waits for media, then lets them through (in a task after the "waiting"
-# event) and resolves with the playhead where it waited. Installed before Start opens the
-# socket; an underrun made on purpose, not by the machine's load.
+# until the video waits for media (at once if it already does), then lets them through
+# (in a task after the "waiting" event) and resolves with the playhead where it waited.
+# Installed before Start opens the socket; an underrun made on purpose, not by the
+# machine's load.
 HOLD = """() => {
     const video = document.getElementById("video");
     let holding = false;
@@ -105,12 +106,23 @@ HOLD = """() => {
     };
     window.underrun = () => new Promise((resolve) => {
         holding = true;
-        video.addEventListener("waiting", () => setTimeout(() => {
+        const release = () => setTimeout(() => {
             holding = false;
             const at = video.currentTime;
             for (const deliver of held.splice(0)) deliver();
             resolve(at);
-        }), {once: true});
+        });
+        // Already waiting (the machine's own underrun): that one will do.
+        if (video.readyState < HTMLMediaElement.HAVE_FUTURE_DATA && !video.seeking) {
+            release();
+            return;
+        }
+        const onWaiting = () => {
+            if (video.seeking) return; // a seek's, not out of media
+            video.removeEventListener("waiting", onWaiting);
+            release();
+        };
+        video.addEventListener("waiting", onWaiting);
     });
 }"""
 

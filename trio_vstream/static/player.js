@@ -458,9 +458,15 @@ class Session {
   // at its end, so mediaStart - currentTime would still read most of a frame of slack
   // (measured: +0.02 to +0.04 s at 24 fps) for a chunk that made the video wait, and
   // catch-up, which stops only at a chunk without slack, would play fast for good.
+  // A video below HAVE_FUTURE_DATA that is not seeking stands waiting too, whether or
+  // not a "waiting" event said so (see unstick).
   slackOf(mediaStart, now) {
     if (this.stalledSince != null) return -(now - this.stalledSince) / 1000;
-    return mediaStart - this.video.currentTime;
+    const video = this.video;
+    if (!video.paused && !video.seeking && video.readyState < HTMLMediaElement.HAVE_FUTURE_DATA) {
+      return -(now - (this.standingSince ?? now)) / 1000;
+    }
+    return mediaStart - video.currentTime;
   }
 
   // Live catch-up (see LIVE): `slack`, how long before the playhead needs it a media
