@@ -279,27 +279,88 @@ def test_a_prompt_only_engine_shows_no_camera_controls(
         expect(page.locator("#errors")).to_be_empty()
 
 
+# The page's messages, held back in the page while it catches up: its WebSocket's
+# "message" listeners are wrapped (before Start opens the socket). Until catch-up starts,
+# each message goes straight through ("early"); from the message after which the video
+# plays fast, every message is held ("holding"), so the page plays through what it has
+# buffered and the video waits; then, in a task after the "waiting" event (so after the
+# player's own listener marked the stall), the held messages go through ("released"): the
+# first media chunk among them arrives after the playhead needed it. `start` and `stop`
+# are liveStats() right after the message that started catch-up and the one that stopped
+# it: which chunk decided each, and on what slack.
+HOLD_ONCE_CATCHING_UP = """async () => {
+    const player = window.player = await import("/static/player.js");
+    const video = document.getElementById("video");
+    const late = window.late = {state: "early", held: [], start: null, stop: null};
+    const deliver = (listener, socket, event) => {
+        const before = video.playbackRate;
+        listener.call(socket, event);
+        const after = video.playbackRate;
+        if (before > 1 && after === 1) late.stop ??= player.liveStats();
+        if (late.state === "early" && after > 1) {
+            late.state = "holding";
+            late.start = player.liveStats();
+        }
+    };
+    video.addEventListener("waiting", () => {
+        // Not a seek's (the page's jump to the live edge): out of media.
+        if (late.state !== "holding" || video.seeking) return;
+        late.state = "releasing";
+        setTimeout(() => {
+            late.state = "released";
+            for (const held of late.held.splice(0)) deliver(...held);
+        });
+    });
+    const addEventListener = WebSocket.prototype.addEventListener;
+    WebSocket.prototype.addEventListener = function (type, listener, options) {
+        if (type !== "message") return addEventListener.call(this, type, listener, options);
+        return addEventListener.call(this, type, function (event) {
+            if (late.state === "holding" || late.state === "releasing") {
+                late.held.push([listener, this, event]);
+            } else {
+                deliver(listener, this, event);
+            }
+        }, options);
+    };
+}"""
+
+
 def test_live_catches_up_while_chunks_arrive_early_and_stops_when_one_is_late(
     shapes_page: Page,
 ) -> None:
+    """The test makes both conditions itself rather than wait for the machine's jitter
+    to make them. Early: the page asks for a 1 s window and starts playing once 0.8 s
+    is buffered, and the engine runs 1 step a chunk, so the chunks, made in real time
+    (the action windows), arrive over half a second before the playhead needs them, far
+    beyond any jitter of a loaded machine (and the lag stays under the 1.5 s at which
+    the page jumps to the live edge). Late: once catch-up starts, the page's
+    messages are held until the video waits (`HOLD_ONCE_CATCHING_UP`)."""
     page = shapes_page
     # Catch up from any slack at all, after 3 chunks: it must start (chunks arrive before
     # the playhead needs them), and stop once one arrives with none left.
     page.evaluate(
         """async () => Object.assign((await import("/static/player.js")).LIVE,
-                                     {slackSeconds: 0, slackChunks: 3})"""
+            {slackSeconds: 0, slackChunks: 3, bufferSeconds: 1.0, startSeconds: 0.8})"""
     )
+    page.evaluate(HOLD_ONCE_CATCHING_UP)
+    page.fill("#steps", "1")
     start_shapes(page, "a red circle still on a navy background", seconds=60)
     wait_playing(page, 0.3)
-    # wait_for_function does not await a promise: the module is fetched once, here.
-    page.evaluate('async () => { window.player = await import("/static/player.js"); }')
     page.wait_for_function("() => window.player.liveStats().playbackRate > 1")
+    started = page.evaluate("() => window.late.start")
+    assert started["catchUps"] == 1, started
+    # It started on 3 chunks that all came early.
+    assert len(started["slacks"]) == 3 and min(started["slacks"]) > 0, started["slacks"]
     page.wait_for_function(
         """() => {
             const stats = window.player.liveStats();
             return stats.catchUps >= 1 && stats.playbackRate === 1;
         }"""
     )
+    stopped = page.evaluate("() => window.late.stop")
+    # It stopped at the chunk held back until the video waited: that one came late.
+    assert stopped is not None and stopped["slacks"][-1] < 0, stopped
+    assert stopped["underruns"] >= 1, stopped
     page.click("#stop")
     expect(page.locator("#status")).to_contain_text("session.done")
     expect(page.locator("#errors")).to_be_empty()

@@ -47,6 +47,10 @@ const LIVE_DEFAULT_FIELDS = ["num_inference_steps", "guidance_scale", "flow_shif
 // Media arriving faster than this (media seconds per wall second) is not paced in real
 // time: catching up would not shorten the lag (see Session.catchUp).
 const CATCH_UP_PACED_RATE = 1.05;
+// A video that has waited this long with at least STUCK_AHEAD_S buffered ahead of the
+// playhead is stuck, not short of media (see Session.unstick).
+const STUCK_MS = 1000;
+const STUCK_AHEAD_S = 0.3;
 // How often the page reports its playhead (session.playback), as vllm-omni's player does.
 const PLAYBACK_REPORT_MS = 100;
 // While the playhead does not move (paused by the user, say), generation waits and the
@@ -385,6 +389,9 @@ class Session {
     this.slacks = [];            // s, the last media chunks' slack (see catchUp)
     this.catchUpRate = 1;        // the playbackRate the page last set
     this.catchUps = 0;           // times it began to catch up
+    this.unsticks = 0;           // seeks in place that restarted a stuck video (see unstick)
+    this.unstuckAt = null;       // when the last one was made (performance.now())
+    this.standingSince = null;   // since when the playing video has not moved (see unstick)
 
     this.video = $("video");
     this.openMediaSource();
@@ -414,7 +421,10 @@ class Session {
       else this.onBinary(event.data);
     });
     this.ws.addEventListener("close", (event) => this.onClose(event));
-    this.ticker = setInterval(() => this.render(), 250);
+    this.ticker = setInterval(() => {
+      this.unstick();
+      this.render();
+    }, 250);
     if (this.paced) this.reporter = setInterval(() => this.reportPlayback(), PLAYBACK_REPORT_MS);
   }
 
@@ -439,6 +449,24 @@ class Session {
       this.ws.send(JSON.stringify({ type: "session.ping" }));
       this.reportedAt = now;
     }
+  }
+
+  // How long before the playhead needed it a media chunk starting at `mediaStart` (s)
+  // arrived at `now` (performance.now()); negative when it came late. While the video
+  // waits for media, the chunk it waits for came late by as long as it has waited: the
+  // playhead stops inside the last frame buffered (Chromium: 10 to 20 ms into it), not
+  // at its end, so mediaStart - currentTime would still read most of a frame of slack
+  // (measured: +0.02 to +0.04 s at 24 fps) for a chunk that made the video wait, and
+  // catch-up, which stops only at a chunk without slack, would play fast for good.
+  // A video below HAVE_FUTURE_DATA that is not seeking stands waiting too, whether or
+  // not a "waiting" event said so (see unstick).
+  slackOf(mediaStart, now) {
+    if (this.stalledSince != null) return -(now - this.stalledSince) / 1000;
+    const video = this.video;
+    if (!video.paused && !video.seeking && video.readyState < HTMLMediaElement.HAVE_FUTURE_DATA) {
+      return -(now - (this.standingSince ?? now)) / 1000;
+    }
+    return mediaStart - video.currentTime;
   }
 
   // Live catch-up (see LIVE): `slack`, how long before the playhead needs it a media
@@ -481,6 +509,41 @@ class Session {
     this.video.addEventListener("playing", this.onPlaying);
   }
 
+  // Chromium's audio renderer asks for more decoded audio before it plays again after
+  // each underrun (a threshold that grows; measured: after two, 0.7 s buffered was not
+  // enough), soon more than a Live stream's window (bufferSeconds) holds. The server
+  // makes no more than the window ahead of the playhead, and the playhead waits for the
+  // renderer: with sound, a loaded machine's video waited for good (readyState 2, 0.7 s
+  // buffered, the media log saying audio BUFFERING_HAVE_NOTHING). A seek to where the
+  // playhead stands flushes the renderers, whose thresholds start over, and playback
+  // goes on. Only a video that has stood still for a second with media buffered ahead,
+  // long after a renderer with enough would play. Called by the ticker.
+  unstick() {
+    const video = this.video;
+    const now = performance.now();
+    // Its own clock, from the element's state: Chromium may fire "playing" as media comes
+    // and stay at HAVE_CURRENT_DATA with no "waiting" after it (seen), which ends the
+    // page's stall count (stalledSince) while the video still stands.
+    const standing = this.started && this.sourceBuffer && !video.paused && !video.seeking &&
+      !video.ended && video.readyState < HTMLMediaElement.HAVE_FUTURE_DATA;
+    if (!standing) {
+      this.standingSince = null;
+      return;
+    }
+    this.standingSince ??= now;
+    if (now - Math.max(this.standingSince, this.unstuckAt ?? 0) < STUCK_MS) return;
+    const ranges = this.sourceBuffer.buffered;
+    const at = video.currentTime;
+    let ahead = 0;
+    for (let i = 0; i < ranges.length; i++) {
+      if (ranges.start(i) <= at && at < ranges.end(i)) ahead = ranges.end(i) - at;
+    }
+    if (ahead < STUCK_AHEAD_S) return;
+    this.unstuckAt = now;
+    this.unsticks += 1;
+    video.currentTime = at;
+  }
+
   endStall() {
     if (this.stalledSince == null) return;
     this.stallMs += performance.now() - this.stalledSince;
@@ -516,6 +579,8 @@ class Session {
       keyLatencies: [...this.keyLatencies],
       playbackRate: this.video.playbackRate,
       catchUps: this.catchUps,
+      slacks: [...this.slacks],
+      unsticks: this.unsticks,
       keyParts: this.keyParts.map((pair) => [...pair]),
       arrivals: this.arrivals.map((pair) => [...pair]),
     };
@@ -773,7 +838,7 @@ class Session {
       const mediaStart = (this.mediaFrames - meta.num_frames) / this.fps;
       this.arrivals.push([mediaStart, now]);
       if (this.arrivals.length > ARRIVALS_KEPT) this.arrivals.shift();
-      this.catchUp(mediaStart - this.video.currentTime);
+      this.catchUp(this.slackOf(mediaStart, now));
     }
     this.queue.push(data);
     this.pump();
