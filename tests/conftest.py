@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import os
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +52,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(FOLDER_MARKERS[folder])
         if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under tox the suite runs in two selections (tox.ini); arguments that pick tests of
+    only one of them leave the other empty, which is no failure there."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and os.environ.get(
+        "TRIO_VSTREAM_SPLIT_RUN"
+    ):
+        session.exitstatus = pytest.ExitCode.OK
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
