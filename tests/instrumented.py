@@ -161,14 +161,29 @@ class CameraEngine(InstrumentedEngine):
     interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})
 
 
+MEET_TIMEOUT_S = 30.0
+"""How long sessions started together wait for each other at their first step
+(`StoppingCheckpoint.meet`): far longer than a tiny pipeline's encodes under load."""
+
+
 class StoppingCheckpoint(SessionCheckpoint):
     """A session's checkpoint as the server makes it, which cancels the session as its
     ``stop_at``-th batched step is handed over: a stop arriving mid-chunk, while the other
     sessions' rows are in the same batches."""
 
-    def __init__(self, batcher: StepBatcher, scope: trio.CancelScope, stop_at: int | None) -> None:
+    def __init__(
+        self,
+        batcher: StepBatcher,
+        scope: trio.CancelScope,
+        stop_at: int | None,
+        meet: threading.Barrier | None = None,
+    ) -> None:
         super().__init__(None, EngineProgress(), lambda: None, batcher)
         self.scope, self.stop_at, self.steps = scope, stop_at, 0
+        self.meet = meet
+        """Sessions started together wait here, each in the batch already, before their
+        first step: so their first steps share a batch whatever the machine's load (else
+        one can finish its steps alone while another still encodes its prompt)."""
 
     @contextlib.contextmanager
     def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
@@ -176,6 +191,10 @@ class StoppingCheckpoint(SessionCheckpoint):
 
             def counted(row: Any) -> Any:
                 self.steps += 1
+                if self.steps == 1 and self.meet is not None:
+                    # Bounded: a session that never steps (stopped, failed) breaks it.
+                    with contextlib.suppress(threading.BrokenBarrierError):
+                        self.meet.wait(timeout=MEET_TIMEOUT_S)
                 if self.steps == self.stop_at:
                     trio.from_thread.run_sync(self.scope.cancel)
                 return step(row)

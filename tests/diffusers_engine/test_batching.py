@@ -8,6 +8,7 @@ reaches the transformer is watched through a hook on the real module."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,12 +107,16 @@ async def run_batched(
     made: dict[str, list[trio.Event]] = {
         s.req.request_id: [trio.Event() for _ in range(8)] for s in sessions
     }
+    together = sum(1 for s in sessions if s.after is None)
+    meet = threading.Barrier(together) if together > 1 else None
 
     async def session(s: Session) -> None:
         if s.after is not None:
             await made[s.after[0]][s.after[1] - 1].wait()
         scope = trio.CancelScope()
-        checkpoint = StoppingCheckpoint(batcher, scope, s.stop_at)
+        checkpoint = StoppingCheckpoint(
+            batcher, scope, s.stop_at, meet if s.after is None else None
+        )
         chunks: list[np.ndarray] = []
         stream = engine.open_stream(s.req)
         try:
