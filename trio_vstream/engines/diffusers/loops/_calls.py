@@ -40,6 +40,7 @@ import attrs
 import torch
 
 from trio_vstream.engines.base import Checkpoint, EngineError
+from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
@@ -175,7 +176,7 @@ class CallGroup:
         results: list[Any] = [DEFERRED] * len(rows)
         running = _running(rows, list(parts.values()))
         engine, lora = self._engine, self._lora
-        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
             engine.loras.activate(self._info, lora[0] if lora else None, lora[1] if lora else 1.0)
             for indices in running:
                 members = [rows[i] for i in indices]
@@ -211,12 +212,6 @@ def _running(rows: Sequence[CallRow], parts: list[list[int]]) -> list[list[int]]
         or rows[part[0]].key is None
         or any(rows[i].deferred >= MAX_DEFERRED for i in part)
     ]
-
-
-_NEVER_STOPS = Checkpoint()
-"""The batch's own wait for the lock: a batch serves several sessions, and stops for
-none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`).
-The wait is bounded by one session's prompt, text or image encoding."""
 
 
 def _forward(rows: Sequence[CallRow]) -> list[Any]:

@@ -43,19 +43,18 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
+from trio_vstream.engines.base import Checkpoint, Chunk
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas, timesteps
 from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers._stream import logger
+from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS, ModelGroup, required_negative
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing, onload
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.diffusers import DiffusersEngine
     from trio_vstream.engines.diffusers._loading import PipelineInfo
-    from trio_vstream.engines.diffusers._lora import LoadedLora
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FAR_ARGS: tuple[str, ...] = ("video_latents", "use_kv_cache", "chunk_partition")
@@ -751,7 +750,7 @@ class ChunkRow:
     cache: dict[int, dict[str, torch.Tensor]]
 
 
-class ChunkGroup:
+class ChunkGroup(ModelGroup[FarKey]):
     """The batched step (``run_batch``) of every chunk whose rows share a `FarKey`.
 
     Called with some rows, it takes the pipeline's lock, puts the key's LoRA on the
@@ -762,20 +761,6 @@ class ChunkGroup:
     part the forward reads only. A lone row reads its own cache in place. Each row gets
     its own guided prediction back, a tensor of its own."""
 
-    def __init__(
-        self,
-        engine: DiffusersEngine,
-        info: PipelineInfo,
-        key: FarKey,
-        lora: tuple[LoadedLora, float] | None,
-        attention_kwargs: Any,
-    ) -> None:
-        self._engine = engine
-        self._info = info
-        self.key = key
-        self._lora = lora
-        self._attention_kwargs = attention_kwargs
-
     def __call__(self, rows: Sequence[ChunkRow]) -> list[torch.Tensor | Exception]:
         key, per = self.key, 2 if self.key.guided else 1
         frames = key.input_shape[1]
@@ -784,10 +769,10 @@ class ChunkGroup:
             hidden += [row.latents] * per
             timestep.append(row.timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
             r_timestep.append(row.r_timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
-            embeds += [_required(row.negative), row.embeds] if key.guided else [row.embeds]
+            embeds += [required_negative(row.negative), row.embeds] if key.guided else [row.embeds]
         engine, info, lora = self._engine, self._info, self._lora
         partition = list(key.partition)
-        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
             engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
             transformer = info.pipe.transformer
             cache = rows[0].cache if len(rows) == 1 else _joined_cache(transformer, key, rows)
@@ -813,7 +798,7 @@ class ChunkGroup:
         return results
 
 
-class CachePassGroup:
+class CachePassGroup(ModelGroup[FarKey]):
     """The batched cache pass (``run_batch``) of every session whose video so far shares
     a `FarKey` (``cache_pass``): ``encode_kv_cache``'s forward (timesteps zero, the
     cache mode's attention mask) over every row at once, laid out as `ChunkGroup` lays
@@ -823,31 +808,17 @@ class CachePassGroup:
     writes its own cache in place. The result of a row is None: the pass is its
     writes."""
 
-    def __init__(
-        self,
-        engine: DiffusersEngine,
-        info: PipelineInfo,
-        key: FarKey,
-        lora: tuple[LoadedLora, float] | None,
-        attention_kwargs: Any,
-    ) -> None:
-        self._engine = engine
-        self._info = info
-        self.key = key
-        self._lora = lora
-        self._attention_kwargs = attention_kwargs
-
     def __call__(self, rows: Sequence[CacheRow]) -> list[Exception | None]:
         key, per = self.key, 2 if self.key.guided else 1
         hidden: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
         for row in rows:
             hidden += [row.latents] * per
-            embeds += [_required(row.negative), row.embeds] if key.guided else [row.embeds]
+            embeds += [required_negative(row.negative), row.embeds] if key.guided else [row.embeds]
         engine, info, lora = self._engine, self._info, self._lora
         partition = list(key.partition)
         frames, height, width = key.input_shape[1], key.input_shape[3], key.input_shape[4]
-        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
             engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
             transformer = info.pipe.transformer
             model_input = torch.cat(hidden).to(transformer.dtype)
@@ -948,14 +919,3 @@ def _joined_cache(
         }
         for layer, names in rows[0].cache.items()
     }
-
-
-_NEVER_STOPS = Checkpoint()
-"""The batch's own wait for the lock: a batch serves several sessions, and stops for
-none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`)."""
-
-
-def _required(negative: torch.Tensor | None) -> torch.Tensor:
-    if negative is None:  # a guided key is made only from rows with a negative prompt
-        raise EngineError("a guided row without negative prompt embeddings")
-    return negative

@@ -45,13 +45,13 @@ from trio_vstream.engines.diffusers._loading import default_segment_frames, vali
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers._stream import frames_to_uint8, logger
+from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS, ModelGroup, required_negative
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
     from trio_vstream.engines.diffusers._loading import PipelineInfo
-    from trio_vstream.engines.diffusers._lora import LoadedLora
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
 FORCING_ARGS: tuple[str, ...] = (
@@ -696,7 +696,7 @@ class ForwardRow:
     guidance: float
 
 
-class ForwardGroup:
+class ForwardGroup(ModelGroup[BatchKey]):
     """The batched step (``run_batch``) of every window whose rows share a `BatchKey`.
 
     The server's batcher gathers rows by this object, so the engine hands the same one
@@ -707,20 +707,6 @@ class ForwardGroup:
     their negative prompt embeddings): 2N rows in one forward where a lone window makes
     two of one. Each row gets its own guided prediction back, a tensor of its own."""
 
-    def __init__(
-        self,
-        engine: DiffusersEngine,
-        info: PipelineInfo,
-        key: BatchKey,
-        lora: tuple[LoadedLora, float] | None,
-        attention_kwargs: Any,
-    ) -> None:
-        self._engine = engine
-        self._info = info
-        self.key = key
-        self._lora = lora
-        self._attention_kwargs = attention_kwargs
-
     def __call__(self, rows: Sequence[ForwardRow]) -> list[torch.Tensor | Exception]:
         count = len(rows)
         hidden = [row.hidden for row in rows]
@@ -729,10 +715,10 @@ class ForwardGroup:
         if self.key.guided:
             hidden += hidden
             timestep += timestep
-            embeds += [_required(row.negative) for row in rows]
+            embeds += [required_negative(row.negative) for row in rows]
         engine, info = self._engine, self._info
         lora = self._lora
-        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
             engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
             transformer = info.pipe.transformer
             with _block_size(transformer, self.key.block):
@@ -754,18 +740,6 @@ class ForwardGroup:
                 else:
                     results.append(cond.clone())  # not a view keeping the batch's alive
         return results
-
-
-_NEVER_STOPS = Checkpoint()
-"""The batch's own wait for the lock: a batch serves several sessions, and stops for
-none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`).
-The wait is bounded by one prompt encoding or one decode."""
-
-
-def _required(negative: torch.Tensor | None) -> torch.Tensor:
-    if negative is None:  # a guided key is made only from rows with a negative prompt
-        raise EngineError("a guided row without negative prompt embeddings")
-    return negative
 
 
 def _predict(

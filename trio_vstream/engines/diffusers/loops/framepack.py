@@ -66,6 +66,7 @@ from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas
 from trio_vstream.engines.diffusers._messages import quoted, shown
 from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import onload
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
@@ -479,7 +480,7 @@ class SectionGroup:
             inputs += inputs
         own = {name: torch.cat([row.conditions[name] for row in inputs]) for name in _PER_ROW}
         engine, info, lora = self._engine, self._info, self._lora
-        with torch.no_grad(), engine.lock.held(_NEVER_STOPS):
+        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
             engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
             out = info.pipe.transformer(
                 hidden_states=torch.cat([row.hidden for row in inputs]),
@@ -500,11 +501,6 @@ class SectionGroup:
             else:
                 results.append(cond.clone())  # not a view keeping the batch's alive
         return results
-
-
-_NEVER_STOPS = Checkpoint()
-"""A batch's own wait for the lock: it serves several sessions and stops for none (a
-stopped session's row leaves at its next step). Bounded by one encode."""
 
 
 def _negative(row: SectionRow) -> Prompt:
