@@ -27,8 +27,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
 from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder, decode_image
-from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
-from trio_vstream.engines.interfaces import audio_format, interaction_kinds
+from trio_vstream.engines.base import Engine, GenerationRequest, InvalidRequestError
+from trio_vstream.engines.interfaces import AudioFormat, audio_format, interaction_kinds
 from trio_vstream.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.logsafe import get_logger
@@ -112,6 +112,29 @@ async def receive_start(
     return start, received_at
 
 
+def session_sound(start: protocol.SessionStart, engine: Engine) -> AudioFormat | None:
+    """The audio track of the session's video, or None for a video without one, as
+    ``generate_sound`` asks (vllm-omni's meaning): left out, the engine's own way (its
+    sound, if it makes any); true, its sound, refused where it makes none; false, no audio
+    track, whatever the engine makes (its chunks' sound is dropped: LTX-2 makes it with
+    the video, so it cannot be left out without changing the frames).
+
+    Raises `StartFailure` (``invalid_request``) for sound the engine cannot make.
+    """
+    made = audio_format(engine)  # checked at the server's start already
+    if made is None:
+        if start.sound:
+            raise invalid_start(
+                f"generate_sound is not supported by {engine.name}: it makes no sound"
+            )
+        if start.request.sound_duration is not None:
+            raise invalid_start(
+                f"sound_duration is not supported by {engine.name}: it makes no sound"
+            )
+        return None
+    return None if start.sound is False else made
+
+
 async def prepare(
     start: protocol.SessionStart,
     request_id: str,
@@ -126,6 +149,7 @@ async def prepare(
     as stalled (on ``ending``) before the `StartFailure` that says so.
     """
     video = start.video
+    sound = session_sound(start, resources.engine)
     pacer = Pacer(start.pacing) if start.pacing is not None else None
     buffer = start.request.streaming_buffer_seconds
     gate = PlaybackGate(buffer, video.fps, video.num_frames) if buffer is not None else None
@@ -151,7 +175,6 @@ async def prepare(
         except EncodingError as exc:
             raise invalid_start(f"image_reference: {exc}") from exc
     options = start.codec_options
-    sound = audio_format(resources.engine)  # checked at the server's start already
     try:
         encoder = await calls.in_thread(
             lambda: FragmentedMP4Encoder(

@@ -4,6 +4,7 @@ joined, are exactly those of the pipeline's single call."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import decode_video
 from tests.diffusers_engine.support import (
+    START,
     Probe,
     StopAtCall,
     Stopped,
@@ -22,6 +25,7 @@ from tests.diffusers_engine.support import (
     no_stop,
     request,
     run_all,
+    run_session,
     take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
@@ -53,8 +57,7 @@ def single_call(pipe: Any, variant: str, *, num_frames: int, seed: int = 1, **kw
         guidance_scale=1.0,
         generator=torch.Generator().manual_seed(seed),
         output_type="pt",
-        **steps,
-        **kw,
+        **{**steps, **kw},
     )
     return frames_to_uint8(output.frames).numpy()
 
@@ -203,3 +206,222 @@ def test_pyramid_steps_are_per_stage(
     probes.append(w)
     run_all(engine.open_stream(helios_request(num_frames=CHUNK, num_inference_steps=2)))
     assert len(w.forwards) == 3 * 2
+
+
+# -- vllm-omni's Helios extra_params
+
+DISTILLED_PRESET = {
+    "is_enable_stage2": True,
+    "pyramid_num_stages": 3,
+    "pyramid_num_inference_steps_list": [2, 2, 2],
+    "is_amplify_first_chunk": True,
+}
+"""vllm-omni's "distilled" Helios preset, as its clients send it."""
+
+MID_STAGE2_PRESET = {
+    "is_enable_stage2": True,
+    "pyramid_num_stages": 3,
+    "pyramid_num_inference_steps_list": [2, 2, 2],
+    "use_cfg_zero_star": True,
+    "use_zero_init": True,
+    "zero_steps": 1,
+}
+"""vllm-omni's "mid-stage2" preset (20 steps a stage there; 2 here)."""
+
+
+def streamed(engine: Any, **fields: Any) -> np.ndarray:
+    return np.concatenate([c.frames for c in run_all(engine.open_stream(helios_request(**fields)))])
+
+
+@pytest.mark.parametrize(
+    ("variant", "vllm_omni", "own"),
+    [
+        ("distilled", DISTILLED_PRESET, {"is_amplify_first_chunk": True}),
+        (
+            "pyramid",
+            {**MID_STAGE2_PRESET, "use_cfg_zero_star": False},
+            {"use_zero_init": True, "zero_steps": 1},
+        ),
+    ],
+)
+def test_vllm_omni_pyramid_steps_make_the_frames_of_num_inference_steps(
+    variant: str,
+    vllm_omni: dict[str, Any],
+    own: dict[str, Any],
+    helios: dict[str, Path],
+    make_engine: Any,
+) -> None:
+    """vllm-omni's form (``pyramid_num_inference_steps_list`` and its stage keys) and the
+    engine's own (``num_inference_steps``, per stage) of one request: the same frames,
+    over two chunks (the distilled preset amplifies the first one only)."""
+    engine = make_engine(helios[variant], segment_frames=str(CHUNK))
+    theirs = streamed(
+        engine, num_frames=2 * CHUNK, num_inference_steps=None, extra_params=vllm_omni
+    )
+    ours = streamed(engine, num_frames=2 * CHUNK, num_inference_steps=2, extra_params=own)
+    assert theirs.shape == (2 * CHUNK, 64, 64, 3)
+    np.testing.assert_array_equal(theirs, ours)
+    # vllm-omni counts num_inference_steps for stage 1 only: the list is what is run.
+    both = streamed(engine, num_frames=2 * CHUNK, num_inference_steps=7, extra_params=vllm_omni)
+    np.testing.assert_array_equal(both, ours)
+
+
+def test_a_steps_list_per_stage_is_the_calls(
+    helios: dict[str, Path], make_engine: Any, probes: list[Probe]
+) -> None:
+    """A list whose stages differ reaches the call as it is: the pipeline's own frames
+    for it, and one forward per step of each stage."""
+    engine = make_engine(helios["pyramid"], segment_frames=str(CHUNK))
+    w = Probe(engine.model.pipe, keep_embeds=True)
+    probes.append(w)
+    steps = [1, 3, 2]
+    frames = streamed(
+        engine,
+        num_frames=CHUNK,
+        num_inference_steps=None,
+        extra_params={"pyramid_num_inference_steps_list": steps},
+    )
+    assert len(w.forwards) == sum(steps)
+    reference = single_call(
+        engine.model.pipe, "pyramid", num_frames=CHUNK, pyramid_num_inference_steps_list=steps
+    )
+    np.testing.assert_array_equal(frames, reference)
+
+
+MALFORMED_STEPS = [
+    [2, 2],  # one stage short
+    [2, 2, 2, 2],  # one too many
+    [],
+    [0, 2, 2],
+    [2, -1, 2],
+    [2, 2, 201],  # over the step cap
+    [2, 2, 10**9],
+    [2.0, 2, 2],  # not an integer
+    [2, 2.5, 2],
+    [True, 2, 2],  # a bool is no count
+    ["2", 2, 2],
+    [None, 2, 2],
+    "2,2,2",
+    2,
+    {"0": 2},
+    None,
+]
+
+
+@pytest.mark.parametrize("value", MALFORMED_STEPS, ids=repr)
+def test_a_malformed_steps_list_is_refused_by_name(
+    value: Any, helios: dict[str, Path], make_engine: Any
+) -> None:
+    engine = make_engine(helios["distilled"], segment_frames=str(CHUNK))
+    extra = {**DISTILLED_PRESET, "pyramid_num_inference_steps_list": value}
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.open_stream(helios_request(extra_params=extra))
+    assert (
+        "extra_params.pyramid_num_inference_steps_list must be a list of 3 integers from 1 to "
+        "200, one per stage of HeliosPyramidPipeline"
+    ) in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("is_enable_stage2", False, "is_enable_stage2: false needs a Helios pipeline without"),
+        ("is_enable_stage2", 1, "is_enable_stage2 must be true or false, got 1"),
+        ("is_enable_stage2", "true", "is_enable_stage2 must be true or false, got 'true'"),
+        ("pyramid_num_stages", 2, "pyramid_num_stages must be 3 (the stages of"),
+        ("pyramid_num_stages", 4, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", 0, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", -3, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", 10**9, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", 3.0, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", True, "pyramid_num_stages must be 3"),
+        ("pyramid_num_stages", "3", "pyramid_num_stages must be 3"),
+        ("is_amplify_first_chunk", 1, "is_amplify_first_chunk must be true or false"),
+        ("use_zero_init", "yes", "use_zero_init must be true or false"),
+        ("zero_steps", True, "zero_steps must be an integer from 0 to 200"),
+        ("zero_steps", -1, "zero_steps must be an integer from 0 to 200"),
+        ("zero_steps", 201, "zero_steps must be an integer from 0 to 200"),
+        ("zero_steps", 1.0, "zero_steps must be an integer from 0 to 200"),
+        ("use_cfg_zero_star", True, "use_cfg_zero_star: HeliosPyramidPipeline is loaded with"),
+        ("use_cfg_zero_star", 0, "use_cfg_zero_star must be true or false"),
+        ("is_skip_first_chunk", True, "is_skip_first_chunk is not supported by HeliosPyramid"),
+        ("image_noise_sigma_min", 0.1, "image_noise_sigma_min is not supported by HeliosPyr"),
+        ("add_noise_to_video_latents", False, "the noising of its history latents"),
+    ],
+)
+def test_each_vllm_omni_helios_key_is_checked_by_name(
+    key: str, value: Any, message: str, helios: dict[str, Path], make_engine: Any
+) -> None:
+    engine = make_engine(helios["pyramid"], segment_frames=str(CHUNK))
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        engine.open_stream(helios_request(extra_params={**DISTILLED_PRESET, key: value}))
+
+
+def test_cfg_zero_star_is_the_pipelines_own(helios: dict[str, Path], make_engine: Any) -> None:
+    """``use_cfg_zero_star`` is the pipeline's config (shared by every session): taken
+    when it is that, refused otherwise, whichever way the pipeline was loaded."""
+    engine = make_engine(helios["pyramid"], segment_frames=str(CHUNK))
+    engine.open_stream(helios_request(extra_params={"use_cfg_zero_star": False})).close()
+    engine.model.pipe.register_to_config(is_cfg_zero_star=True)
+    engine.open_stream(helios_request(extra_params=MID_STAGE2_PRESET)).close()
+    with pytest.raises(InvalidRequestError, match=r"is_cfg_zero_star=true .* can only be true"):
+        engine.open_stream(helios_request(extra_params={"use_cfg_zero_star": False}))
+
+
+def test_a_stage_1_helios_takes_stage_2_off_and_refuses_the_pyramid_keys(
+    helios: dict[str, Path], make_engine: Any
+) -> None:
+    engine = make_engine(helios["base"], segment_frames=str(CHUNK))
+    plain = streamed(engine, num_frames=CHUNK)
+    off = {"is_enable_stage2": False, "use_cfg_zero_star": False}
+    np.testing.assert_array_equal(streamed(engine, num_frames=CHUNK, extra_params=off), plain)
+    for extra, message in (
+        ({"is_enable_stage2": True}, "is_enable_stage2: true needs a Helios pyramid pipeline"),
+        (
+            {"pyramid_num_inference_steps_list": [2, 2, 2]},
+            "extra_params.pyramid_num_inference_steps_list is not supported by HeliosPipeline: "
+            "it samples at full resolution, with no pyramid stages; use num_inference_steps",
+        ),
+        ({"pyramid_num_stages": 3}, "pyramid_num_stages is not supported by HeliosPipeline"),
+        ({"use_cfg_zero_star": True}, "is_cfg_zero_star=false"),
+        ({"use_zero_init": True}, "use_zero_init is not supported by HeliosPipeline: it has no"),
+        ({"zero_steps": 1}, "zero_steps is not supported by HeliosPipeline: it has no CFG-Zero*"),
+        ({"is_amplify_first_chunk": True}, "is_amplify_first_chunk is not supported by Helios"),
+        ({"video": "x"}, "video is not supported by HeliosPipeline: a video to continue is not"),
+        ({"image": "x"}, "image is not supported by HeliosPipeline: use image_reference"),
+    ):
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
+            engine.open_stream(helios_request(extra_params=extra))
+
+
+async def test_vllm_omnis_distilled_preset_streams_through_the_server(
+    helios: dict[str, Path], make_engine: Any, serve: Any
+) -> None:
+    """The session.start a vllm-omni client sends a Helios-Distilled server streams, frame
+    for frame the video of the engine's own form; the mid-stage2 preset, on a pipeline
+    loaded without CFG-Zero*, is refused with a code and the key."""
+    server, _ = await serve(make_engine(helios["distilled"], segment_frames=str(CHUNK)))
+    start = {
+        **START,
+        "size": "64x64",
+        "num_frames": 2 * CHUNK,
+        "guidance_scale": 1.0,
+        "extra_params": DISTILLED_PRESET,
+    }
+    theirs = await run_session(server.url, start)
+    assert theirs.terminal[-1]["type"] == "session.done"
+    media = [m for m in theirs.of_type("video.chunk_metadata") if m["kind"] == "media"]
+    assert [m["num_frames"] for m in media] == [CHUNK, CHUNK]
+    ours = await run_session(
+        server.url,
+        {**start, "num_inference_steps": 2, "extra_params": {"is_amplify_first_chunk": True}},
+    )
+    frames = decode_video(theirs.video_bytes)
+    assert len(frames) == 2 * CHUNK
+    np.testing.assert_array_equal(np.stack(frames), np.stack(decode_video(ours.video_bytes)))
+    refused = await run_session(server.url, {**start, "extra_params": MID_STAGE2_PRESET})
+    (error,) = refused.of_type("error")
+    assert error["code"] == "invalid_request"
+    assert (
+        "extra_params.use_cfg_zero_star: HeliosPyramidPipeline is loaded with" in error["message"]
+    )

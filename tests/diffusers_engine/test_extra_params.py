@@ -111,7 +111,10 @@ def test_a_key_the_call_does_not_take_is_refused_even_if_the_family_lists_it() -
     def no_schedules(prompt: str = "", max_sequence_length: int = 512) -> None: ...
 
     _, problems = check({"sigmas": [0.5]}, used=[stub(no_schedules, name="Plain")])
-    assert problems == ["unknown extra_params for Plain: sigmas (Helios takes max_sequence_length)"]
+    assert problems == [
+        "unknown extra_params for Plain: sigmas "
+        "(Helios takes is_enable_stage2, max_sequence_length, use_cfg_zero_star)"
+    ]
 
 
 def test_engine_set_keys_get_a_hint_and_unknown_ones_the_list() -> None:
@@ -119,7 +122,8 @@ def test_engine_set_keys_get_a_hint_and_unknown_ones_the_list() -> None:
     assert problems == [
         "extra_params set by the engine: latents",
         "unknown extra_params for StubPipeline: bogus, generator "
-        "(Helios takes attention_kwargs, max_sequence_length, sigmas)",
+        "(Helios takes attention_kwargs, is_enable_stage2, max_sequence_length, sigmas, "
+        "use_cfg_zero_star)",
     ]
 
 

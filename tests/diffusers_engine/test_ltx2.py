@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import decode_video
 from tests.diffusers_engine.support import (
     START,
     StopAtCall,
@@ -376,6 +377,42 @@ async def test_the_stream_declares_its_sound_and_refuses_with_a_code(
     assert [(m["num_audio_samples"], m["audio_sample_rate"]) for m in media] == [(9000, RATE)]
     decoded = decode_audio(transcript.video_bytes)
     assert decoded is not None and decoded[1].shape == (2, 9000)
+
+
+@pytest.mark.slow
+async def test_generate_sound_true_streams_ltx2s_sound_and_false_leaves_it_out(
+    ltx2: SimpleNamespace, make_engine: Any, serve: Any
+) -> None:
+    """vllm-omni's ``generate_sound``: true, the vocoder's sound in the video; false, the
+    same frames without an audio track (LTX-2 makes the two together, so the frames do
+    not change)."""
+    engine = make_engine(ltx2.t2v, segment_frames=str(SEGMENT))
+    server, _ = await serve(engine)
+    start = {
+        **START,
+        "size": "32x32",
+        "fps": FPS,
+        "num_frames": SEGMENT,
+        "num_inference_steps": 1,
+        "extra_params": FAST,
+    }
+    sound = await run_session(
+        server.url, {**start, "generate_sound": True, "sound_duration": SEGMENT / FPS}
+    )
+    assert sound.terminal[-1]["type"] == "session.done", sound.terminal
+    (video_start,) = sound.of_type("video.start")
+    assert video_start["config"]["audio"]["sample_rate"] == RATE
+    media = [m for m in sound.of_type("video.chunk_metadata") if m["kind"] == "media"]
+    assert [m["num_audio_samples"] for m in media] == [9000]
+    decoded = decode_audio(sound.video_bytes)
+    assert decoded is not None and decoded[1].shape == (2, 9000)
+    silent = await run_session(server.url, {**start, "generate_sound": False})
+    assert silent.terminal[-1]["type"] == "session.done", silent.terminal
+    assert "audio" not in silent.of_type("video.start")[0]["config"]
+    assert decode_audio(silent.video_bytes) is None
+    np.testing.assert_array_equal(
+        np.stack(decode_video(silent.video_bytes)), np.stack(decode_video(sound.video_bytes))
+    )
 
 
 @pytest.mark.slow

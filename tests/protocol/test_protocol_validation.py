@@ -102,7 +102,6 @@ def test_minimal_start_uses_defaults() -> None:
     assert result.video == VideoSettings(width=256, height=256, fps=24, num_frames=48)
     assert result.config == {
         "prompt": "a cat",
-        "generate_sound": False,
         "enable_frame_interpolation": False,
         "frame_interpolation_exp": 1,
         "frame_interpolation_scale": 1.0,
@@ -308,12 +307,20 @@ def test_int_fields_accept_integers() -> None:
     assert type(result.request.width) is int
 
 
+def lasting(field: str, value: float) -> dict[str, Any]:
+    """``{field: value}``, and for ``sound_duration`` a video that lasts ``value`` seconds
+    at 100 fps (the sound is the video's own track: no other length is taken)."""
+    if field != "sound_duration":
+        return {field: value}
+    return {field: value, "fps": 100, "num_frames": round(value * 100)}
+
+
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
 def test_float_fields_accept_ints_and_floats(field: str) -> None:
-    as_int = start_ok(start(**{field: 1}))
+    as_int = start_ok(start(**lasting(field, 1)))
     assert getattr(as_int.request, field) == 1.0
     assert type(getattr(as_int.request, field)) is float
-    assert getattr(start_ok(start(**{field: 0.5})).request, field) == 0.5
+    assert getattr(start_ok(start(**lasting(field, 0.5))).request, field) == 0.5
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -497,7 +504,7 @@ def test_video_params_range_checks() -> None:
     ],
 )
 def test_range_bounds_are_inclusive(field: str, value: Any) -> None:
-    assert getattr(start_ok(start(**{field: value})).request, field) == value
+    assert getattr(start_ok(start(**lasting(field, value))).request, field) == value
 
 
 @pytest.mark.parametrize("seconds", ["0", "01", "4.5", "-4", "abc", " 4", "4\n", "", "٤"])
@@ -516,8 +523,40 @@ def test_size_pattern(size: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def test_generate_sound_is_refused() -> None:
-    assert invalid_request(generate_sound=True) == "generate_sound is not supported by this server"
+@pytest.mark.parametrize(
+    ("fields", "sound"),
+    [({}, None), ({"generate_sound": True}, True), ({"generate_sound": False}, False)],
+)
+def test_generate_sound_is_kept_as_given_for_the_session_to_decide(
+    fields: dict[str, Any], sound: bool | None
+) -> None:
+    """Left out, true or false, as vllm-omni tells them apart: whether the engine makes
+    sound is the session's to check."""
+    parsed = start_ok(start(**fields))
+    assert parsed.sound is sound
+    assert parsed.request.generate_sound is bool(sound)
+    # The echo (what a recording replays) tells them apart too.
+    assert parsed.config.get("generate_sound", "left out") == (
+        "left out" if sound is None else sound
+    )
+    lifted = start_ok(start(sampling_params={"generate_sound": False}))
+    assert lifted.sound is False
+
+
+def test_sound_duration_is_the_videos_own() -> None:
+    """2 s of video (48 frames at 24 fps): its sound lasts as long, to within half a frame."""
+    for duration in (2, 2.0, 2 + 0.4 / 24, 2 - 0.4 / 24):
+        assert start_ok(start(sound_duration=duration)).request.sound_duration == duration
+        assert start_ok(start(sound_duration=duration, generate_sound=True)).sound is True
+    assert start_ok(start(seconds="3", sound_duration=3)).request.sound_duration == 3
+    for duration in (1, 2.1, 4, 1e9):
+        assert invalid_request(sound_duration=duration) == (
+            "sound_duration must be the video's duration, 2 s (48 frames at 24 fps): the sound "
+            f"is the video's own track, as long as its frames; got {duration:g}"
+        )
+    assert invalid_request(sound_duration=2, generate_sound=False) == (
+        "sound_duration needs sound, and generate_sound is false"
+    )
 
 
 def test_frame_interpolation_is_refused() -> None:
@@ -661,9 +700,9 @@ def test_absurdly_long_numbers_do_not_blow_up() -> None:
 
 
 def test_range_and_limit_problems_are_joined() -> None:
-    message = invalid_request(width=255, generate_sound=True)
+    message = invalid_request(width=255, enable_frame_interpolation=True)
     assert message == (
-        "generate_sound is not supported by this server; "
+        "enable_frame_interpolation is not supported by this server; "
         "width must be even (H.264 yuv420p), got 255"
     )
 
@@ -858,7 +897,6 @@ def test_config_echoes_request_in_field_order_without_nones() -> None:
         "num_inference_steps": 4,
         "guidance_scale": 5.0,
         "seed": 3,
-        "generate_sound": False,
         "enable_frame_interpolation": False,
         "frame_interpolation_exp": 1,
         "frame_interpolation_scale": 1.0,

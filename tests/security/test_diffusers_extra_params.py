@@ -139,11 +139,11 @@ def test_helios_refuses_steps_and_schedules_out_of_bounds(
 ) -> None:
     fields = {"width": 64, "height": 64}
     pyramid = make_engine(helios["pyramid"], segment_frames="33")
-    # A million steps a pyramid stage: the engine sets the stages from num_inference_steps.
+    # A million steps a pyramid stage: each stage's count is bounded like num_inference_steps.
     message = refusal(
         pyramid, **fields, extra_params={"pyramid_num_inference_steps_list": [MILLION] * 3}
     )
-    assert "set by the engine: pyramid_num_inference_steps_list (use num_inference_steps" in message
+    assert "pyramid_num_inference_steps_list must be a list of 3 integers from 1 to 200" in message
     assert "zero_steps must be an integer from 0 to 200" in refusal(
         pyramid, **fields, extra_params={"zero_steps": MILLION}
     )

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import pytest
 
+from tests.conftest import decode_video
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.engines.base import Checkpoint, Chunk, EngineConfigError, GenerationRequest
@@ -106,3 +107,79 @@ def test_an_engine_whose_sound_the_server_cannot_carry_fails_at_start_up() -> No
     engine.audio_sample_rate = 96000
     with pytest.raises(EngineConfigError, match="audio_sample_rate must be one of"):
         VideoServer(engine, ServerConfig(host="127.0.0.1", port=0))
+
+
+# -- generate_sound and sound_duration, as vllm-omni means them
+
+
+def media_of(transcript: Any) -> list[dict[str, Any]]:
+    return [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
+
+
+async def test_generate_sound_true_streams_the_engines_sound(start_server: Any) -> None:
+    running = await start_server(SOUND)
+    transcript = await running.run_session(
+        {**START, "generate_sound": True, "sound_duration": 17 / 7}
+    )
+    assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+    (video_start,) = transcript.of_type("video.start")
+    assert video_start["config"]["audio"]["sample_rate"] == 44100
+    assert video_start["config"]["generate_sound"] is True
+    media = media_of(transcript)
+    assert sum(m["num_frames"] for m in media) == 17
+    assert sum(m["num_audio_samples"] for m in media) == audio_samples_through(17, 44100, 7)
+    decoded = decode_audio(transcript.video_bytes)  # the init segment has an audio track
+    assert decoded is not None and decoded[1].shape == (1, audio_samples_through(17, 44100, 7))
+
+
+async def test_generate_sound_false_makes_a_video_without_an_audio_track(
+    start_server: Any,
+) -> None:
+    """The engine makes its tone all the same; the session's video has no track for it,
+    and its messages say nothing of sound: the frames are those of the video with sound."""
+    running = await start_server(SOUND)
+    silent = await running.run_session({**START, "generate_sound": False})
+    assert silent.terminal[-1]["type"] == "session.done", silent.terminal
+    assert "audio" not in silent.of_type("video.start")[0]["config"]
+    for message in silent.of_type("video.chunk_metadata"):
+        assert "num_audio_samples" not in message and "audio_sample_rate" not in message
+    assert decode_audio(silent.video_bytes) is None
+    with_sound = await running.run_session(START)  # left out: the engine's way, with sound
+    assert decode_audio(with_sound.video_bytes) is not None
+    assert [m["num_frames"] for m in media_of(silent)] == [
+        m["num_frames"] for m in media_of(with_sound)
+    ]
+    np.testing.assert_array_equal(
+        np.stack(decode_video(silent.video_bytes)), np.stack(decode_video(with_sound.video_bytes))
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"generate_sound": True}, "generate_sound"),
+        ({"sound_duration": 17 / 7}, "sound_duration"),
+        ({"generate_sound": True, "sound_duration": 17 / 7}, "generate_sound"),
+    ],
+)
+async def test_sound_from_an_engine_without_sound_is_refused_with_a_code(
+    start_server: Any, fields: dict[str, Any], named: str
+) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=3))
+    transcript = await running.run_session({**START, **fields})
+    (error,) = transcript.terminal
+    assert error["type"] == "error" and error["code"] == "invalid_request"
+    assert f"{named} is not supported by " in error["message"]
+    assert error["message"].endswith("it makes no sound")
+    assert not transcript.of_type("video.start")
+    # generate_sound false asks for nothing it cannot do.
+    plain = await running.run_session({**START, "generate_sound": False})
+    assert plain.terminal[-1]["type"] == "session.done"
+
+
+async def test_a_sound_duration_other_than_the_videos_is_refused(start_server: Any) -> None:
+    running = await start_server(SOUND)
+    transcript = await running.run_session({**START, "generate_sound": True, "sound_duration": 5})
+    (error,) = transcript.terminal
+    assert error["code"] == "invalid_request"
+    assert "sound_duration must be the video's duration" in error["message"]

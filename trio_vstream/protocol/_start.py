@@ -259,6 +259,12 @@ class SessionStart:
     """``extra_params.camera_action_script``, one camera per chunk (see `_camera_script`)."""
     interaction_script: tuple["ScriptedInteraction", ...] = ()
     """``extra_params.interaction_script``: interactions applied before given chunks."""
+    sound: bool | None = None
+    """``generate_sound`` as the client gave it, as vllm-omni reads it: None when left out
+    (the engine's own way: a video with sound from an engine that makes it), True for
+    sound (refused where the engine makes none), False for a video without an audio
+    track. (``request.generate_sound`` is False both when left out and when false; the
+    ``config`` echo has it only when given.) The session, which knows the engine, decides."""
 
 
 INTERACTION_SCRIPT_PARAM: Final = "interaction_script"
@@ -520,6 +526,37 @@ def _resolve_video(
     return VideoSettings(width=width, height=height, fps=fps, num_frames=num_frames)
 
 
+def _config_echo(request: VideoRequest, sound: bool | None) -> dict[str, Any]:
+    """The request's ``video.start`` echo: its fields, ``None`` ones dropped, and
+    ``generate_sound`` only as the client gave it. Left out and false are two requests
+    (`SessionStart.sound`), and the echo is what a recording replays."""
+    config = _config_of(request)
+    if sound is None:
+        config.pop("generate_sound", None)
+    return config
+
+
+def _check_sound_duration(
+    duration: float | None, sound: bool | None, video: VideoSettings, problems: list[str]
+) -> None:
+    """``sound_duration`` as vllm-omni means it: the sound's length, by default the
+    video's. Here the sound is the video's own audio track, chunk by chunk, exactly as long
+    as its frames; so only the video's duration is taken (to within half a frame), and only
+    for a video with sound."""
+    if duration is None:
+        return
+    if sound is False:
+        problems.append("sound_duration needs sound, and generate_sound is false")
+        return
+    seconds = video.num_frames / video.fps
+    if abs(duration - seconds) > 0.5 / video.fps:
+        problems.append(
+            f"sound_duration must be the video's duration, {seconds:g} s "
+            f"({video.num_frames} frames at {video.fps} fps): the sound is the video's own "
+            f"track, as long as its frames; got {duration:g}"
+        )
+
+
 def _lift_sampling_params(msg: dict[str, Any]) -> dict[str, Any]:
     """Flatten the legacy ``sampling_params`` block the way the reference does.
 
@@ -611,9 +648,9 @@ def parse_start(
         )
 
     problems: list[str] = []
-    # Refuse rather than ignore: the client would otherwise get a silent, sound-less video.
-    if request.generate_sound:
-        problems.append("generate_sound is not supported by this server")
+    # Whether the engine makes sound is the session's to check (this module knows no
+    # engine): here, only whether the client said anything of it.
+    sound = request.generate_sound if "generate_sound" in request_data else None
     if request.enable_frame_interpolation:
         problems.append("enable_frame_interpolation is not supported by this server")
 
@@ -635,6 +672,8 @@ def parse_start(
     pacing = _pacing_of(request.extra_params, problems)
 
     video = _resolve_video(request, limits, defaults, problems)
+    if video is not None:
+        _check_sound_duration(request.sound_duration, sound, video, problems)
     num_frames = video.num_frames if video is not None else None
     camera_script = camera_script_of(request.extra_params, num_frames, problems)
     interaction_script = interaction_script_of(
@@ -649,9 +688,10 @@ def parse_start(
         video=video,
         format=output_format,
         image=image,
-        config=_config_of(request),
+        config=_config_echo(request, sound),
         pacing=pacing,
         codec_options=codec_options,
         camera_script=camera_script,
         interaction_script=interaction_script,
+        sound=sound,
     )

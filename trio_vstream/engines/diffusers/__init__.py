@@ -124,7 +124,6 @@ _ENGINE_SET_ARGS: Mapping[str, str] = {
     "num_inference_steps": "num_inference_steps",
     "guidance_scale": "guidance_scale",
     "guidance_scale_2": "guidance_scale_2",
-    "pyramid_num_inference_steps_list": "num_inference_steps, per stage",
     "true_cfg_scale": "true_cfg_scale",
     "boundary_ratio": "boundary_ratio",
     "generator": "seed",

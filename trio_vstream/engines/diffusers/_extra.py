@@ -10,6 +10,12 @@ and the keys this pipeline takes. A key its family's own loop reads (SkyReels-V2
 window, AnyFlow FAR's chunk partition, FramePack's sections) is declared `by_plan`: the
 loop's plan checks it, where the bounds depend on the video.
 
+A key the engine honours itself rather than passing on (Helios' ``is_enable_stage2``,
+which the pipeline's class decides) is declared in the family's ``consumed``: its check
+accepts only what the pipeline does, refuses anything else by name, and it never reaches
+the call. A key another server takes for the family that the engine cannot honour is in
+its ``refused``, with the reason the refusal gives.
+
 This module holds the checks the families' lists are made of, and `check_extra_params`,
 which applies a list to a request. The server's own ``extra_params`` (pacing, the camera
 and interaction scripts, codec options) never get here: the session takes them out
@@ -24,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from trio_vstream.engines.diffusers._messages import shown
+from trio_vstream.engines.diffusers._messages import quoted, shown
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -97,7 +103,8 @@ def timesteps(key: str, value: Any, used: Sequence[PipelineInfo]) -> tuple[float
 def flag(key: str, value: Any, used: Sequence[PipelineInfo]) -> bool:
     """True or false, nothing else (no 0, 1 or "true")."""
     if not isinstance(value, bool):
-        raise Refused(f"extra_params.{key} must be true or false, got {shown(value)}")
+        # Quoted: a string "true" must not read as the boolean it is not.
+        raise Refused(f"extra_params.{key} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -136,6 +143,12 @@ class ExtraParams:
     array_sigmas: bool = False
     """``sigmas`` goes to the call as a numpy array: Helios' scheduler multiplies it by
     ``num_train_timesteps``, which would repeat a list, not scale it."""
+    consumed: frozenset[str] = frozenset()
+    """Keys of ``checks`` that no ``__call__`` takes: each check accepts only a value the
+    pipeline already honours (and refuses any other by name), and the key is not passed on."""
+    refused: Mapping[str, str] = attrs.field(factory=dict)
+    """Keys another server takes for this family (vllm-omni's) that the engine cannot
+    honour, each with the reason its refusal gives."""
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -161,11 +174,18 @@ def check_extra_params(
     request's ``num_inference_steps``, which a schedule must agree with.
     """
     model = used[0]
-    taken = [k for k in family.keys if all(info.accepts(k) for info in used)]
+    taken = [
+        k for k in family.keys if k in family.consumed or all(info.accepts(k) for info in used)
+    ]
     reserved: list[str] = []
     unknown: list[str] = []
     checked: dict[str, Any] = {}
     for key, value in extra.items():
+        if key in family.refused:
+            problems.append(
+                f"extra_params.{key} is not supported by {model.class_name}: {family.refused[key]}"
+            )
+            continue
         if key not in taken:
             (reserved if key in engine_set else unknown).append(key)
             continue
@@ -194,7 +214,7 @@ def check_extra_params(
             )
     if family.array_sigmas and "sigmas" in checked:
         checked["sigmas"] = np.asarray(checked["sigmas"], dtype=np.float64)
-    return checked
+    return {k: v for k, v in checked.items() if k not in family.consumed}
 
 
 def schedule_steps(checked: Mapping[str, Any]) -> int | None:

@@ -23,6 +23,7 @@ resolution.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +33,13 @@ from trio_vstream.engines.diffusers._extra import (
     COMMON,
     MAX_STEPS,
     ExtraParams,
+    Refused,
     flag,
     sigmas,
     whole,
 )
+from trio_vstream.engines.diffusers._loading import config_value
+from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers.loops._calls import batchable
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
@@ -68,7 +72,129 @@ ENGINE_SET_ARGS: tuple[str, ...] = (
 """Chunk-loop arguments a request may not set: the engine sets them, or relies on their
 defaults, to carry one chunk's state into the next call."""
 
-HELIOS = ExtraParams("Helios", {**COMMON, "sigmas": sigmas}, array_sigmas=True)
+
+def pyramid_stages(info: PipelineInfo) -> int:
+    """The resolution stages of a pyramid pipeline: its scheduler's ``stages``, else the
+    length of its call's default ``pyramid_num_inference_steps_list``."""
+    stages = config_value(getattr(info.pipe, "scheduler", None), "stages")
+    if isinstance(stages, int) and not isinstance(stages, bool) and stages > 0:
+        return stages
+    return info.pyramid_stages or 3
+
+
+def _stages(used: Sequence[PipelineInfo]) -> int:
+    return pyramid_stages(used[0])
+
+
+def stage2_on(key: str, value: Any, used: Sequence[PipelineInfo]) -> bool:
+    """vllm-omni's ``is_enable_stage2`` on a pyramid pipeline: true (what it does)."""
+    if not flag(key, value, used):
+        raise Refused(
+            f"extra_params.{key}: false needs a Helios pipeline without the pyramid "
+            f"(HeliosPipeline); {used[0].class_name} always samples in pyramid stages"
+        )
+    return True
+
+
+def stage2_off(key: str, value: Any, used: Sequence[PipelineInfo]) -> bool:
+    """vllm-omni's ``is_enable_stage2`` on a stage-1 pipeline: false (what it does)."""
+    if flag(key, value, used):
+        raise Refused(
+            f"extra_params.{key}: true needs a Helios pyramid pipeline "
+            f"(HeliosPyramidPipeline); {used[0].class_name} samples at full resolution only"
+        )
+    return False
+
+
+def cfg_zero_star(key: str, value: Any, used: Sequence[PipelineInfo]) -> bool:
+    """vllm-omni's ``use_cfg_zero_star``: diffusers' pipeline fixes it in its config
+    (``is_cfg_zero_star``, shared by every session), so only that value is taken."""
+    wanted = flag(key, value, used)
+    own = bool(config_value(used[0].pipe, "is_cfg_zero_star"))
+    if wanted != own:
+        raise Refused(
+            f"extra_params.{key}: {used[0].class_name} is loaded with is_cfg_zero_star="
+            f"{str(own).lower()} (its model_index.json), so {key} can only be "
+            f"{str(own).lower()}, got {shown(value)}"
+        )
+    return wanted
+
+
+def stage_count(key: str, value: Any, used: Sequence[PipelineInfo]) -> int:
+    """vllm-omni's ``pyramid_num_stages``: the pipeline's own number of stages (its
+    scheduler's ``stages``), no other."""
+    stages = _stages(used)
+    if isinstance(value, bool) or not isinstance(value, int) or value != stages:
+        raise Refused(
+            f"extra_params.{key} must be {stages} (the stages of {used[0].class_name}'s "
+            f"scheduler), got {shown(value)}"
+        )
+    return value
+
+
+def stage_steps(key: str, value: Any, used: Sequence[PipelineInfo]) -> list[int]:
+    """``pyramid_num_inference_steps_list``: one step count per stage, each 1 to
+    `MAX_STEPS`, as many as the pipeline has stages."""
+    stages = _stages(used)
+    if (
+        not isinstance(value, list)
+        or len(value) != stages
+        or any(
+            isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_STEPS for v in value
+        )
+    ):
+        raise Refused(
+            f"extra_params.{key} must be a list of {stages} integers from 1 to {MAX_STEPS}, "
+            f"one per stage of {used[0].class_name}, got {shown(value)}"
+        )
+    return list(value)
+
+
+_NOT_STREAMED = (
+    "the engine streams one chunk a call from the session's own history, so it sets {what} itself"
+)
+_CHUNK_LOOP_REFUSED = {
+    "is_skip_first_chunk": _NOT_STREAMED.format(what="which chunk comes first"),
+    "image": "use image_reference",
+    "video": "a video to continue is not supported; use image_reference for a first frame",
+    **{
+        key: _NOT_STREAMED.format(what="the noising of its history latents")
+        + " (the pipeline's defaults)"
+        for key in (
+            "add_noise_to_image_latents",
+            "image_noise_sigma_min",
+            "image_noise_sigma_max",
+            "add_noise_to_video_latents",
+            "video_noise_sigma_min",
+            "video_noise_sigma_max",
+        )
+    },
+}
+"""vllm-omni's Helios keys that the chunk loop sets itself: refused by name, with why."""
+
+_STAGE_1_ONLY = "it samples at full resolution, with no pyramid stages; use num_inference_steps"
+
+HELIOS = ExtraParams(
+    "Helios",
+    {
+        **COMMON,
+        "sigmas": sigmas,
+        "is_enable_stage2": stage2_off,
+        "use_cfg_zero_star": cfg_zero_star,
+    },
+    array_sigmas=True,
+    consumed=frozenset({"is_enable_stage2", "use_cfg_zero_star"}),
+    refused={
+        **_CHUNK_LOOP_REFUSED,
+        "pyramid_num_stages": _STAGE_1_ONLY,
+        "pyramid_num_inference_steps_list": _STAGE_1_ONLY,
+        "is_amplify_first_chunk": "it is not distilled (a HeliosPyramidPipeline option)",
+        "use_zero_init": "it has no CFG-Zero* (a HeliosPyramidPipeline option)",
+        "zero_steps": "it has no CFG-Zero* (a HeliosPyramidPipeline option)",
+    },
+)
+"""HeliosPipeline (stage 1): vllm-omni's ``is_enable_stage2`` and ``use_cfg_zero_star``
+are taken as false, what it does; its pyramid keys are refused with a reason."""
 HELIOS_PYRAMID = ExtraParams(
     "Helios pyramid",
     {
@@ -76,9 +202,18 @@ HELIOS_PYRAMID = ExtraParams(
         "is_amplify_first_chunk": flag,
         "use_zero_init": flag,
         "zero_steps": whole(0, MAX_STEPS),
+        "pyramid_num_inference_steps_list": stage_steps,
+        "is_enable_stage2": stage2_on,
+        "pyramid_num_stages": stage_count,
+        "use_cfg_zero_star": cfg_zero_star,
     },
+    consumed=frozenset({"is_enable_stage2", "pyramid_num_stages", "use_cfg_zero_star"}),
+    refused=_CHUNK_LOOP_REFUSED,
 )
-"""(Its call takes ``sigmas`` but ignores it: each stage's schedule is the scheduler's.)"""
+"""HeliosPyramidPipeline (stage 2), the distilled one included: vllm-omni's Helios keys,
+``pyramid_num_inference_steps_list`` to the call (over ``num_inference_steps``, which
+vllm-omni counts for stage 1 only). (Its call takes ``sigmas`` but ignores it: each
+stage's schedule is the scheduler's.)"""
 
 
 class HistoryChunks:
