@@ -108,6 +108,13 @@ class InteractionQueue:
         start, length = self._window
         return start + length
 
+    def drop(self) -> list[PromptChange]:
+        """Every interaction still held, in the order received, held no more: the video
+        ended, so the chunk each waited for will never start."""
+        dropped = [change for _, change in self._held]
+        self._held.clear()
+        return dropped
+
     def take(self) -> list[PromptChange]:
         """The held interactions for the chunk about to start, in the order received.
 

@@ -77,12 +77,21 @@ class Pacer:
         wait, and does not call it. Cancellation (a stop) ends the wait.
         """
         due = self.due(media_time, trio.current_time())
-        if due is None:
-            return
-        while (now := trio.current_time()) < due:
-            keep_alive()
-            await trio.sleep_until(min(due, now + wake_every))
+        if due is not None:
+            await sleep_until_keeping_alive(due, keep_alive, wake_every)
+
+
+async def sleep_until_keeping_alive(
+    deadline: float, keep_alive: Callable[[], None], wake_every: float
+) -> None:
+    """Sleep until ``deadline`` (Trio's clock), calling ``keep_alive()`` as the wait
+    starts, at least every ``wake_every`` seconds while it lasts, and at its end: a
+    deliberate wait (a paced send, a paced camera session's action window) is progress
+    for the stall guard, however long it is. Cancellation (a stop) ends it at once."""
+    while (now := trio.current_time()) < deadline:
         keep_alive()
+        await trio.sleep_until(min(deadline, now + wake_every))
+    keep_alive()
 
 
 class PlaybackGate:

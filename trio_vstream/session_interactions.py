@@ -13,6 +13,11 @@ session, held for the chunk whose action window it came in (`interaction_queue`)
 handed over when that chunk starts (`Interactions.take_due`). A refusal at any point
 leaves its event id unused, so that the client may retry with it.
 
+When the video ends (its last chunk made, a stop, an engine failure), the interactions
+still held are refused (`Interactions.end`: ``interaction_failed``, `VIDEO_ENDED`): they
+were acknowledged, and the chunk they waited for will never start. Any interaction that
+comes after that is refused at receipt, with the same words.
+
 No socket and no Trio: the session sends what this decides (``session.interaction.queued``,
 an error, or the end of the video request when the queue is full), so each rule is tested
 by calling it.
@@ -30,9 +35,12 @@ from trio_vstream.outcomes import SessionError
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import Scripts, kinds_refusal
 
-__all__ = ["Interactions"]
+__all__ = ["VIDEO_ENDED", "Interactions"]
 
 logger = get_logger(__name__)
+
+VIDEO_ENDED = "Failed to apply interaction: the video ended before its chunk started"
+"""The refusal of an interaction that no chunk will take: the video ended."""
 
 
 class Interactions:
@@ -49,6 +57,8 @@ class Interactions:
         """The request's scripted interactions, handed to the engine before their chunks."""
         self.queue = InteractionQueue()
         """Its pending interactions, bounded (`trio_vstream.interaction_queue`)."""
+        self.ended = False
+        """The video ended (`end`): no chunk will take an interaction any more."""
 
     def prepared(self, scripts: Scripts, queue: InteractionQueue) -> None:
         """The request's scripts and its queue (paced or not), once ``session.start`` is
@@ -81,6 +91,8 @@ class Interactions:
             )
         if stream is None:  # generation is over; nothing can take the change
             return ErrorCode.INTERACTION_FAILED, "Failed to apply interaction"
+        if self.ended:  # the stream is still open, but it makes no more chunks
+            return ErrorCode.INTERACTION_FAILED, VIDEO_ENDED
         if self.queue.full:
             return ErrorCode.INTERACTION_QUEUE_FULL, (
                 f"Interaction queue full: {self.queue.limit} interactions pending; "
@@ -114,6 +126,17 @@ class Interactions:
             refusal = self._hand_over(stream, change)
             if refusal is not None:
                 refused.append((change.event_id, refusal))
+        return refused
+
+    def end(self) -> list[tuple[str, SessionError]]:
+        """The video ended: the event id and refusal of each interaction still held,
+        in the order received (the client is told, before the terminal message); from
+        now on every interaction is refused at receipt."""
+        self.ended = True
+        refused = []
+        for change in self.queue.drop():
+            self.event_ids.discard(change.event_id)
+            refused.append((change.event_id, (ErrorCode.INTERACTION_FAILED, VIDEO_ENDED)))
         return refused
 
     def _hand_over(self, stream: EngineStream, change: PromptChange) -> SessionError | None:

@@ -231,7 +231,11 @@ async def test_the_interaction_that_finds_the_queue_full_ends_the_video_request(
         await fill(client, LIMIT + 1)
         await h.ended()
         assert len(client.of_type("session.interaction.queued")) == LIMIT
-        [error] = client.terminal
+        *held, error = client.terminal
+        # The ones held for a chunk that will never start are told so, then the end.
+        assert [(e["code"], e["event_id"]) for e in held] == [
+            ("interaction_failed", f"e{n}") for n in range(LIMIT)
+        ]
         assert error["code"] == "interaction_queue_full"
         assert f"{LIMIT} interactions pending" in error["message"]
         assert f"'e{LIMIT}'" in error["message"]  # names the one refused
@@ -282,3 +286,68 @@ async def test_a_paced_camera_video_all_made_ends_without_waiting_for_a_deadline
         await h.ended()
         assert client.terminal[-1]["type"] == "session.done"
         assert len(client.chunks) == 2
+
+
+async def test_the_wait_for_a_window_longer_than_the_stall_timeout_is_not_a_stall(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    # A stall timeout of 0.2 s against windows of 0.5 s: the wait is deliberate, so it
+    # keeps the stall guard quiet (as a paced send does), for a client that reports its
+    # playback and never pings.
+    async with harness(CameraEngine, stall_timeout=0.2) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0)
+        await settle()
+        for tick in range(1, 31):  # 1.5 s in steps of 0.05 s: three windows
+            mock_clock.jump(0.05)
+            if client.closed:
+                break
+            await client.playback(tick * 0.05)
+            await settle()
+        assert client.terminal == []
+        assert h.engine.chunks_made == 4  # chunk 0, then one at each deadline
+        await client.send({"type": "session.stop"})  # and a stop still ends the wait at once
+        await h.ended()
+        assert client.terminal[-1]["type"] == "session.done"
+        assert client.terminal[-1]["stopped"] is True
+        assert h.engine.chunks_made == 4
+
+
+async def test_interactions_held_when_the_video_ends_get_an_error_before_session_done(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        # Two chunks, a buffer of one: the gate shuts after chunk 0 until a report.
+        client = await h.connect(streaming_buffer_seconds=0.5, num_frames=2 * CHUNK_FRAMES)
+        await settle()
+        mock_clock.jump(0.5)  # chunk 0's deadline passes while the gate is shut
+        await settle()
+        await client.camera("never")  # after the deadline: held for chunk 2, never made
+        await settle()
+        assert [m["event_id"] for m in client.of_type("session.interaction.queued")] == ["never"]
+        await client.playback(0.5)  # chunk 1, the last, then the video ends
+        await h.ended()
+    assert len(client.chunks) == 2
+    *errors, done = client.terminal
+    assert [(e["code"], e["event_id"]) for e in errors] == [("interaction_failed", "never")]
+    assert "the video ended" in errors[0]["message"]
+    assert done["type"] == "session.done" and done["stopped"] is False
+    assert client.json[-1] == done
+    assert h.stream().changes == []
+
+
+async def test_interactions_held_when_a_stop_ends_the_video_get_an_error_before_session_done(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    async with harness(CameraEngine) as h:
+        client = await h.connect(streaming_buffer_seconds=10.0)
+        await settle()
+        await client.camera("held")  # for chunk 1, at the window's deadline
+        await settle()
+        await client.send({"type": "session.stop"})  # before the deadline
+        await h.ended()
+    *errors, done = client.terminal
+    assert [(e["code"], e["event_id"]) for e in errors] == [("interaction_failed", "held")]
+    assert "the video ended" in errors[0]["message"]
+    assert done["type"] == "session.done" and done["stopped"] is True
+    assert client.json[-1] == done
+    assert len(client.chunks) == 1 and h.stream().changes == []

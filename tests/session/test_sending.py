@@ -13,7 +13,7 @@ import trio.testing
 from trio_websocket import CloseReason, ConnectionClosed
 
 from trio_vstream import protocol
-from trio_vstream.sending import Sender, SocketBroken
+from trio_vstream.sending import REPLIES_WAITING, Sender, SocketBroken
 
 
 class Peer:
@@ -168,3 +168,51 @@ async def test_a_closed_connection_is_reported_by_every_send_that_finds_it() -> 
             await sender.send(b"chunk")
         assert calls == Calls(closed=expected)
     assert not sender.broken  # closed, not cut mid-frame
+
+
+async def test_a_reply_waits_for_no_send_and_goes_before_the_next_one() -> None:
+    peer = Peer()
+    peer.hold = {b"chunk"}
+    sender = sender_over(peer, Calls())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender.send_replies)
+        nursery.start_soon(sender.send, b"chunk", b"its-tail")
+        await peer.holding.wait()
+        nursery.start_soon(sender.send, b"next", b"next-tail")  # waiting for the socket
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(1):  # queued at once, while the chunk holds the socket
+            await sender.reply(protocol.Pong())
+        assert sender.replies_waiting == 1
+        peer.release()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    # Never between a chunk's two messages; ahead of the send that was waiting.
+    assert peer.sent == [b"chunk", b"its-tail", protocol.Pong().to_json(), b"next", b"next-tail"]
+    assert sender.replies_waiting == 0
+
+
+async def test_replies_wait_for_room_beyond_their_bound_and_never_on_a_broken_socket() -> None:
+    peer = Peer()
+    peer.hold = {b"chunk"}
+    sender = sender_over(peer, Calls())
+    queued = 0
+
+    async def reply_all() -> None:
+        nonlocal queued
+        for _ in range(REPLIES_WAITING + 1):
+            await sender.reply(protocol.Pong())
+            queued += 1
+
+    async def send_chunk() -> None:
+        with pytest.raises(SocketBroken):
+            await sender.send(b"chunk")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_chunk)
+        await peer.holding.wait()
+        nursery.start_soon(reply_all)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued == REPLIES_WAITING  # the one more waits for room
+        sender.interrupt()  # broken: nothing more will go, so nothing waits for room
+    assert queued == REPLIES_WAITING + 1
+    assert sender.broken and peer.sent == []

@@ -10,7 +10,7 @@ from trio_vstream.engines.base import EngineError, PromptChange
 from trio_vstream.interaction_queue import InteractionQueue
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scripts import Scripts
-from trio_vstream.session_interactions import Interactions
+from trio_vstream.session_interactions import VIDEO_ENDED, Interactions
 from trio_vstream.video import Camera
 
 CAMERA = Camera("velocity", (0.1, 0.0, 0.0), (0.0, 0.0, 0.0, 1.0))
@@ -164,3 +164,26 @@ def test_a_generated_chunk_ends_its_interactions_pending_and_opens_its_window() 
     # Woke 10 ms after that deadline: the next window keeps to the media clock.
     interactions.chunk_generated([], began=10.51, seconds=0.5, frame=1 / 24)
     assert interactions.deadline == 11.0
+
+
+def test_when_the_video_ends_the_held_interactions_are_refused_and_so_is_any_later() -> None:
+    interactions = Interactions(frozenset({"prompt", "camera"}))
+    interactions.prepared(Scripts(), InteractionQueue(windows=True))
+    stream = Stream()
+    interactions.queue.open_window(10.0, 0.5)
+    assert interactions.accept("first", camera(), stream, now=10.1) is None
+    assert interactions.accept("second", camera(), stream, now=10.6) is None
+    refused = interactions.end()
+    assert refused == [
+        ("first", (ErrorCode.INTERACTION_FAILED, VIDEO_ENDED)),
+        ("second", (ErrorCode.INTERACTION_FAILED, VIDEO_ENDED)),
+    ]
+    assert "video ended" in VIDEO_ENDED
+    assert stream.handed == [] and interactions.queue.pending == 0
+    # The stream is still open (it closes a moment later), but makes no more chunks.
+    assert interactions.accept("after", camera(), stream, now=10.7) == (
+        ErrorCode.INTERACTION_FAILED,
+        VIDEO_ENDED,
+    )
+    assert stream.handed == []
+    assert interactions.end() == []
