@@ -210,6 +210,8 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         max_connections: int | None = None,
         max_connections_per_ip: int | None = None,
         head_timeout: float | None = None,
+        max_stuck_calls: int | None = None,
+        exit_when_wedged: bool = False,
         **session: Any,
     ) -> RunningServer:
         session.setdefault("served_model", "synthetic")
@@ -233,6 +235,10 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
             max_connections=max_connections,
             max_connections_per_ip=max_connections_per_ip,
             head_timeout=ServerConfig().head_timeout if head_timeout is None else head_timeout,
+            max_stuck_calls=(
+                ServerConfig().max_stuck_calls if max_stuck_calls is None else max_stuck_calls
+            ),
+            exit_when_wedged=exit_when_wedged,
         )
         server = VideoServer(engine, config, on_session_end=on_end, taps=taps)
         await nursery.start(server.run)

@@ -5,4 +5,4 @@ import sys
 from trio_vstream.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(whole_process=True))

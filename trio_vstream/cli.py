@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from trio_vstream import __version__, access, connections, image_fetch, logsafe, memory, protocol
+from trio_vstream.last_resort import FAILURE_STATUS as LAST_RESORT_STATUS
+from trio_vstream.last_resort import MARGIN_SECONDS as LAST_RESORT_MARGIN
+from trio_vstream.last_resort import SECOND_SIGNAL_SECONDS, LastResort
 
 if TYPE_CHECKING:
     from trio_vstream.engines.base import Engine
@@ -42,9 +45,13 @@ API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
 ADMIN_API_KEY_ENV = "TRIO_VSTREAM_ADMIN_API_KEY"
 _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
+"""Seconds the server waits at exit for ``--record``'s last recordings to be written
+(less when a signal's hard deadline comes sooner: `trio_vstream.last_resort`)."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The first drains the server, a second stops it at once (`_serve_until_signalled`)."""
-"""Seconds the server waits at exit for ``--record``'s last recordings to be written."""
+SUPERVISOR_ENV = ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST")
+"""Set by systemd for the processes of a unit, and by Kubernetes in every container:
+under either, ``--exit-when-wedged`` is on unless ``--no-exit-when-wedged`` says not."""
 RECORD_FREE_SPACE_SHARE = 0.9
 """Without ``--record-max-bytes``, recordings may add this share of the free space (at
 start) to what DIR already holds: they stop before the disk is full, which would fail
@@ -263,6 +270,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "ones are admitted (default %(default)s)",
     )
     parser.add_argument(
+        "--max-stuck-calls",
+        type=_non_negative_int,
+        default=defaults.max_stuck_calls,
+        metavar="N",
+        help="engine calls stuck after their sessions ended at which the engine counts as "
+        "wedged: /health answers 503 and new sessions get engine_unavailable until they "
+        "return (0: never; default %(default)s)",
+    )
+    parser.add_argument(
+        "--exit-when-wedged",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="once the engine is wedged, drain and exit with status 69, for a supervisor "
+        "to restart the process (default: on under systemd or Kubernetes, else off)",
+    )
+    parser.add_argument(
         "--api-key",
         dest="api_keys",
         action="append",
@@ -407,7 +430,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:
+    """The command line; returns the exit status.
+
+    ``whole_process``: this call is the process (``python -m trio_vstream``), which exits
+    once it returns. A server's stop then keeps its hard deadline armed until the
+    interpreter is gone (`trio_vstream.last_resort`); an in-process caller gets it
+    disarmed before this returns.
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or args_list[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         args_list.insert(0, "serve")
@@ -417,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         build_parser(()).print_help()
         return 0
+    args.whole_process = whole_process
     return _run(args)
 
 
@@ -559,6 +590,8 @@ def run_serve(args: argparse.Namespace) -> int:
         head_timeout=args.head_timeout,
         encode_concurrency=args.encode_concurrency,
         shutdown_grace=args.shutdown_grace,
+        max_stuck_calls=args.max_stuck_calls,
+        exit_when_wedged=exit_when_wedged(args.exit_when_wedged),
         access=policy,
         ssl_context=context,
         watch=WatchConfig(max_viewers=args.max_viewers, requires_key=args.watch_requires_key),
@@ -580,22 +613,34 @@ def run_serve(args: argparse.Namespace) -> int:
     # collector from walking it again and again (a full pass stalls the event loop).
     gc.collect()
     gc.freeze()
+    if config.exit_when_wedged:
+        logger.info(
+            "a wedged engine drains the server, which then exits with status 69 for a restart%s",
+            "" if args.exit_when_wedged else " (on under systemd or Kubernetes)",
+        )
+    last_resort = LastResort()
     try:
-        trio.run(_serve_until_signalled, engine, config, recorder)
+        status = trio.run(_serve_until_signalled, engine, config, recorder, last_resort)
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     finally:
         with signals_noted_while_exiting():
             # The last sessions' recordings, remuxed and written; a disk stuck for longer
-            # than this would otherwise keep the process from ever exiting.
-            if recorder is not None and not recorder.close(timeout=RECORDING_CLOSE_TIMEOUT):
+            # than this would otherwise keep the process from ever exiting, and after a
+            # signal, the hard deadline comes first (a second left for the engine).
+            timeout = min(RECORDING_CLOSE_TIMEOUT, max(0.0, last_resort.seconds_left() - 1.0))
+            if recorder is not None and not recorder.close(timeout=timeout):
                 logger.warning(
-                    "recordings still being written after %g s: left unfinished",
-                    RECORDING_CLOSE_TIMEOUT,
+                    "recordings still being written after %g s: left unfinished", timeout
                 )
+            # May block on a wedged device: the last resort, armed by the stop, ends it.
             engine.close()
-    return 0
+    # Armed by a signal or a wedge, it stays armed through the interpreter's exit (which
+    # joins the engine's non-daemon threads); an in-process caller gets it disarmed.
+    if not getattr(args, "whole_process", False):
+        last_resort.disarm()
+    return status
 
 
 @contextlib.contextmanager
@@ -671,14 +716,33 @@ def _log_hosts(config: ServerConfig) -> None:
         )
 
 
+def exit_when_wedged(flag: bool | None) -> bool:
+    """``--exit-when-wedged``: as given, else on under a supervisor (`SUPERVISOR_ENV`)."""
+    if flag is not None:
+        return flag
+    return any(os.environ.get(name) for name in SUPERVISOR_ENV)
+
+
 async def _serve_until_signalled(
-    engine: Engine, config: ServerConfig, recorder: Recorder | None = None
-) -> None:
-    """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once."""
+    engine: Engine,
+    config: ServerConfig,
+    recorder: Recorder | None = None,
+    last_resort: LastResort | None = None,
+) -> int:
+    """Serve; the first SIGINT/SIGTERM shuts down gracefully, a second one at once.
+    Returns the exit status (`VideoServer.exit_status`).
+
+    Once a shutdown begins (a signal, or a wedged engine with ``--exit-when-wedged``),
+    ``last_resort`` ends the process if it has not exited by the drain's bound plus a
+    margin; after a second signal, within a few seconds.
+    """
     # Not at the top: only serve loads the server (the module docstring).
     from trio_vstream.server import VideoServer
 
     server = VideoServer(engine, config, taps=recorder)
+    if last_resort is None:
+        last_resort = LastResort()
+    last_resort.stuck = server.abandoned_calls.names
     with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -686,7 +750,16 @@ async def _serve_until_signalled(
                 await server.run(task_status=task_status)
                 nursery.cancel_scope.cancel()  # graceful shutdown done: stop watching signals
 
+            async def arm_when_stopping() -> None:
+                await server.wait_shutdown_requested()
+                last_resort.arm(
+                    server.drain_bound + LAST_RESORT_MARGIN,
+                    status=server.exit_status or LAST_RESORT_STATUS,
+                    why="draining",
+                )
+
             await nursery.start(serve)
+            nursery.start_soon(arm_when_stopping)
             print(f"trio_vstream serving {server.url} (engine: {engine.name})", flush=True)
             if config.access.needs_key:
                 logger.info("API keys required: %d configured", len(config.access.api_keys))
@@ -704,7 +777,13 @@ async def _serve_until_signalled(
             async for signum in signals:
                 if server.shutting_down:
                     logger.warning("%s again: stopping now", signal.Signals(signum).name)
+                    last_resort.arm(
+                        SECOND_SIGNAL_SECONDS,
+                        status=server.exit_status or LAST_RESORT_STATUS,
+                        why="stopping now",
+                    )
                     nursery.cancel_scope.cancel()
                 else:
                     logger.info("%s: shutting down gracefully", signal.Signals(signum).name)
                     server.shutdown()
+    return server.exit_status

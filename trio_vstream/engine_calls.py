@@ -182,19 +182,30 @@ class AbandonedCalls:
     """Engine calls whose sessions ended without them, while they still run; server-wide,
     used from the Trio thread. ``/health`` and ``/metrics`` report them."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[int], None] = lambda running: None) -> None:
         self.running: set[EngineCall[Any]] = set()
         """Still running now."""
         self.total = 0
         """Abandoned ever."""
+        self._on_change = on_change
+        """Told how many are running whenever that changes (the server's wedge check)."""
 
     def add(self, call: EngineCall[Any], on_return: Callable[[], None]) -> None:
         """Count ``call`` until it returns; then ``on_return`` (in the Trio thread)."""
+        if call in self.running:
+            return
         self.total += 1
         self.running.add(call)
 
         def returned() -> None:
             self.running.discard(call)
             on_return()
+            self._on_change(len(self.running))
 
         call.when_returned(returned)
+        if call in self.running:  # not returned already (then it was told above)
+            self._on_change(len(self.running))
+
+    def names(self) -> list[str]:
+        """What each running call is, for the log of a server that is stuck."""
+        return sorted(call.name for call in self.running)

@@ -159,7 +159,15 @@ class ServerMetrics:
         )
         self._engine_calls_outstanding = Gauge(
             "trio_vstream_engine_calls_outstanding",
-            "Abandoned engine calls still running now; /health answers 503 while any is.",
+            "Abandoned engine calls still running now; /health answers 503 while as many "
+            "run as --max-stuck-calls (the engine is wedged).",
+            ["model"],
+            registry=registry,
+        )
+        self._engine_wedged = Counter(
+            "trio_vstream_engine_wedged",
+            "Times the engine became wedged: as many abandoned engine calls running at "
+            "once as --max-stuck-calls (new sessions are refused with engine_unavailable).",
             ["model"],
             registry=registry,
         )
@@ -169,6 +177,7 @@ class ServerMetrics:
             self._sessions_active,
             self._engine_calls_abandoned,
             self._engine_calls_outstanding,
+            self._engine_wedged,
             self._frames_sent,
             self._bytes_sent,
             self._viewers_active,
@@ -236,6 +245,9 @@ class ServerMetrics:
     def engine_call_returned(self) -> None:
         """An abandoned engine call has returned at last."""
         self._engine_calls_outstanding.labels(self.model).dec()
+
+    def engine_wedged(self) -> None:
+        self._engine_wedged.labels(self.model).inc()
 
     def batch_run(self, rows: int) -> None:
         self._batch_rows.labels(self.model).observe(rows)

@@ -93,6 +93,9 @@ TOO_MANY_FROM_ADDRESS = "too many connections from this address: try again later
 """The 429's body at the per-address cap (``--max-connections-per-ip``)."""
 TURN_AWAY_SECONDS = 1.0
 """The most a connection turned away at the cap may take to receive its 503."""
+WEDGED_EXIT_STATUS = 69
+"""The process's exit status after ``exit_when_wedged`` drained it (``EX_UNAVAILABLE``
+in BSD's sysexits.h): non-zero, so that ``Restart=on-failure`` restarts it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -123,6 +126,16 @@ class ServerConfig:
     max_connections_per_ip: int | None = None
     """Connections one client address (an IPv6 /64) may hold at once; more get a 429.
     None: no cap, as behind a proxy, where every connection comes from the proxy."""
+    max_stuck_calls: int = 2
+    """Engine calls left running after their sessions ended (stuck outside a checkpoint:
+    a hung kernel) at which the engine counts as wedged: ``/health`` answers 503 and new
+    sessions are refused with ``engine_unavailable`` until enough of them return. 0:
+    never. Two, not one, so that one slow call (a first compile, a huge decode) does not
+    take a server out of rotation, while a device that hangs every call does at once."""
+    exit_when_wedged: bool = False
+    """Once wedged, drain and make `VideoServer.run` return, with `VideoServer.exit_status`
+    `WEDGED_EXIT_STATUS`: for a supervisor that restarts the process (systemd's
+    ``Restart=on-failure``, Kubernetes), which is what frees a wedged device."""
     head_timeout: float = 5.0
     """Seconds a connection gets to send its whole HTTP request head (after the TLS
     handshake): a client that dawdles (slowloris) loses its connection slot. Separate
@@ -188,8 +201,12 @@ class VideoServer:
             logger,
             "refused a request for Host %s from %s: not a name served here (--allowed-hosts)",
         )
-        self.abandoned_calls = AbandonedCalls()
+        self.abandoned_calls = AbandonedCalls(on_change=self._stuck_calls_changed)
         """Engine calls still running after their sessions ended (see ``health``)."""
+        self._wedged = False
+        self.exit_status = 0
+        """What the process should exit with once `run` returns: `WEDGED_EXIT_STATUS`
+        after a drain that ``exit_when_wedged`` began, else 0."""
         progress = EngineProgress()
         self.live_defaults = live_settings(engine)
         """What the engine suggests for live sessions (`engines.interfaces.live_settings`):
@@ -207,11 +224,19 @@ class VideoServer:
             engine_progress=progress,
             batcher=self.batcher,
             taps=partial(_compose_taps, self.tap_factories),
-            # Each session runs at most two blocking calls at once (engine, encoder).
+            # The server's own work: each session runs at most one such call at a time
+            # (encoder set-up or close, image decoding), and it always returns.
             thread_limiter=trio.CapacityLimiter(2 * config.max_sessions + 4),
+            # The engine's calls, which may never return, on a budget of their own. Each
+            # running session has at most two (a step, a chunk's copy to the host); the
+            # calls left stuck stay below the wedge bound plus what the sessions admitted
+            # before it was reached leave: so this never runs out while admission works.
+            engine_limiter=trio.CapacityLimiter(
+                4 * config.max_sessions + config.max_stuck_calls + 4
+            ),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
             metrics=self.metrics,
-            admit=self._busy,
+            admit=self._refusal,
             abandoned_calls=self.abandoned_calls,
         )
 
@@ -231,6 +256,52 @@ class VideoServer:
     def shutdown(self) -> None:
         """Begin a graceful shutdown, a drain (idempotent)."""
         self._shutdown_requested.set()
+
+    @property
+    def drain_bound(self) -> float:
+        """The most seconds a drain takes from `shutdown` to `run`'s return: the grace,
+        then a close timeout to wind sessions down and one to abort the rest (viewers get
+        what is left of it; see `_drain`)."""
+        return self.config.shutdown_grace + 2 * self.config.session.close_timeout
+
+    @property
+    def wedged(self) -> bool:
+        """The engine has ``max_stuck_calls`` calls stuck after their sessions ended."""
+        return self._wedged
+
+    def _stuck_calls_changed(self, stuck: int) -> None:
+        """Told by `AbandonedCalls` whenever the count of stuck calls changes."""
+        bound = self.config.max_stuck_calls
+        wedged = bound > 0 and stuck >= bound
+        if wedged == self._wedged:
+            return
+        self._wedged = wedged
+        if not wedged:
+            logger.warning(
+                "engine recovered: %d engine call(s) still stuck, below %d; new sessions "
+                "are admitted again",
+                stuck,
+                bound,
+            )
+            return
+        self.metrics.engine_wedged()
+        logger.error(
+            "engine wedged: %d engine call(s) stuck after their sessions ended (%s); "
+            "/health answers 503 and new sessions are refused with engine_unavailable",
+            stuck,
+            ", ".join(self.abandoned_calls.names()),
+        )
+        if self.config.exit_when_wedged and not self.shutting_down:
+            logger.error(
+                "draining, then exiting with status %d for a restart (--exit-when-wedged)",
+                WEDGED_EXIT_STATUS,
+            )
+            self.exit_status = WEDGED_EXIT_STATUS
+            self.shutdown()
+
+    async def wait_shutdown_requested(self) -> None:
+        """Return once a shutdown has been asked for (`shutdown`, or a wedged engine)."""
+        await self._shutdown_requested.wait()
 
     @property
     def draining(self) -> bool:
@@ -359,12 +430,15 @@ class VideoServer:
         ``session.start`` holds a connection slot, not a session slot."""
         return sum(1 for session in self._sessions if session.admitted and not session.finishing)
 
-    def _busy(self) -> tuple[ErrorCode, str] | None:
-        """``server_busy`` when started sessions fill every session slot, else None.
+    def _refusal(self) -> tuple[ErrorCode, str] | None:
+        """Why a new session cannot start now (``engine_unavailable`` while the engine is
+        wedged, ``server_busy`` when started sessions fill every session slot), or None.
 
         Asked at an upgrade, and by each session when its ``session.start`` arrives:
         None then gives it a slot (it marks itself admitted before any checkpoint).
         """
+        if self._wedged:
+            return ErrorCode.ENGINE_UNAVAILABLE, self._unavailable_message()
         if self.running_sessions < self.config.max_sessions:
             return None
         return (
@@ -414,7 +488,8 @@ class VideoServer:
             # A TLS peer may vanish without its close_notify.
             try:
                 with (
-                    trio.CancelScope(shield=True),
+                    # A deadline on every shielded wait: nothing may hold the exit for good.
+                    trio.CancelScope(shield=True, deadline=trio.current_time() + TURN_AWAY_SECONDS),
                     contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
                 ):
                     await stream.aclose()
@@ -508,6 +583,11 @@ class VideoServer:
             if self._draining and not watching:  # a watched session runs here till it ends
                 await http.respond(stream, 503, "draining: try another server\n")
                 return
+            if self._wedged and not watching:  # before the upgrade: a balancer retries
+                await http.respond(
+                    stream, 503, self._unavailable_body(), headers={"retry-after": "10"}
+                )
+                return
             if not watching and path != VIDEO_PATH:
                 await http.respond(stream, 404, f"no WebSocket endpoint at {path}\n")
                 return
@@ -562,19 +642,35 @@ class VideoServer:
     def health(self) -> tuple[int, str]:
         """``GET /health``: 200 ``ok``, or 503 and why not.
 
-        503 while draining, and while an engine call abandoned by its session is still
-        running (``degraded``): a thread stuck outside a checkpoint usually means a hung
-        device, on which new sessions would stall too. A balancer then sends new
-        sessions elsewhere, and an orchestrator's health check can restart the server
-        (its drain does not wait for the stuck thread). Sessions are still served here:
-        whoever connects directly, or is already streaming, carries on.
+        503 while draining, and while the engine is wedged (`wedged`: as many engine calls
+        stuck after their sessions ended as ``max_stuck_calls``): a thread stuck outside
+        a checkpoint usually means a hung device, on which new sessions would stall too.
+        A balancer then sends new sessions elsewhere, and an orchestrator's health check
+        can restart the server (its drain does not wait for the stuck threads); new
+        sessions are refused here meanwhile, while those already streaming carry on.
+        Fewer stuck calls than that: 200, ``degraded`` and how many.
         """
         if self._draining:
             return 503, "draining\n"
+        if self._wedged:
+            return 503, self._unavailable_body()
         stuck = len(self.abandoned_calls.running)
         if stuck:
-            return 503, f"degraded: {stuck} engine call(s) stuck after their sessions ended\n"
+            return 200, (
+                f"degraded: {stuck} engine call(s) stuck after their sessions ended "
+                f"(wedged at {self.config.max_stuck_calls})\n"
+            )
         return 200, "ok\n"
+
+    def _unavailable_message(self) -> str:
+        return (
+            f"Engine unavailable: {len(self.abandoned_calls.running)} engine call(s) stuck "
+            "after their sessions ended; try another server"
+        )
+
+    def _unavailable_body(self) -> str:
+        """A refusal's HTTP body: the code first, as in the ``error`` message."""
+        return f"{ErrorCode.ENGINE_UNAVAILABLE.value}: {self._unavailable_message()}\n"
 
     def models(self) -> dict[str, Any]:
         """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.
@@ -639,16 +735,19 @@ class VideoServer:
         if self._draining:  # began since the head was read
             await http.reject_upgrade(request, 503, "draining: try another server\n")
             return
+        if self._wedged:
+            await http.reject_upgrade(request, 503, self._unavailable_body())
+            return
         ws = await request.accept(
             subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
         )
         # Started sessions fill every slot: say so now rather than after session.start.
         # A free slot is not held for this connection: its session.start takes one if
-        # one is still free then (the session asks _busy again).
-        busy = self._busy()
-        if busy is not None:
+        # one is still free then (the session asks _refusal again).
+        refusal = self._refusal()
+        if refusal is not None:
             await http.refuse_websocket(
-                ws, protocol.Error(*busy), self.config.session.close_timeout
+                ws, protocol.Error(*refusal), self.config.session.close_timeout
             )
             return
         session = Session(ws, self._resources)
@@ -738,4 +837,4 @@ async def serve(
     await VideoServer(engine, config).run(task_status=task_status)
 
 
-__all__ = ["VIDEO_PATH", "ServerConfig", "VideoServer", "serve"]
+__all__ = ["VIDEO_PATH", "WEDGED_EXIT_STATUS", "ServerConfig", "VideoServer", "serve"]

@@ -73,7 +73,7 @@ from trio_vstream.outcomes import (
     describe,
     engine_failure,
 )
-from trio_vstream.pacing import Pacer, PlaybackGate
+from trio_vstream.pacing import Pacer, PlaybackGate, sleep_until_keeping_alive
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.sending import Sender, SocketBroken
 from trio_vstream.session_calls import (
@@ -212,10 +212,9 @@ class Session:
                 await self._calls.wait_detached()
         finally:
             self._calls.close_stream_soon()
-            with trio.CancelScope(shield=True):
-                encoder, self._encoder = self._encoder, None
-                if encoder is not None:
-                    await self._calls.in_thread(close_quietly, encoder)
+            encoder, self._encoder = self._encoder, None
+            if encoder is not None:  # shielded, within a close timeout
+                await self._calls.close_encoder(encoder, self._config.close_timeout)
             self._calls.abandon_detached()
             stats.sessions_active -= 1
             self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
@@ -342,6 +341,7 @@ class Session:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_loop, early)
             nursery.start_soon(self._stall_guard)
+            nursery.start_soon(self._sender.send_replies)  # the receive loop's replies
             await self._generate()
             nursery.cancel_scope.cancel()
         if self._ending.outcome is None:
@@ -378,7 +378,7 @@ class Session:
                     raise raw  # refused while the session prepared
                 message = protocol.parse_control(raw, limits=self._config.limits)
             except protocol.ProtocolError as exc:
-                await self._sender.send(protocol.Error.from_protocol_error(exc, self.request_id))
+                await self._sender.reply(protocol.Error.from_protocol_error(exc, self.request_id))
                 continue
             if isinstance(message, protocol.Stop):
                 logger.info("session %s: stop requested", self.request_id)
@@ -388,7 +388,7 @@ class Session:
                 # Keep reading: a client may still ping while the stream winds down.
             elif isinstance(message, protocol.Ping):
                 self._touch()
-                await self._sender.send(protocol.Pong())
+                await self._sender.reply(protocol.Pong())  # queued: a stop behind it is read now
             elif isinstance(message, protocol.Playback):
                 if self._gate is not None:  # ignored unless the client asked for a buffer
                     self._gate.report(message.position_seconds)
@@ -414,11 +414,11 @@ class Session:
             refusal = ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {refusal[1]}"
         if refusal is None:
             self._taps.call("interaction", event_id, message, None)
-            await self._sender.send(protocol.InteractionQueued(self.request_id, event_id))
+            await self._sender.reply(protocol.InteractionQueued(self.request_id, event_id))
             return
         error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
         self._taps.call("interaction", event_id, message, error)
-        await self._sender.send(error)
+        await self._sender.reply(error)
 
     # ---------------------------------------------------------- stall guard
 
@@ -465,6 +465,7 @@ class Session:
             try:
                 with self._producer_scope:
                     await self._generate_chunks(stream, send_chunks)
+                await self._video_ended()
                 # After a stop, the engine's call sees it at its next checkpoint, within
                 # a step, and closes the stream as it returns: wait for that, so the
                 # stream is closed before the terminal message. An engine stuck outside a
@@ -474,6 +475,15 @@ class Session:
                 # The engine is done with this session: free the model's memory now,
                 # not after the last chunk has been encoded and sent.
                 await self._calls.close_stream()
+
+    async def _video_ended(self) -> None:
+        """No chunk will start any more (the last one made, a stop, an engine failure):
+        the interactions held for one get their error, before the terminal message.
+        (An aborted session skips this: its client is gone, or gets its error.)"""
+        for event_id, refusal in self._interactions.end():
+            error = protocol.Error(*refusal, self.request_id, event_id)
+            self._taps.call("interaction_refused", event_id, error)
+            await self._sender.reply(error)
 
     async def _generate_chunks(
         self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
@@ -521,23 +531,25 @@ class Session:
         """A paced session's waits at a chunk boundary, then the live changes due.
 
         First the end of the last chunk's action window (a paced camera session's; a
-        deliberate wait of at most a chunk's media time), then the playback gate: not
-        progress, and nothing of the engine's is held meanwhile (a step slot or a batch
-        row only inside ``next_chunk``). A stop ends either wait. Then the interactions
+        deliberate wait of at most a chunk's media time, so progress for the stall guard
+        however long a chunk is), then the playback gate: not progress, and nothing of
+        the engine's is held meanwhile (a step slot or a batch row only inside
+        ``next_chunk``). A stop ends either wait. Then the interactions
         held for this chunk, handed over: one the engine refuses gets its error now."""
         gate = self._gate
         if gate is not None:
             if gate.finished:  # the engine's next call ends the video: nothing to wait for
                 return
             deadline = self._interactions.deadline
-            if deadline is not None:
-                await trio.sleep_until(deadline)
-                self._touch()
+            if deadline is not None:  # a deliberate wait: progress, like a paced send
+                await sleep_until_keeping_alive(
+                    deadline, self._touch, self._config.stall_timeout / 2
+                )
             await gate.wait()
         for event_id, refusal in self._interactions.take_due(stream):
             error = protocol.Error(*refusal, self.request_id, event_id)
             self._taps.call("interaction_refused", event_id, error)
-            await self._sender.send(error)
+            await self._sender.reply(error)  # out before the chunk it would have been in
 
     async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
         assert self.request_id is not None and self._encoder is not None

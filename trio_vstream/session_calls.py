@@ -3,7 +3,10 @@
 A session runs two kinds of blocking work in worker threads:
 
 * **its own** (encoder set-up, image decoding, an encoder's close) always returns:
-  `SessionCalls.in_thread` waits for it, cancelled or not;
+  `SessionCalls.in_thread` waits for it, cancelled or not, on the server's own thread
+  budget (``thread_limiter``), which the engine's calls never use: a call stuck for good
+  keeps its thread's token, and stuck calls must never leave a session unable to open
+  or close its encoder;
 * **the engine's** may never return (a hung CUDA kernel, a stuck VAE decode, a GPU
   tensor's copy to the host: see `trio_vstream.engine_calls`). `SessionCalls.call`
   stops waiting when cancelled and leaves the call behind (detached), with what its
@@ -12,7 +15,8 @@ A session runs two kinds of blocking work in worker threads:
   within a step; at its end, for a close timeout), and hands those still running to
   the server's `AbandonedCalls` when it ends (`abandon_detached`), counted and logged
   until they return. So a call stuck outside a checkpoint holds neither the terminal
-  message nor the drain.
+  message nor the drain. These run on the engine's own thread budget
+  (``engine_limiter``).
 
 The engine stream is closed exactly once, whoever closes it: the session
 (`close_stream`, `close_stream_soon`), or a call left running, which takes the stream
@@ -123,7 +127,7 @@ class SessionCalls:
         stats = self._res.stats
         stats.worker_threads += 1
         try:
-            return await call.run(self._res.thread_limiter)
+            return await call.run(self._res.engine_limiter)
         except trio.Cancelled:
             self._detach(call, in_thread, in_trio)
             raise
@@ -247,6 +251,34 @@ class SessionCalls:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._res.thread_limiter)
         finally:
             stats.worker_threads -= 1
+
+    async def close_encoder(self, encoder: FragmentedMP4Encoder, timeout: float) -> bool:
+        """Close an encoder whose output nobody reads any more, waiting at most
+        ``timeout`` seconds, cancelled or not; False if it was left closing in its thread.
+
+        A session's last act, shielded so that even a session the server aborts frees
+        its encoder; and bounded, since a shielded wait without a deadline could hold the
+        server's exit for good (an x264 close returns in milliseconds, but a thread
+        budget exhausted by a bug, or a wedged machine, must not hang the process).
+        """
+        stats = self._res.stats
+        stats.worker_threads += 1
+        try:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + timeout
+                await trio.to_thread.run_sync(
+                    close_quietly, encoder, limiter=self._res.thread_limiter, abandon_on_cancel=True
+                )
+        finally:
+            stats.worker_threads -= 1
+        if scope.cancelled_caught:
+            logger.warning(
+                "session %s: the encoder did not close within %.1f s; left to close in its thread",
+                self.request_id,
+                timeout,
+            )
+            return False
+        return True
 
 
 def _close_opened(opened: outcome.Outcome[EngineStream]) -> None:

@@ -24,6 +24,10 @@ from trio_vstream.protocol import ErrorCode
 from trio_vstream.steps import EngineProgress, StepBatcher
 from trio_vstream.taps import TapFactory
 
+ENGINE_CALLS_AT_ONCE = 64
+"""Engine threads at once when a server does not size its own budget (tests, embedders):
+`trio_vstream.server` sizes it from ``--max-sessions`` and ``--max-stuck-calls``."""
+
 IMAGE_DECODES_AT_ONCE = 2
 """Conditioning images decoded at once, server-wide: each may take a few hundred MB
 (an 8K picture, its RGB copy), so sixteen sessions starting together must not decode
@@ -70,6 +74,8 @@ class ServerResources:
     stats: ServerCounters
     step_limiter: trio.CapacityLimiter | None
     thread_limiter: trio.CapacityLimiter
+    """The server's own blocking work (encoder set-up and close, image decoding): work
+    that always returns. Never shared with the engine's calls, which may not (below)."""
     encode_limiter: trio.CapacityLimiter
     engine_progress: EngineProgress = attrs.field(factory=EngineProgress)
     metrics: ServerMetrics = attrs.field(factory=lambda: ServerMetrics("unnamed"))
@@ -87,3 +93,9 @@ class ServerResources:
     """Bounds the image decodes of all sessions together (one per server)."""
     abandoned_calls: AbandonedCalls = attrs.field(factory=AbandonedCalls)
     """Engine calls still running after their sessions ended (``/health`` reads it)."""
+    engine_limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(ENGINE_CALLS_AT_ONCE)
+    )
+    """The threads of engine calls (`trio_vstream.engine_calls`), which may never return:
+    a call stuck for good keeps its token, so they have a budget of their own, and
+    however many are stuck, the server's own work above still gets its threads."""

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from trio_vstream.engines import synthetic
 from trio_vstream.engines.base import (
     Checkpoint,
     EngineConfigError,
@@ -146,6 +147,27 @@ def test_block_seconds_ends_a_block_by_itself() -> None:
     finally:
         engine.close()  # a failed test leaves no thread behind
     assert len(made[0]) == 2  # both chunks: the block delayed the first, nothing more
+    assert engine.blocks.waiting == 0
+
+
+def test_a_block_without_block_seconds_ends_by_itself_after_the_maximum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client of a synthetic server cannot pin a thread for good: a block it asks for
+    without ``block_seconds`` lasts `BLOCK_SECONDS_MAX` at most (shortened here, so the
+    test need not wait a minute; before the fix it lasted until the engine's close)."""
+    monkeypatch.setattr(synthetic, "BLOCK_SECONDS_MAX", 0.05)
+    engine = SyntheticEngine(parse_settings({"chunk_frames": "5"}))
+    stream = engine.open_stream(request(extra_params={"block_at_chunk": 0}))
+    made: list[list[object]] = []
+    thread = threading.Thread(target=lambda: made.append(drain(stream)), daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout=30)  # a bound for a broken engine, never reached by a working one
+        assert not thread.is_alive(), "the block did not end by itself"
+    finally:
+        engine.close()
+    assert len(made[0]) == 2
     assert engine.blocks.waiting == 0
 
 

@@ -9,10 +9,11 @@ the server: ``fail_at_chunk`` raises while generating that chunk,
 ``hang_at_chunk`` stops making progress there (while still honouring
 cancellation), and ``block_at_chunk`` blocks there without a checkpoint, as a
 hung CUDA kernel would: nothing reaches it until the engine releases it (`Blocks`,
-at the engine's close, or a test's ``engine.blocks.release()``), or, with
-``block_seconds``, until that long has passed: a kernel that hangs for a while, then
-returns, so that a long run (the soak) can block many sessions without piling up
-threads that never end. All four are engine args (every session) and
+at the engine's close, or a test's ``engine.blocks.release()``), or until
+``block_seconds`` have passed (`BLOCK_SECONDS_MAX` when not given): a kernel that hangs
+for a while, then returns. Every block ends by itself, so that no client of a synthetic
+server can pin a thread for good, and a long run (the soak) can block many sessions
+without piling up threads that never end. All four are engine args (every session) and
 ``extra_params`` of a ``session.start`` (that session alone), so a soak can mix
 faulty sessions with healthy ones on one server.
 
@@ -51,8 +52,9 @@ logger = get_logger(__name__)
 
 _HANG_POLL_SECONDS = 0.005
 BLOCK_SECONDS_MAX = 60.0
-"""The longest ``block_seconds``: longer than any stall or close timeout worth testing,
-short enough that a blocked thread of a client's choosing always ends."""
+"""The longest ``block_seconds``, and how long a block lasts without it: longer than
+any stall or close timeout worth testing, short enough that a blocked thread of a
+client's choosing always ends."""
 _PHASE_LEVELS = 256
 """Phase steps per band cycle: finer than 8-bit colour can show."""
 
@@ -71,7 +73,8 @@ class SyntheticSettings:
     hang_at_chunk: int | None = None
     block_at_chunk: int | None = None
     block_seconds: float | None = None
-    """How long a ``block_at_chunk`` block lasts (None: until the engine releases it)."""
+    """How long a ``block_at_chunk`` block lasts at most (None: `BLOCK_SECONDS_MAX`),
+    unless the engine releases it first."""
     concurrency: int | None = None
     audio_tone: float | None = None
     """Hz of the sine the engine sounds; None (the default) makes no sound."""
@@ -230,8 +233,8 @@ class SyntheticStream:
         index = self._next_index
         settings = self._settings
         if settings.block_at_chunk == index:
-            # Stuck outside any checkpoint until released (or block_seconds have passed).
-            self._blocks.block(settings.block_seconds)
+            # Stuck outside any checkpoint until released, or block_seconds have passed.
+            self._blocks.block(settings.block_seconds or BLOCK_SECONDS_MAX)
         conditioning = self._schedule.next_conditioning()
         for step in range(settings.steps):
             checkpoint()

@@ -32,6 +32,11 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
     SERVER_BUSY = "server_busy"
     SERVER_SHUTDOWN = "server_shutdown"
+    # This project's extension: a server whose engine is wedged steps aside.
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    """The engine has calls stuck after their sessions ended, as many as the server
+    tolerates (``--max-stuck-calls``): new sessions are refused (an HTTP 503 before the
+    upgrade, this code after it) so that a client tries another server."""
     # This project's extensions, for viewers of a watch link (trio_vstream.watch):
     READ_ONLY = "read_only"
     """A viewer sent a control message only the session's owner may send."""

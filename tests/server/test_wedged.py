@@ -1,0 +1,195 @@
+"""Never wedged: an engine whose calls keep hanging cannot stop the server from serving,
+answering or exiting (issue 30).
+
+The synthetic engine's ``block_at_chunk`` blocks a call without a checkpoint, as a hung
+CUDA kernel does; each test releases the blocks itself (`releasing`), so no thread
+outlives it. Stall timeouts are 1 s: above any pause of the test process, so the engine
+is blocked before the stall guard can fire, and short enough for a row of sessions.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+from trio_websocket import ConnectionRejected, open_websocket_url
+
+from tests.conftest import Transcript, is_type, receive_into, receive_until
+from tests.engines.test_engine_calls import (
+    START,
+    assert_stalled,
+    blocked_at,
+    metric,
+    releasing,
+    until_blocked,
+)
+from tests.instrumented import InstrumentedEngine
+from tests.server.test_http import http_get
+from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.server import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
+from trio_vstream.session import Outcome, SessionConfig
+
+SETTINGS = SyntheticSettings(chunk_frames=4)
+UNAVAILABLE = b"engine_unavailable: Engine unavailable: "
+
+
+async def stall_one(running: Any) -> None:
+    """One session blocked at its first chunk: it gets stall_timeout, its call stays stuck.
+    Returns once the server has ended the session (and counted its call as abandoned)."""
+    stalled = stalled_count(running)
+    with trio.fail_after(15):
+        assert_stalled(await running.run_session(blocked_at(0)))
+        while stalled_count(running) == stalled:
+            await running.ended.wait_for(len(running.summaries) + 1)
+
+
+def stalled_count(running: Any) -> int:
+    return sum(1 for s in running.summaries if s.outcome is Outcome.STALLED)
+
+
+async def refused_upgrade(port: int) -> ConnectionRejected:
+    with pytest.raises(ConnectionRejected) as rejected:
+        async with open_websocket_url(f"ws://127.0.0.1:{port}/v1/realtime/video"):
+            pass
+    return rejected.value
+
+
+@pytest.mark.slow
+async def test_stuck_engine_calls_never_starve_the_servers_own_threads(
+    start_server: Any,
+) -> None:
+    """Cause 1 of the issue, confirmed: stuck calls kept their tokens on the one limiter
+    that also ran encoder set-up and close. With one session slot that limiter had six;
+    the seventh session waited for an encoder forever and its client heard nothing. The
+    engine's calls now have a budget of their own."""
+    running = await start_server(
+        SETTINGS, max_sessions=1, stall_timeout=1.0, close_timeout=0.2, max_stuck_calls=0
+    )
+    async with releasing(running.engine):
+        for _ in range(7):
+            await stall_one(running)
+        assert len(running.server.abandoned_calls.running) == 7
+        assert running.engine.blocks.waiting == 7
+        with trio.fail_after(15):
+            healthy = await running.run_session(START)
+        assert healthy.terminal[0]["type"] == "session.done"
+        assert healthy.terminal[0]["chunks"] == 5
+        assert running.engine.blocks.waiting == 7  # served while every call stayed stuck
+
+
+@pytest.mark.slow
+async def test_a_wedged_engine_is_refused_before_the_upgrade_and_serves_again_once_it_returns(
+    start_server: Any,
+) -> None:
+    running = await start_server(SETTINGS, stall_timeout=1.0, close_timeout=0.2)
+    server, engine = running.server, running.engine
+    port = server.port
+    assert server.config.max_stuck_calls == 2
+    async with releasing(engine):
+        await stall_one(running)
+        # One stuck call: degraded, not wedged; sessions are still admitted.
+        status, body = await http_get(port, "/health")
+        assert (status, body.split(b":")[0]) == (200, b"degraded")
+        assert not server.wedged
+        await stall_one(running)
+        assert server.wedged
+        status, body = await http_get(port, "/health")
+        assert status == 503 and body.startswith(UNAVAILABLE)
+        with trio.fail_after(5):  # at once: refused before the upgrade, nothing waits
+            rejected = await refused_upgrade(port)
+        assert rejected.status_code == 503
+        assert rejected.body is not None and rejected.body.startswith(UNAVAILABLE)
+        _, exposition = await http_get(port, "/metrics")
+        assert metric(exposition, "trio_vstream_engine_wedged_total") == 1
+        assert metric(exposition, "trio_vstream_engine_calls_outstanding") == 2
+        assert engine.blocks.waiting == 2
+        calls = list(server.abandoned_calls.running)
+    # Released: the calls return, the server counts them back and admits sessions again.
+    with trio.fail_after(10):
+        for call in calls:
+            await call.returned.wait()
+    assert not server.wedged
+    assert await http_get(port, "/health") == (200, b"ok\n")
+    with trio.fail_after(15):
+        healthy = await running.run_session(START)
+    assert healthy.terminal[0]["type"] == "session.done"
+
+
+@pytest.mark.slow
+async def test_a_session_start_after_the_engine_wedged_gets_engine_unavailable(
+    start_server: Any,
+) -> None:
+    """An upgrade accepted before the wedge: its ``session.start`` is refused, coded."""
+    running = await start_server(SETTINGS, stall_timeout=1.0, close_timeout=0.2)
+    async with releasing(running.engine), running.connect() as early:
+        await stall_one(running)
+        await stall_one(running)
+        assert running.server.wedged
+        transcript = Transcript()
+        with trio.fail_after(5):
+            await early.send_message(json.dumps(START))
+            await receive_into(early, transcript)
+        assert [(m["type"], m["code"]) for m in transcript.terminal] == [
+            ("error", "engine_unavailable")
+        ]
+        assert transcript.of_type("video.start") == []
+
+
+@pytest.mark.slow
+async def test_a_healthy_session_streams_on_while_the_engine_wedges(start_server: Any) -> None:
+    """Running sessions on healthy calls finish: the wedge refuses new ones only. The
+    healthy session is paced to media time (6 s of video), so it is still streaming when
+    the other one wedges the engine."""
+    running = await start_server(SETTINGS, stall_timeout=1.0, close_timeout=0.2, max_stuck_calls=1)
+    paced = {**START, "num_frames": 48, "fps": 8, "extra_params": {"pace_to_media_time": True}}
+    async with releasing(running.engine), running.connect() as healthy:
+        await healthy.send_message(json.dumps(paced))
+        transcript = Transcript()
+        await receive_until(healthy, transcript, is_type("video.start"))
+        await stall_one(running)
+        assert running.server.wedged
+        assert [s.outcome for s in running.summaries] == [Outcome.STALLED]  # still streaming
+        with trio.fail_after(30):
+            await receive_into(healthy, transcript)
+        assert transcript.terminal[0]["type"] == "session.done"
+        assert transcript.terminal[0]["chunks"] == 13  # 12 media chunks and the trailer
+
+
+@pytest.mark.slow
+async def test_exit_when_wedged_drains_and_returns_the_wedged_status() -> None:
+    engine = InstrumentedEngine(SETTINGS)
+    config = ServerConfig(
+        port=0,
+        max_stuck_calls=1,
+        exit_when_wedged=True,
+        shutdown_grace=0.5,
+        session=SessionConfig(stall_timeout=1.0, close_timeout=0.2),
+    )
+    server = VideoServer(engine, config)
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                async with open_websocket_url(server.url) as ws:
+                    await ws.send_message(json.dumps(blocked_at(0)))
+                    transcript = Transcript()
+                    await receive_into(ws, transcript)
+                assert_stalled(transcript)
+                # run() returns by itself: the drain began when the call was abandoned.
+        assert server.exit_status == WEDGED_EXIT_STATUS
+        assert server.wedged
+        assert engine.blocks.waiting == 1  # the stuck call did not hold the drain
+    finally:
+        engine.blocks.release()
+
+
+async def test_without_exit_when_wedged_the_server_keeps_running(start_server: Any) -> None:
+    running = await start_server(SETTINGS, stall_timeout=1.0, close_timeout=0.2, max_stuck_calls=1)
+    async with releasing(running.engine):
+        await stall_one(running)
+        await until_blocked(running.engine)
+        assert running.server.wedged
+        assert not running.server.shutting_down
+        assert running.server.exit_status == 0
