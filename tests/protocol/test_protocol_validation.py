@@ -73,6 +73,7 @@ def test_error_code_values_are_the_wire_strings() -> None:
         "INTERNAL_ERROR": "internal_error",
         "SERVER_BUSY": "server_busy",
         "SERVER_SHUTDOWN": "server_shutdown",
+        "ENGINE_UNAVAILABLE": "engine_unavailable",
         "READ_ONLY": "read_only",
         "WATCH_NOT_FOUND": "watch_not_found",
         "VIEWER_TOO_SLOW": "viewer_too_slow",
