@@ -201,7 +201,7 @@ class VideoServer:
             logger,
             "refused a request for Host %s from %s: not a name served here (--allowed-hosts)",
         )
-        self.abandoned_calls = AbandonedCalls(on_change=self._stuck_calls_changed)
+        self.abandoned_calls = AbandonedCalls(on_change=lambda stuck: self._check_wedged())
         """Engine calls still running after their sessions ended (see ``health``)."""
         self._wedged = False
         self.exit_status = 0
@@ -215,7 +215,17 @@ class VideoServer:
         audio_format(engine)  # an engine's sound the server cannot carry fails here, at start
         # A batching engine's steps all go through its batcher, one batch at a time:
         # step slots on top would only make sessions wait for each other's turns.
-        self.batcher = StepBatcher(batch, progress, self.metrics.batch_run) if batch > 1 else None
+        self.batcher = (
+            StepBatcher(
+                batch,
+                progress,
+                self.metrics.batch_run,
+                abandoned=self.abandoned_calls,
+                on_stuck=self._check_wedged,
+            )
+            if batch > 1
+            else None
+        )
         self._resources = ServerResources(
             engine=engine,
             config=config.session,
@@ -266,13 +276,18 @@ class VideoServer:
 
     @property
     def wedged(self) -> bool:
-        """The engine has ``max_stuck_calls`` calls stuck after their sessions ended."""
+        """The engine has ``max_stuck_calls`` calls stuck after their sessions ended, or
+        its batcher is stuck on a hung batched step (`StepBatcher.stuck`)."""
         return self._wedged
 
-    def _stuck_calls_changed(self, stuck: int) -> None:
-        """Told by `AbandonedCalls` whenever the count of stuck calls changes."""
+    def _check_wedged(self) -> None:
+        """Told by `AbandonedCalls` whenever the count of stuck calls changes, and by the
+        batcher whenever it becomes stuck or takes rows again: a batching engine whose
+        batched step hangs can serve nobody, however few calls are stuck."""
         bound = self.config.max_stuck_calls
-        wedged = bound > 0 and stuck >= bound
+        stuck = len(self.abandoned_calls.running)
+        batcher_stuck = self.batcher is not None and self.batcher.stuck
+        wedged = bound > 0 and (stuck >= bound or batcher_stuck)
         if wedged == self._wedged:
             return
         self._wedged = wedged
@@ -663,6 +678,11 @@ class VideoServer:
         return 200, "ok\n"
 
     def _unavailable_message(self) -> str:
+        if self.batcher is not None and self.batcher.stuck:
+            return (
+                "Engine unavailable: its batched step is stuck (a forward that never "
+                "returned); try another server"
+            )
         return (
             f"Engine unavailable: {len(self.abandoned_calls.running)} engine call(s) stuck "
             "after their sessions ended; try another server"

@@ -68,6 +68,8 @@ class SessionCalls:
         """``time.monotonic()`` when the stream was closed (None: not yet, or never opened)."""
         self._detached: list[EngineCall[Any]] = []
         """Blocking calls the session stopped waiting for (see `call`)."""
+        self._on_abandon: dict[EngineCall[Any], Callable[[], None]] = {}
+        """What to tell when a detached call is abandoned (a step's checkpoint: its batch)."""
 
     # ------------------------------------------------------------ the engine
 
@@ -108,6 +110,7 @@ class SessionCalls:
             if call.detached:
                 self.stream = None  # the call's now
                 checkpoint.cancel()  # its waits for a slot or a batch end now
+                self._on_abandon[call] = checkpoint.abandoned
             else:
                 checkpoint.release()
 
@@ -165,6 +168,8 @@ class SessionCalls:
         for call in self._detached:
             if call.returned.is_set():
                 continue
+            if (on_abandon := self._on_abandon.get(call)) is not None:
+                on_abandon()  # before it is counted: the server's wedge check sees both
             abandoned.add(call, partial(self._abandoned_call_returned, call))
             self._res.metrics.engine_call_abandoned()
             logger.warning(
@@ -175,6 +180,7 @@ class SessionCalls:
                 len(abandoned.running),
             )
         self._detached.clear()
+        self._on_abandon.clear()
 
     def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
         self._res.metrics.engine_call_returned()

@@ -11,6 +11,14 @@ For an engine that batches (``max_batch`` > 1), `StepBatcher` is the one task
 that runs its steps: each session's worker thread hands its row over and waits
 for its own result, so a session's generation loop still awaits its own chunk,
 while the batcher runs the rows of every session that is stepping as one call.
+
+A batched forward can hang like any engine call (a wedged GPU). Its call is an
+`EngineCall`: once a session whose row it holds is abandoned (its stall guard gave up
+on it, and it ended without its call returning), the batcher stops waiting for the
+batch, counts it with the server's abandoned calls and is *stuck*: until that thread
+returns, a row handed over fails at once with an `EngineError`, since the engine's
+batched step cannot be called again while one call of it still runs. When the thread
+returns, the batcher takes rows again.
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from typing import Any, TypeVar, cast
 import attrs
 import trio
 
+from trio_vstream.engine_calls import AbandonedCalls, EngineCall
 from trio_vstream.engines.base import Checkpoint, EngineError, In, Out, RunBatch, batch_result
+from trio_vstream.logsafe import get_logger
+
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -90,6 +102,8 @@ class SessionCheckpoint(Checkpoint):
         self._waiting_since: float | None = None
         self._cancelled = False
         self._waits: set[trio.CancelScope] = set()
+        self._members: set[_Member] = set()
+        """Its memberships of the batcher (in ``batched()``), kept in the Trio thread."""
 
     def take_waited(self) -> float:
         """Seconds spent queued (step slots, ``waiting()``) since the last call."""
@@ -112,6 +126,9 @@ class SessionCheckpoint(Checkpoint):
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         trio.from_thread.check_cancelled()
+        if self._batcher is not None and self._batcher.stuck:
+            # What it would wait for (a lock that a hung batch holds, say) may never come.
+            raise _stuck_error()
         queued = self._progress.queued(self, self._on_progress)
         trio.from_thread.run_sync(self._enter_queue, queued)
         try:
@@ -127,7 +144,7 @@ class SessionCheckpoint(Checkpoint):
                 yield alone
             return
         trio.from_thread.check_cancelled()
-        member = trio.from_thread.run_sync(batcher.join, run_batch, self._on_progress)
+        member = trio.from_thread.run_sync(self._join, batcher, run_batch)
 
         def step(row: In) -> Out:
             trio.from_thread.check_cancelled()
@@ -142,7 +159,24 @@ class SessionCheckpoint(Checkpoint):
         try:
             yield step
         finally:
-            trio.from_thread.run_sync(batcher.leave, member)
+            trio.from_thread.run_sync(self._leave, batcher, member)
+
+    def _join(self, batcher: StepBatcher, run_batch: RunBatch[Any, Any]) -> _Member:
+        member = batcher.join(run_batch, self._on_progress)
+        self._members.add(member)
+        return member
+
+    def _leave(self, batcher: StepBatcher, member: _Member) -> None:
+        self._members.discard(member)
+        batcher.leave(member)
+
+    def abandoned(self) -> None:
+        """The session ended while its engine call still ran (`SessionCalls.abandon_detached`):
+        tell the batcher, for which a step of this session's that is still running (its
+        row in a batch, or its step alone) has hung."""
+        if self._batcher is not None:
+            for member in list(self._members):
+                self._batcher.member_abandoned(member)
 
     def cancel(self) -> None:
         """The session left its engine call behind (`trio_vstream.engine_calls`): end the
@@ -213,6 +247,8 @@ class _Member:
     on_progress: Callable[[], None]
     row: _Row | None = None
     """Its row while waiting or in a running batch; None while it works between steps."""
+    abandoned: bool = False
+    """Its session ended without its engine call: it will not hand over a row again."""
 
 
 class _RowState(enum.Enum):
@@ -255,9 +291,19 @@ class StepBatcher:
     the waiting sessions' threads hold.
 
     Every row taken into a batch is finished, however the batch ends (an engine
-    error, or the batcher cancelled before its thread starts), and every row
-    still waiting when the batcher stops is failed: a session never waits for a
-    row that nobody will finish.
+    error, the batcher cancelled, or the batch abandoned as hung), and every row
+    still waiting when the batcher stops, or becomes stuck, is failed: a session
+    never waits for a row that nobody will finish.
+
+    A batch is abandoned, and the batcher stuck (`stuck`), when the session of a row
+    in it is abandoned (`member_abandoned`): that session waited its stall timeout
+    and then its close timeout for the step, so the forward has hung. The batched
+    call is then left to its thread, counted in ``abandoned`` (``/health``, the
+    server's wedge check) until it returns; the same when the batcher task is
+    cancelled (the server stops) while a batch runs. So the batcher task never
+    waits for a thread, and neither does anything waiting for it. A member left
+    stepping alone (`claim_alone`) whose session is abandoned makes it stuck too,
+    until that step returns.
     """
 
     def __init__(
@@ -265,6 +311,8 @@ class StepBatcher:
         max_batch: int,
         progress: EngineProgress,
         on_batch: Callable[[int], None] = lambda rows: None,
+        abandoned: AbandonedCalls | None = None,
+        on_stuck: Callable[[], None] = lambda: None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -278,9 +326,19 @@ class StepBatcher:
         queue: an engine may pass a new function (a closure) per stream, and a queue kept
         per function ever seen would keep every one of them, and what it holds."""
         self._changed = trio.Event()
+        self._abandoned = abandoned if abandoned is not None else AbandonedCalls()
+        """Where a hung batch's call is counted until it returns (the server's)."""
         self._thread = trio.CapacityLimiter(1)
         self._handed_over = 0
-        self._running = False
+        self._running: list[_Row] | None = None
+        """The rows of the batch running now."""
+        self._batch_scope: trio.CancelScope | None = None
+        """The running batch's wait: cancelled to abandon it (see `member_abandoned`)."""
+        self._stuck_on: object | None = None
+        """What hangs: a batch's `EngineCall`, or a `_Member` stepping alone; None when
+        the batcher takes rows."""
+        self._on_stuck = on_stuck
+        """Told whenever `stuck` changes (the server's wedge check)."""
         self._stopped = False
         """The batching task has ended (the server is stopping): no row will run."""
         self._alone: _Member | None = None
@@ -310,6 +368,49 @@ class StepBatcher:
             for row in waiting:
                 _finish(row, [_stopped_error()], 0)
 
+    @property
+    def stuck(self) -> bool:
+        """A step of the engine hangs (a batch, or a member's step alone, abandoned):
+        rows fail at once until it returns."""
+        return self._stuck_on is not None
+
+    def member_abandoned(self, member: _Member) -> None:
+        """``member``'s session ended while its engine call still ran (from the Trio
+        thread). It will not step again: its group no longer waits for its rows. If a
+        step of its hangs (its row in the running batch, or its step alone), the batcher
+        is stuck until that returns, and the batch is abandoned."""
+        member.abandoned = True
+        self._drop(member)
+        if member is self._alone:
+            self._become_stuck(member, f"a step alone of {_name(member.run_batch)}")
+        elif member.row is not None and member.row.state is _RowState.IN_FLIGHT:
+            self._become_stuck(None, f"a batched step of {_name(member.run_batch)}")
+            if self._batch_scope is not None:
+                self._batch_scope.cancel()  # `_run_batch` abandons its call
+
+    def _become_stuck(self, on: object | None, what: str) -> None:
+        was_stuck = self._stuck_on is not None
+        if not was_stuck:
+            logger.error(
+                "%s hangs: its session was abandoned; rows fail at once until it returns",
+                what,
+            )
+        self._stuck_on = on if on is not None else self._stuck_on or _PENDING
+        waiting = [row for queue in self._queues.values() for row in queue]
+        self._queues.clear()
+        for row in waiting:
+            _finish(row, [_stuck_error()], 0)
+        if not was_stuck:
+            self._on_stuck()
+
+    def _unstick(self, on: object) -> None:
+        if self._stuck_on is on:
+            self._stuck_on = None
+            if on is not _PENDING:
+                logger.warning("the engine's hung step returned: rows are taken again")
+            self._changed.set()
+            self._on_stuck()
+
     # -- called from sessions' threads through trio.from_thread
 
     def join(self, run_batch: RunBatch[Any, Any], on_progress: Callable[[], None]) -> _Member:
@@ -326,7 +427,8 @@ class StepBatcher:
         self._release_alone(member)
         alone = (
             self._alone is None  # another group's only member may be stepping alone
-            and not self._running
+            and self._stuck_on is None
+            and self._running is None
             and not self._queues
             and self._members.get(member.run_batch) == {member}
         )
@@ -342,10 +444,14 @@ class StepBatcher:
     def _release_alone(self, member: _Member) -> None:
         if self._alone is member:
             self._alone = None
+            self._unstick(member)
             self._changed.set()  # a row that arrived meanwhile may now run
 
     def leave(self, member: _Member) -> None:
         self._release_alone(member)
+        self._drop(member)
+
+    def _drop(self, member: _Member) -> None:
         members = self._members.get(member.run_batch)
         if members is not None and member in members:
             members.discard(member)
@@ -356,6 +462,8 @@ class StepBatcher:
     async def step(self, member: _Member, data: Any) -> Any:
         if self._stopped:
             raise _stopped_error()
+        if self._stuck_on is not None:
+            raise _stuck_error()
         self._handed_over += 1
         row = _Row(member, data, self._handed_over)
         member.row = row
@@ -370,8 +478,11 @@ class StepBatcher:
             if row.state is _RowState.QUEUED:
                 self._unqueue(row)
             elif row.state is _RowState.IN_FLIGHT:
+                # Bounded: `_run_batch` finishes its rows however the batch ends, and
+                # a hung one ends once one of its sessions is abandoned (each has a
+                # stall guard) or the batcher stops (the server's shutdown).
                 with trio.CancelScope(shield=True):
-                    await row.done.wait()  # bounded: `_run_batch` finishes its rows
+                    await row.done.wait()
             # _RowState.DONE: its result came in after the stop, and is dropped.
             self.leave(member)
             raise
@@ -389,7 +500,7 @@ class StepBatcher:
     def _next_batch(self) -> list[_Row] | None:
         """The rows of the next batch, taken from their queue, or None when no group is
         ready."""
-        if self._alone is not None:
+        if self._alone is not None or self._stuck_on is not None:
             return None
         ready: list[Any] = []
         for run_batch, queue in self._queues.items():
@@ -409,31 +520,41 @@ class StepBatcher:
 
     async def _run_batch(self, rows: list[_Row]) -> None:
         run_batch = rows[0].member.run_batch
+        call = EngineCall(_call_batch, run_batch, [row.data for row in rows])
         results: Sequence[Any] | None = None
-        self._running = True
+        self._running = rows
         try:
-            try:
-                results = await trio.to_thread.run_sync(
-                    _call_batch, run_batch, [row.data for row in rows], limiter=self._thread
-                )
-            except Exception as exc:  # the whole batch failed: every row fails with it
-                results = [_row_error(exc) for _ in rows]
-            finally:
-                self._running = False
-            self.batches += 1
-            self.rows += len(rows)
-            self._on_batch(len(rows))
-            for row in rows:
-                row.member.on_progress()
+            with trio.CancelScope() as self._batch_scope:
+                try:
+                    results = await call.run(self._thread)
+                except Exception as exc:  # the whole batch failed: every row fails with it
+                    results = [_row_error(exc) for _ in rows]
         finally:
+            self._running = self._batch_scope = None
             if results is None:
-                # Cancelled (or interrupted) before the batch ran: to_thread.run_sync
-                # raises Cancelled at its first checkpoint, before any thread starts. The
-                # rows' sessions wait on them, shielded if they were stopped meanwhile.
-                results = [_cancelled_error() for _ in rows]
+                results = self._left_behind(call, len(rows))
+            else:
+                self.batches += 1
+                self.rows += len(rows)
+                self._on_batch(len(rows))
+                for row in rows:
+                    row.member.on_progress()
+                self._unstick(_PENDING)  # it returned before it could be abandoned
             for index, row in enumerate(rows):
                 _finish(row, results, index)
         self._progress.step_taken()
+
+    def _left_behind(self, call: EngineCall[Sequence[Any]], count: int) -> list[Exception]:
+        """The rows' errors for a batch the batcher stopped waiting for: abandoned as hung
+        (`member_abandoned`), or the batcher cancelled (the server stops)."""
+        if not call.started:
+            # Cancelled before its thread started (to_thread.run_sync raises Cancelled
+            # at its first checkpoint): the batch never ran.
+            self._unstick(_PENDING)
+            return [_cancelled_error() for _ in range(count)]
+        self._become_stuck(call, f"the batched step {call.name}")
+        self._abandoned.add(call, lambda: self._unstick(call))
+        return [_stuck_error() for _ in range(count)]
 
 
 def _finish(row: _Row, results: Sequence[Any], index: int) -> None:
@@ -476,6 +597,23 @@ def _cancelled_error() -> EngineError:
     """A row's error when its batch never ran. Its session sees it only if the session
     was not stopped itself (a stopped one ends with its own cancellation)."""
     return EngineError("the batched step was cancelled before it ran: the server is stopping")
+
+
+def _stuck_error() -> EngineError:
+    """A row's error while a step of the engine hangs (see `StepBatcher.stuck`)."""
+    return EngineError(
+        "the engine's batched step is stuck (a forward that never returned): "
+        "no step can run until it does"
+    )
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+_PENDING = object()
+"""`StepBatcher._stuck_on` between a member's abandonment and its batch's abandonment
+(`_run_batch` replaces it with the batch's call)."""
 
 
 def _stopped_error() -> EngineError:
