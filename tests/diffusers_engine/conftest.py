@@ -132,14 +132,15 @@ def make_engine() -> Iterator[Callable[..., DiffusersEngine]]:
 async def serve(nursery: trio.Nursery) -> Any:
     """Start a server on an engine; returns the server and its session summaries."""
 
-    async def start(engine: Any) -> tuple[VideoServer, Summaries]:
+    async def start(engine: Any, **session: Any) -> tuple[VideoServer, Summaries]:
+        """``session``: `SessionConfig` fields (timeouts, say) beside the served model."""
         summaries = Summaries()
         config = ServerConfig(
             host="127.0.0.1",
             port=0,
             max_sessions=4,
             shutdown_grace=5.0,
-            session=SessionConfig(served_model=engine.name),
+            session=SessionConfig(served_model=engine.name, **session),
         )
         server = VideoServer(engine, config, on_session_end=summaries.record)
         await nursery.start(server.run)

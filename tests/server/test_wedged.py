@@ -10,13 +10,15 @@ is blocked before the stall guard can fire, and short enough for a row of sessio
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-from tests.conftest import Transcript, is_type, receive_into, receive_until
+from tests.conftest import EndedSessions, Transcript, is_type, receive_into, receive_until
 from tests.engines.test_engine_calls import (
     START,
     assert_stalled,
@@ -27,7 +29,8 @@ from tests.engines.test_engine_calls import (
 )
 from tests.instrumented import InstrumentedEngine
 from tests.server.test_http import http_get
-from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
 from trio_vstream.server import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
 from trio_vstream.session import Outcome, SessionConfig
 
@@ -193,3 +196,110 @@ async def test_without_exit_when_wedged_the_server_keeps_running(start_server: A
         assert running.server.wedged
         assert not running.server.shutting_down
         assert running.server.exit_status == 0
+
+
+class HangingBatches(SyntheticEngine):
+    """A synthetic engine that batches (``max_batch`` 2): each chunk takes one batched
+    step. While ``hold`` is set, two sessions meet (``joined``) before their first step,
+    so their rows run as one batch, and that batch's forward blocks outside any
+    checkpoint until ``release``; a lone row, or any row after ``hold`` is cleared,
+    steps at once."""
+
+    max_batch = 2
+
+    def __init__(self) -> None:
+        super().__init__(SyntheticSettings(steps=1, chunk_frames=4))
+        self.hold = True
+        self.joined = threading.Barrier(2, timeout=30)
+        self.release = threading.Event()
+        self.entered: trio.Event | None = trio.Event()
+
+    def run_batch(self, rows: Sequence[int]) -> list[int]:
+        if len(rows) > 1 and self.hold:
+            if self.entered is not None:
+                trio.from_thread.run_sync(self.entered.set)
+            self.release.wait()
+        return [row + 1 for row in rows]
+
+    def open_stream(self, request: GenerationRequest) -> SyntheticStream:
+        stream = super().open_stream(request)
+        synthetic_chunk = stream.next_chunk
+        first = [self.hold]
+
+        def next_chunk(checkpoint: Checkpoint) -> Chunk | None:
+            with checkpoint.batched(self.run_batch) as step:
+                if first.pop() if first else False:
+                    self.joined.wait()
+                step(0)
+            return synthetic_chunk(checkpoint)
+
+        stream.next_chunk = next_chunk  # type: ignore[method-assign]
+        return stream
+
+
+@pytest.mark.slow
+async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
+    nursery: trio.Nursery,
+) -> None:
+    """Two sessions' rows in one batch whose forward hangs: both clients get
+    stall_timeout, the batcher is stuck and the server wedged (503 before the upgrade,
+    /health 503), though one call only is stuck; once the forward returns it serves."""
+    engine = HangingBatches()
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        session=SessionConfig(stall_timeout=1.0, close_timeout=0.2, served_model="synthetic"),
+    )
+    ended = EndedSessions()
+    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
+    assert server.batcher is not None
+    await nursery.start(server.run)
+
+    async def stalled_client(got: list[Transcript]) -> None:
+        async with open_websocket_url(server.url, max_message_size=2**26) as ws:
+            await ws.send_message(json.dumps(START))
+            transcript = Transcript()
+            await receive_into(ws, transcript)
+            got.append(transcript)
+
+    try:
+        got: list[Transcript] = []
+        with trio.fail_after(20):
+            async with trio.open_nursery() as clients:
+                clients.start_soon(stalled_client, got)
+                clients.start_soon(stalled_client, got)
+        for transcript in got:
+            assert_stalled(transcript)
+        with trio.fail_after(10):
+            await ended.wait_for(2)  # each after its close timeout: its call abandoned
+        assert server.batcher.stuck
+        assert server.wedged
+        # The sessions' own calls return once the batch is abandoned (their rows fail);
+        # the batched forward stays stuck, one call, and wedges the server by itself.
+        with trio.fail_after(10):
+            for call in list(server.abandoned_calls.running):
+                if call.name != "_call_batch":
+                    await call.returned.wait()
+        assert [call.name for call in server.abandoned_calls.running] == ["_call_batch"]
+        assert server.wedged
+        status, body = await http_get(server.port, "/health")
+        assert status == 503 and body.startswith(UNAVAILABLE)
+        assert b"batched step is stuck" in body
+        with trio.fail_after(5):
+            rejected = await refused_upgrade(server.port)
+        assert rejected.status_code == 503
+        (call,) = server.abandoned_calls.running
+    finally:
+        engine.hold = False
+        engine.release.set()
+    with trio.fail_after(10):
+        await call.returned.wait()
+    assert not server.batcher.stuck
+    assert not server.wedged
+    assert await http_get(server.port, "/health") == (200, b"ok\n")
+    transcript = Transcript()
+    with trio.fail_after(15):
+        async with open_websocket_url(server.url, max_message_size=2**26) as ws:
+            await ws.send_message(json.dumps(START))
+            await receive_into(ws, transcript)
+    assert transcript.terminal[0]["type"] == "session.done"
