@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 import trio
-from trio_websocket import ConnectionRejected
 
 from tests.diffusers_engine.support import START, no_stop, request, run_session
 from tests.instrumented import StoppingCheckpoint
-from tests.server.test_http import http_get
+from tests.server.test_wedged import HungForward, wedged_by_a_hung_batch
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import EngineConfigError, GenerationRequest, PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
@@ -330,55 +329,24 @@ async def test_a_server_batches_the_sessions_of_a_batching_engine(
 async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
     engine: DiffusersEngine, serve: Any
 ) -> None:
-    """The transformer's forward hangs (a wedged GPU) once two sessions' rows share it:
-    both clients get stall_timeout, the server is wedged (/health 503, new sessions
-    refused before the upgrade) while the batched call is stuck, and serves again once
-    it returns. The hang is a pre-hook on the real module, blocking in the batcher's
-    thread only, so a session stepping alone is never held."""
-    hold, release = threading.Event(), threading.Event()
-    hold.set()
+    """The transformer's forward hangs (a wedged GPU) once two sessions' rows share it;
+    the scenario of `wedged_by_a_hung_batch`. The hang is a pre-hook on the real module
+    that blocks in the batcher's thread only, so a session stepping alone is never held."""
+    hung = HungForward()
 
     def before_forward(module: Any, args: Any) -> None:
-        if hold.is_set() and threading.current_thread().name == "engine call _call_batch":
-            release.wait()
+        hung.forward(batched=threading.current_thread().name == "engine call _call_batch")
 
     hook = engine.model.pipe.transformer.register_forward_pre_hook(before_forward)
+    hung.opening(engine)
     server, summaries = await serve(engine, stall_timeout=5.0, close_timeout=0.2)
-    assert server.batcher is not None
-    start = {**START, "size": "32x32", "fps": 24, "num_frames": 25}
-    transcripts: list[Any] = []
 
-    async def one(seed: int) -> None:
-        transcripts.append(await run_session(server.url, {**start, "seed": seed}))
-
-    try:
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for seed in (1, 2):
-                    nursery.start_soon(one, seed)
-            await summaries.wait_for(2)
-        assert [t.terminal[-1].get("code") for t in transcripts] == ["stall_timeout"] * 2
-        assert server.batcher.stuck
-        assert server.wedged
-        status, body = await http_get(server.port, "/health")
-        assert status == 503 and b"batched step is stuck" in body
-        with pytest.raises(ConnectionRejected) as rejected:
-            await run_session(server.url, start)
-        assert rejected.value.status_code == 503
-        stuck = list(server.abandoned_calls.running)
-        assert "_call_batch" in [call.name for call in stuck]
-    finally:
-        hold.clear()
-        release.set()
+    def released() -> None:
+        hung.release()
         hook.remove()
-    with trio.fail_after(30):
-        for call in stuck:
-            await call.returned.wait()
-    assert not server.batcher.stuck and not server.wedged
-    assert await http_get(server.port, "/health") == (200, b"ok\n")
-    with trio.fail_after(60):
-        transcript = await run_session(server.url, {**start, "seed": 3})
-    assert transcript.terminal[-1]["type"] == "session.done"
+
+    start = {**START, "size": "32x32", "fps": 24, "num_frames": 25}
+    await wedged_by_a_hung_batch(server, start, released, summaries.wait_for)
 
 
 # -- FramePack, vanilla sections

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -237,41 +237,77 @@ class HangingBatches(SyntheticEngine):
         return stream
 
 
-@pytest.mark.slow
-async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
-    nursery: trio.Nursery,
+class HungForward:
+    """A test hook's switch for an engine's forward (`wedged_by_a_hung_batch`): while
+    held, a forward of two sessions' rows hangs until `release`, and a session's forward
+    alone waits until both sessions have opened their streams (`opening`), so that the
+    first cannot finish its video before the second shares a batch with it."""
+
+    def __init__(self) -> None:
+        self._held = True
+        self._released = threading.Event()
+        self._both_open = threading.Event()
+        self._opened = 0
+        self._lock = threading.Lock()
+
+    def forward(self, batched: bool) -> None:
+        """Call at the start of the engine's forward (from its thread)."""
+        if not self._held:
+            return
+        if batched:
+            self._released.wait()  # outside any checkpoint, as a hung kernel
+        else:
+            self._both_open.wait(timeout=30)
+
+    def opening(self, engine: Any) -> None:
+        """Count the streams ``engine`` opens from now on."""
+        open_stream = engine.open_stream
+
+        def counted(request: Any) -> Any:
+            stream = open_stream(request)
+            with self._lock:
+                self._opened += 1
+                if self._opened == 2:
+                    self._both_open.set()
+            return stream
+
+        engine.open_stream = counted
+
+    def release(self) -> None:
+        self._held = False
+        self._released.set()
+        self._both_open.set()
+
+
+async def wedged_by_a_hung_batch(
+    server: VideoServer,
+    start: dict[str, Any],
+    release: Callable[[], None],
+    ended: Callable[[int], Awaitable[None]],
 ) -> None:
-    """Two sessions' rows in one batch whose forward hangs: both clients get
-    stall_timeout, the batcher is stuck and the server wedged (503 before the upgrade,
-    /health 503), though one call only is stuck; once the forward returns it serves."""
-    engine = HangingBatches()
-    config = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        session=SessionConfig(stall_timeout=1.0, close_timeout=0.2, served_model="synthetic"),
-    )
-    ended = EndedSessions()
-    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
+    """The scenario of a hung batched forward, on a server whose engine batches and hangs
+    once two sessions' rows share a forward, until ``release()``: two clients get
+    stall_timeout; once their sessions have ended (``ended(2)``), the batcher is stuck
+    and the server wedged by that one call (503 before the upgrade, /health 503); once
+    the forward returns, it serves again."""
     assert server.batcher is not None
-    await nursery.start(server.run)
 
     async def stalled_client(got: list[Transcript]) -> None:
         async with open_websocket_url(server.url, max_message_size=2**26) as ws:
-            await ws.send_message(json.dumps(START))
+            await ws.send_message(json.dumps(start))
             transcript = Transcript()
             await receive_into(ws, transcript)
             got.append(transcript)
 
     try:
         got: list[Transcript] = []
-        with trio.fail_after(20):
+        with trio.fail_after(60):
             async with trio.open_nursery() as clients:
                 clients.start_soon(stalled_client, got)
                 clients.start_soon(stalled_client, got)
+            await ended(2)  # each after its close timeout: its call abandoned
         for transcript in got:
             assert_stalled(transcript)
-        with trio.fail_after(10):
-            await ended.wait_for(2)  # each after its close timeout: its call abandoned
         assert server.batcher.stuck
         assert server.wedged
         # The sessions' own calls return once the batch is abandoned (their rows fail);
@@ -290,16 +326,39 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
         assert rejected.status_code == 503
         (call,) = server.abandoned_calls.running
     finally:
-        engine.hold = False
-        engine.release.set()
-    with trio.fail_after(10):
+        release()
+    with trio.fail_after(30):
         await call.returned.wait()
     assert not server.batcher.stuck
     assert not server.wedged
     assert await http_get(server.port, "/health") == (200, b"ok\n")
     transcript = Transcript()
-    with trio.fail_after(15):
+    with trio.fail_after(60):
         async with open_websocket_url(server.url, max_message_size=2**26) as ws:
-            await ws.send_message(json.dumps(START))
+            await ws.send_message(json.dumps(start))
             await receive_into(ws, transcript)
-    assert transcript.terminal[0]["type"] == "session.done"
+    assert transcript.terminal[-1]["type"] == "session.done"
+
+
+@pytest.mark.slow
+async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
+    nursery: trio.Nursery,
+) -> None:
+    """On an engine that batches (synthetic, ``max_batch`` 2); the same on the built-in
+    model (tests/engines/test_shapes_wedged.py) and on a diffusers family that batches
+    (tests/diffusers_engine/test_batching.py)."""
+    engine = HangingBatches()
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        session=SessionConfig(stall_timeout=1.0, close_timeout=0.2, served_model="synthetic"),
+    )
+    ended = EndedSessions()
+    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
+    await nursery.start(server.run)
+
+    def release() -> None:
+        engine.hold = False
+        engine.release.set()
+
+    await wedged_by_a_hung_batch(server, START, release, ended.wait_for)
