@@ -47,6 +47,8 @@ class ServerMetrics:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model = model
+        self._abandoned_counted = 0
+        """Abandoned engine calls counted so far (see `engine_calls_abandoned`)."""
         registry = self.registry
 
         def histogram(name: str, documentation: str) -> Histogram:
@@ -238,13 +240,14 @@ class ServerMetrics:
     def viewer_chunk_skipped(self) -> None:
         self._viewer_chunks_skipped.labels(self.model).inc()
 
-    def engine_call_abandoned(self) -> None:
-        self._engine_calls_abandoned.labels(self.model).inc()
-        self._engine_calls_outstanding.labels(self.model).inc()
-
-    def engine_call_returned(self) -> None:
-        """An abandoned engine call has returned at last."""
-        self._engine_calls_outstanding.labels(self.model).dec()
+    def engine_calls_abandoned(self, total: int, running: int) -> None:
+        """The server's abandoned engine calls (`AbandonedCalls`): ``total`` ever, of
+        which ``running`` still run. Told at every change, from one place, so that a
+        step batcher's hung batch counts like a session's call."""
+        counter = self._engine_calls_abandoned.labels(self.model)
+        counter.inc(total - self._abandoned_counted)
+        self._abandoned_counted = total
+        self._engine_calls_outstanding.labels(self.model).set(running)
 
     def engine_wedged(self) -> None:
         self._engine_wedged.labels(self.model).inc()

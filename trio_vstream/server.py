@@ -201,7 +201,7 @@ class VideoServer:
             logger,
             "refused a request for Host %s from %s: not a name served here (--allowed-hosts)",
         )
-        self.abandoned_calls = AbandonedCalls(on_change=lambda stuck: self._check_wedged())
+        self.abandoned_calls = AbandonedCalls(on_change=self._abandoned_calls_changed)
         """Engine calls still running after their sessions ended (see ``health``)."""
         self._wedged = False
         self.exit_status = 0
@@ -280,9 +280,15 @@ class VideoServer:
         its batcher is stuck on a hung batched step (`StepBatcher.stuck`)."""
         return self._wedged
 
+    def _abandoned_calls_changed(self, running: int) -> None:
+        """Told by `AbandonedCalls` whenever a call is abandoned or returns: sessions'
+        calls and a batcher's hung batch alike."""
+        self.metrics.engine_calls_abandoned(self.abandoned_calls.total, running)
+        self._check_wedged()
+
     def _check_wedged(self) -> None:
-        """Told by `AbandonedCalls` whenever the count of stuck calls changes, and by the
-        batcher whenever it becomes stuck or takes rows again: a batching engine whose
+        """Told whenever the count of stuck calls changes, and by the batcher whenever it
+        becomes stuck or takes rows again: a batching engine whose
         batched step hangs can serve nobody, however few calls are stuck."""
         bound = self.config.max_stuck_calls
         stuck = len(self.abandoned_calls.running)

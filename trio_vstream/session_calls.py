@@ -171,7 +171,6 @@ class SessionCalls:
             if (on_abandon := self._on_abandon.get(call)) is not None:
                 on_abandon()  # before it is counted: the server's wedge check sees both
             abandoned.add(call, partial(self._abandoned_call_returned, call))
-            self._res.metrics.engine_call_abandoned()
             logger.warning(
                 "session %s: %s still running as the session ends; left to finish in its "
                 "thread (%d engine call(s) outstanding)",
@@ -183,7 +182,6 @@ class SessionCalls:
         self._on_abandon.clear()
 
     def _abandoned_call_returned(self, call: EngineCall[Any]) -> None:
-        self._res.metrics.engine_call_returned()
         logger.info(
             "session %s: abandoned %s returned (%d engine call(s) outstanding)",
             self.request_id,

@@ -325,6 +325,10 @@ async def wedged_by_a_hung_batch(
             rejected = await refused_upgrade(server.port)
         assert rejected.status_code == 503
         (call,) = server.abandoned_calls.running
+        _, exposition = await http_get(server.port, "/metrics")
+        assert metric(exposition, "trio_vstream_engine_calls_outstanding") == 1
+        abandoned = metric(exposition, "trio_vstream_engine_calls_abandoned_total")
+        assert abandoned == server.abandoned_calls.total >= 1
     finally:
         release()
     with trio.fail_after(30):
@@ -332,6 +336,8 @@ async def wedged_by_a_hung_batch(
     assert not server.batcher.stuck
     assert not server.wedged
     assert await http_get(server.port, "/health") == (200, b"ok\n")
+    _, exposition = await http_get(server.port, "/metrics")
+    assert metric(exposition, "trio_vstream_engine_calls_outstanding") == 0
     transcript = Transcript()
     with trio.fail_after(60):
         async with open_websocket_url(server.url, max_message_size=2**26) as ws:
