@@ -22,6 +22,50 @@ from trio_vstream.engines.base import (
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
 from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
 
+MEET_TIMEOUT_S = 30.0
+"""How long sessions started together wait for each other (`FirstStepMeeting`): far
+longer than a tiny pipeline's encodes under load, so only a session that never comes
+(a bug, a hang) runs it out, and then the test fails saying so."""
+
+
+class FirstStepMeeting:
+    """Sessions started together meet here before their first step, whatever the
+    machine's load: none steps before every other is ready to step too (in the batch
+    already, or asking for a step slot). Without it, one session can make its whole
+    video while another is still connecting or encoding its prompt, and a test that
+    needs their steps together (a shared batch, turns taken) fails only under load.
+
+    Called from the sessions' worker threads. A session that ends without a first step
+    (stopped, failed) `leave`s, so the others do not wait for it; a meeting that does
+    not happen within ``timeout`` fails the steps that waited, saying how many came."""
+
+    def __init__(self, parties: int, timeout: float = MEET_TIMEOUT_S) -> None:
+        self.parties = parties
+        self.timeout = timeout
+        self._condition = threading.Condition()
+        self._expected = parties
+        self._arrived = 0
+
+    def arrive(self) -> None:
+        """One session's first step: wait until every session expected has arrived."""
+        with self._condition:
+            self._arrived += 1
+            self._condition.notify_all()
+            met = self._condition.wait_for(
+                lambda: self._arrived >= self._expected, timeout=self.timeout
+            )
+            if not met:
+                raise AssertionError(
+                    f"FirstStepMeeting: {self._arrived} of {self._expected} sessions "
+                    f"reached their first step within {self.timeout} s"
+                )
+
+    def leave(self) -> None:
+        """A session that will never arrive (it ended before its first step)."""
+        with self._condition:
+            self._expected -= 1
+            self._condition.notify_all()
+
 
 class InstrumentedStream:
     def __init__(self, engine: InstrumentedEngine, inner: SyntheticStream) -> None:
@@ -161,11 +205,6 @@ class CameraEngine(InstrumentedEngine):
     interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})
 
 
-MEET_TIMEOUT_S = 30.0
-"""How long sessions started together wait for each other at their first step
-(`StoppingCheckpoint.meet`): far longer than a tiny pipeline's encodes under load."""
-
-
 class StoppingCheckpoint(SessionCheckpoint):
     """A session's checkpoint as the server makes it, which cancels the session as its
     ``stop_at``-th batched step is handed over: a stop arriving mid-chunk, while the other
@@ -176,14 +215,19 @@ class StoppingCheckpoint(SessionCheckpoint):
         batcher: StepBatcher,
         scope: trio.CancelScope,
         stop_at: int | None,
-        meet: threading.Barrier | None = None,
+        meet: FirstStepMeeting | None = None,
     ) -> None:
         super().__init__(None, EngineProgress(), lambda: None, batcher)
         self.scope, self.stop_at, self.steps = scope, stop_at, 0
         self.meet = meet
-        """Sessions started together wait here, each in the batch already, before their
+        """Sessions started together meet here, each in the batch already, before their
         first step: so their first steps share a batch whatever the machine's load (else
         one can finish its steps alone while another still encodes its prompt)."""
+
+    def left(self) -> None:
+        """The session is over: if it never stepped, the others stop waiting for it."""
+        if self.steps == 0 and self.meet is not None:
+            self.meet.leave()
 
     @contextlib.contextmanager
     def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
@@ -192,9 +236,7 @@ class StoppingCheckpoint(SessionCheckpoint):
             def counted(row: Any) -> Any:
                 self.steps += 1
                 if self.steps == 1 and self.meet is not None:
-                    # Bounded: a session that never steps (stopped, failed) breaks it.
-                    with contextlib.suppress(threading.BrokenBarrierError):
-                        self.meet.wait(timeout=MEET_TIMEOUT_S)
+                    self.meet.arrive()
                 if self.steps == self.stop_at:
                     trio.from_thread.run_sync(self.scope.cancel)
                 return step(row)
