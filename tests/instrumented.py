@@ -76,11 +76,17 @@ class InstrumentedStream:
         self.step_times: list[float] = []
         self.changes: list[PromptChange] = []
         self.threads_inside = 0
+        self.arrived = False
+        """It came to the engine's `FirstStepMeeting` (or left it), if there is one."""
 
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
         engine = self._engine
 
         def counting_step() -> None:
+            if engine.meet is not None and not self.arrived:
+                # Before the step, so holding no step slot that the others wait for.
+                self.arrived = True
+                engine.meet.arrive()
             checkpoint()
             # Only checkpoints that let the engine go on count as steps started.
             self.step_times.append(time.monotonic())
@@ -112,6 +118,9 @@ class InstrumentedStream:
 
     def close(self) -> None:
         self.closed += 1
+        if self._engine.meet is not None and not self.arrived:
+            self.arrived = True
+            self._engine.meet.leave()
         self._inner.close()
 
     def steps_after(self, moment: float) -> int:
@@ -127,6 +136,9 @@ class InstrumentedEngine(SyntheticEngine):
         self.chunks_made = 0
         self.refuse: set[str] = set()
         """Event ids whose changes ``interact`` refuses (an `EngineError`)."""
+        self.meet: FirstStepMeeting | None = None
+        """Set (before the sessions start) to make their streams meet before their first
+        step: so their steps overlap whatever the machine's load."""
 
     def wait_for_chunks(self, count: int, timeout: float = 30.0) -> bool:
         """Block (in a worker thread) until the engine has made ``count`` chunks in all."""
