@@ -173,6 +173,12 @@ class TakingTurnsEngine(InstrumentedEngine):
         """The most sessions seen waiting for their turn at once."""
         self.longest_wait = 0.0
         """The longest any session waited for its turn, in seconds."""
+        self.queue_to_meet: int | None = None
+        """Set (before the sessions start) to have the first session to get a turn keep
+        it, stepping, until this many others wait for theirs: so they really queue
+        behind it, whatever the machine's load (else it can make its whole video before
+        the others have connected)."""
+        self._queue_met = False
 
     def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
         stream = super().open_stream(request)
@@ -181,6 +187,7 @@ class TakingTurnsEngine(InstrumentedEngine):
         def next_chunk_in_turn(checkpoint: Checkpoint) -> Chunk | None:
             self._take_turn(checkpoint)
             try:
+                self._hold_first_turn(checkpoint)
                 return next_chunk(checkpoint)
             finally:
                 with self._turn:
@@ -194,6 +201,7 @@ class TakingTurnsEngine(InstrumentedEngine):
         with checkpoint.waiting():
             with self._turn:
                 self._waiting += 1
+                self._turn.notify_all()
             began = time.monotonic()
             try:
                 while True:
@@ -208,6 +216,27 @@ class TakingTurnsEngine(InstrumentedEngine):
                 with self._turn:
                     self._waiting -= 1
                     self.longest_wait = max(self.longest_wait, time.monotonic() - began)
+
+    def _hold_first_turn(self, checkpoint: Checkpoint) -> None:
+        """With ``queue_to_meet``: keep the first turn until that many others wait. Each
+        round is a step (``checkpoint()``), progress for this session and for those
+        queued behind it, so no stall guard mistakes the meeting for a hung engine."""
+        if self.queue_to_meet is None or self._queue_met:
+            return
+        deadline = time.monotonic() + MEET_TIMEOUT_S
+        while True:
+            checkpoint()
+            with self._turn:
+                if self._waiting >= self.queue_to_meet:
+                    self._queue_met = True
+                    self.max_waiting = max(self.max_waiting, self._waiting)
+                    return
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"TakingTurnsEngine: {self._waiting} of {self.queue_to_meet} "
+                        f"sessions queued within {MEET_TIMEOUT_S} s"
+                    )
+                self._turn.wait(timeout=0.01)
 
 
 class CameraEngine(InstrumentedEngine):
