@@ -74,6 +74,8 @@ class InstrumentedStream:
         self.request = inner._request
         self.closed = 0
         self.step_times: list[float] = []
+        self.chunk_times: list[float] = []
+        """When each chunk was returned (``time.monotonic()``)."""
         self.changes: list[PromptChange] = []
         self.threads_inside = 0
         self.arrived = False
@@ -101,6 +103,7 @@ class InstrumentedStream:
             with engine.lock:
                 self.threads_inside -= 1
         if chunk is not None:
+            self.chunk_times.append(time.monotonic())
             with engine.chunk_made:
                 engine.chunks_made += 1
                 engine.chunk_made.notify_all()
