@@ -67,6 +67,83 @@ class FirstStepMeeting:
             self._condition.notify_all()
 
 
+class MeetingCheckpoint(Checkpoint):
+    """A server's checkpoint, passed through, but for a `FirstStepMeeting` before the
+    stream's first step of a batch (``checkpoint.batched``): what a test wraps a real
+    batching engine's streams in (`MeetingStream`) to have the sessions it starts
+    together share their first batch. The session is in the batch by then."""
+
+    def __init__(self, inner: Checkpoint, stream: MeetingStream) -> None:
+        self._inner = inner
+        self._stream = stream
+
+    def __call__(self) -> None:
+        self._inner()
+
+    def check_cancelled(self) -> None:
+        self._inner.check_cancelled()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        with self._inner.waiting():
+            yield
+
+    @contextlib.contextmanager
+    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
+        with self._inner.batched(run_batch) as step:
+
+            def meeting_first(row: Any) -> Any:
+                self._stream.arrive()
+                return step(row)
+
+            yield meeting_first
+
+
+class MeetingStream:
+    """An engine's stream whose session meets the others at its first batched step
+    (`MeetingCheckpoint`); leaves the meeting if it closes before. `meeting_streams`
+    makes an engine open these."""
+
+    def __init__(self, inner: Any, meet: FirstStepMeeting) -> None:
+        self._inner = inner
+        self._meet = meet
+        self._arrived = False
+        self._lock = threading.Lock()
+
+    def arrive(self) -> None:
+        with self._lock:
+            first, self._arrived = not self._arrived, True
+        if first:
+            self._meet.arrive()
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        return self._inner.next_chunk(MeetingCheckpoint(checkpoint, self))
+
+    def interact(self, change: PromptChange) -> None:
+        self._inner.interact(change)
+
+    def close(self) -> None:
+        with self._lock:
+            first, self._arrived = not self._arrived, True
+        if first:
+            self._meet.leave()
+        self._inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def meeting_streams(engine: Any, monkeypatch: Any, parties: int) -> FirstStepMeeting:
+    """Make ``engine`` (a real one, say the shapes engine behind a server) open
+    `MeetingStream`s: the first ``parties`` sessions meet at their first batched step."""
+    meet = FirstStepMeeting(parties)
+    open_stream = engine.open_stream
+    monkeypatch.setattr(
+        engine, "open_stream", lambda request: MeetingStream(open_stream(request), meet)
+    )
+    return meet
+
+
 class InstrumentedStream:
     def __init__(self, engine: InstrumentedEngine, inner: SyntheticStream) -> None:
         self._engine = engine

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.conftest import Transcript, receive_into
-from tests.instrumented import FirstStepMeeting, StoppingCheckpoint
+from tests.instrumented import FirstStepMeeting, StoppingCheckpoint, meeting_streams
 from trio_vstream.engines.base import (
     Checkpoint,
     EngineConfigError,
@@ -153,8 +153,15 @@ def test_max_batch_is_an_engine_arg() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("max_batch", "batches"), [(8, True), (1, False)])
 async def test_a_server_batches_its_sessions_by_default(
-    nursery: trio.Nursery, engine: ShapesEngine, max_batch: int, batches: bool
+    nursery: trio.Nursery,
+    monkeypatch: pytest.MonkeyPatch,
+    engine: ShapesEngine,
+    max_batch: int,
+    batches: bool,
 ) -> None:
+    # The three sessions meet at their first step: else, under load, each can make its
+    # video alone before the next has connected, and nothing is batched to count.
+    meeting_streams(engine, monkeypatch, len(REQUESTS))
     engine.max_batch = max_batch
     try:
         server = VideoServer(
