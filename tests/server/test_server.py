@@ -15,7 +15,14 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
+from tests.conftest import (
+    Transcript,
+    decode_video,
+    is_type,
+    receive_into,
+    receive_until,
+    record_stops,
+)
 from tests.instrumented import (
     MEET_TIMEOUT_S,
     FirstStepMeeting,
@@ -338,31 +345,12 @@ async def test_interactions_flow_through_chunk_metadata(start_server: Any) -> No
 # -------------------------------------------------------------- G1 and G2
 
 
-def server_acts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """When the server's session acted on a stop or a disconnect (``Session.stop`` or
-    ``abort`` called, on the engine's step clock, ``time.monotonic()``): G2's one step
-    counts from there. Counted from the client's send instead, an event loop slow to
-    read the message under load let the engine's 50 ms steps run on meanwhile."""
-    from trio_vstream.session import Session
-
-    acted: list[float] = []
-    for name in ("stop", "abort"):
-        real = getattr(Session, name)
-
-        def recording(self: Session, *args: Any, _real: Any = real, **kwargs: Any) -> None:
-            acted.append(time.monotonic())
-            _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(Session, name, recording)
-    return acted
-
-
 @pytest.mark.slow
 async def test_stop_ends_within_one_step_with_done(
     start_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.05, steps=4, chunk_frames=2))
-    acted = server_acts(monkeypatch)
+    stops = record_stops(monkeypatch)
     transcript = Transcript()
     async with running.connect() as ws:
         await ws.send_message(json.dumps({**START, "num_frames": 400}))
@@ -379,7 +367,7 @@ async def test_stop_ends_within_one_step_with_done(
     sent_frames = sum(m["num_frames"] for m in metas)
     assert len(decode_video(transcript.video_bytes)) == sent_frames
     await running.wait_sessions_ended(1)
-    assert running.engine.streams[0].steps_after(acted[0]) <= 1  # G2
+    assert running.engine.streams[0].steps_after(stops.times[0]) <= 1  # G2
     assert_g1(running)
 
 
@@ -387,13 +375,13 @@ async def test_disconnect_stops_engine_and_closes_stream(
     start_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     running = await start_server(SyntheticSettings(step_delay=0.05, steps=4, chunk_frames=2))
-    acted = server_acts(monkeypatch)
+    stops = record_stops(monkeypatch)
     async with running.connect() as ws:
         await ws.send_message(json.dumps({**START, "num_frames": 400}))
         await receive_until(ws, Transcript(), is_type("video.chunk_metadata"))
     await running.wait_sessions_ended(1)
     assert running.summaries[0].outcome.value == "disconnected"
-    assert running.engine.streams[0].steps_after(acted[0]) <= 1
+    assert running.engine.streams[0].steps_after(stops.times[0]) <= 1
     assert_g1(running)
     assert running.server.stats.streams_open == 0
     assert running.server.stats.worker_threads == 0
