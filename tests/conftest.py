@@ -8,6 +8,7 @@ import io
 import json
 import os
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,36 @@ async def receive_until(
 
 def is_type(kind: str) -> Callable[[Any], bool]:
     return lambda m: isinstance(m, dict) and m.get("type") == kind
+
+
+@attrs.define
+class StopsSeen:
+    """When the server's sessions acted on a stop or a disconnect (`record_stops`):
+    ``time.monotonic()``, the clock engines' steps are recorded on."""
+
+    times: list[float] = attrs.field(factory=list)
+    first: trio.Event = attrs.field(factory=trio.Event)
+    """Set once the first stop or disconnect has been acted on."""
+
+
+def record_stops(monkeypatch: pytest.MonkeyPatch) -> StopsSeen:
+    """Record each call of ``Session.stop`` or ``Session.abort`` (passed through): where
+    a test of G2 counts the engine's one step from. Counted from the client's send
+    instead, an event loop slow to read the message under load lets steps run on before
+    the server knows."""
+    from trio_vstream.session import Session
+
+    seen = StopsSeen()
+    for name in ("stop", "abort"):
+        real = getattr(Session, name)
+
+        def recording(self: Session, *args: Any, _real: Any = real, **kwargs: Any) -> None:
+            seen.times.append(time.monotonic())
+            seen.first.set()
+            _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Session, name, recording)
+    return seen
 
 
 @attrs.define

@@ -305,24 +305,25 @@ async def test_cli_ctrl_c_stops_and_writes_what_arrived(start_server: Any, tmp_p
 
 @pytest.mark.slow
 async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_path: Path) -> None:
-    blobs = encode_clip(gradient_chunks(1, 4))
-    chunk_sent, stop_seen = trio.Event(), trio.Event()
+    blobs = encode_clip(gradient_chunks(1, 4))  # 0.5 s at 8 fps
+    chunk_read, stop_seen = trio.Event(), trio.Event()
 
     async def deaf(ws: WebSocketConnection, peer: Peer) -> None:
         await receive_json(ws, peer)
         await ws.send_message(VIDEO_START_REF)
         await send_reference_chunk(ws, blobs[0], 0, 4)
-        chunk_sent.set()
         while True:
-            if (await receive_json(ws, peer))["type"] == "session.stop":
+            kind = (await receive_json(ws, peer))["type"]
+            if kind == "session.interaction":  # sent once the client has read the chunk
+                chunk_read.set()
+            elif kind == "session.stop":
                 stop_seen.set()
 
     peer = await start_peer(nursery, deaf)
     clip = tmp_path / "gave-up.mp4"
 
     async def interrupt_twice(process: trio.Process) -> None:
-        await chunk_sent.wait()
-        await trio.sleep(0.2)  # let the client read it
+        await chunk_read.wait()
         process.send_signal(signal.SIGINT)
         await stop_seen.wait()
         process.send_signal(signal.SIGINT)
@@ -331,7 +332,7 @@ async def test_cli_second_ctrl_c_gives_up_at_once(nursery: trio.Nursery, tmp_pat
 
     run = await run_cli(
         tmp_path, "x", "--url", peer.url, "-o", str(clip), "--json", "--stop-timeout", "30",
-        while_running=interrupt_twice,
+        "--interact", "0.1:read", while_running=interrupt_twice,
     )  # fmt: skip
     assert run.returncode == 130
     assert run.summary["outcome"] == "aborted" and "gave up" in run.stderr

@@ -20,7 +20,7 @@ import torch
 import trio
 
 from tests.diffusers_engine.support import START, no_stop, request, run_session
-from tests.instrumented import StoppingCheckpoint
+from tests.instrumented import FirstStepMeeting, StoppingCheckpoint
 from tests.server.test_wedged import HungForward, wedged_by_a_hung_batch
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.base import EngineConfigError, GenerationRequest, PromptChange
@@ -109,7 +109,7 @@ async def run_batched(
         s.req.request_id: [trio.Event() for _ in range(8)] for s in sessions
     }
     together = sum(1 for s in sessions if s.after is None)
-    meet = threading.Barrier(together) if together > 1 else None
+    meet = FirstStepMeeting(together) if together > 1 else None
 
     async def session(s: Session) -> None:
         if s.after is not None:
@@ -132,6 +132,7 @@ async def run_batched(
                     made[s.req.request_id][len(chunks) - 1].set()
             frames[s.req.request_id] = np.concatenate(chunks) if chunks else None
         finally:
+            checkpoint.left()
             stream.close()
             for event in made[s.req.request_id]:
                 event.set()  # nobody waits for a session that has ended

@@ -4,7 +4,7 @@ planning: what a session sees end to end, and which requests ``open_stream`` ref
 from __future__ import annotations
 
 import json
-import time
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +13,13 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from tests.conftest import CLIENT_MAX_MESSAGE, Transcript, decode_video, receive_into
+from tests.conftest import (
+    CLIENT_MAX_MESSAGE,
+    Transcript,
+    decode_video,
+    receive_into,
+    record_stops,
+)
 from tests.diffusers_engine.support import START, Probe, request, run_all, run_session
 from trio_vstream.engines import GenerationRequest, InvalidRequestError
 
@@ -41,27 +47,36 @@ async def test_server_streams_segments_that_decode_to_the_requested_video(
 
 
 async def test_stop_mid_segment_runs_at_most_one_more_step_and_no_decode(
-    models: SimpleNamespace, make_engine: Any, serve: Any
+    models: SimpleNamespace, make_engine: Any, serve: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(models.t2v)
-    probe = Probe(engine.model.pipe, step_delay=0.05)
+    gate = threading.Event()
+    probe = Probe(engine.model.pipe, gate=gate)  # the first step waits for the stop
     server, summaries = await serve(engine)
+    stops = record_stops(monkeypatch)
     transcript = Transcript()
-    async with open_websocket_url(server.url, max_message_size=CLIENT_MAX_MESSAGE) as ws:
-        await ws.send_message(
-            json.dumps({**START, "num_inference_steps": 30, "guidance_scale": 1.0})
-        )
-        # Well inside the first segment's steps.
-        assert await trio.to_thread.run_sync(probe.wait_for_forwards, 3, 10.0)
-        stopped_at = time.monotonic()
-        await ws.send_message('{"type": "session.stop"}')
-        await receive_into(ws, transcript)
-    probe.remove()
+    try:
+        async with open_websocket_url(server.url, max_message_size=CLIENT_MAX_MESSAGE) as ws:
+            await ws.send_message(
+                json.dumps({**START, "num_inference_steps": 30, "guidance_scale": 1.0})
+            )
+            # Inside the first segment's steps, held there until the server has the stop:
+            # however slowly it reads the stop under load, the step is still running.
+            assert await trio.to_thread.run_sync(probe.wait_for_forwards, 1, 10.0)
+            await ws.send_message('{"type": "session.stop"}')
+            with trio.fail_after(10):
+                await stops.first.wait()
+            gate.set()
+            await receive_into(ws, transcript)
+    finally:
+        gate.set()
+        probe.remove()
 
     done = transcript.terminal
     assert len(done) == 1 and done[0]["type"] == "session.done" and done[0]["stopped"] is True
     assert not [m for m in transcript.of_type("video.chunk_metadata") if m["kind"] == "media"]
-    assert sum(1 for t, _ in probe.forwards if t > stopped_at) <= 1  # one step per forward here
+    # One step per forward here.
+    assert sum(1 for t, _ in probe.forwards if t > stops.times[0]) <= 1
     assert len(probe.forwards) < 10
     assert probe.decodes == []  # the VAE never ran for the stopped segment
     with trio.fail_after(5):

@@ -152,9 +152,20 @@ async def test_a_new_session_joins_the_running_batch_at_the_next_step(
     assert all(sorted(run_batch.batches[i]) == ["long", "short"] for i in joined)
 
 
-async def test_a_stopped_session_takes_its_waiting_row_back_at_once(nursery: trio.Nursery) -> None:
+async def test_a_stopped_session_takes_its_waiting_row_back_at_once(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
     batcher = StepBatcher(1, EngineProgress())
     nursery.start_soon(batcher.run)
+    b_handed_over = trio.Event()
+    step = batcher.step
+
+    async def handing_over(member: Any, data: Any) -> Any:
+        if data[0] == "b":
+            b_handed_over.set()  # its row is queued before this task next waits
+        return await step(member, data)
+
+    monkeypatch.setattr(batcher, "step", handing_over)
     run_batch, results = Recorder(), {}
     run_batch.release.clear()
     run_batch.entered = trio.Event()
@@ -170,7 +181,9 @@ async def test_a_stopped_session_takes_its_waiting_row_back_at_once(nursery: tri
         try:
             await run_batch.entered.wait()  # a's first step runs, and holds the batch
             sessions.start_soon(b)
-            await trio.testing.wait_all_tasks_blocked()
+            # b's row waits behind a's batch (b's thread hands it over: no task to wait
+            # for, so not wait_all_tasks_blocked, which could stop b before it stepped).
+            await b_handed_over.wait()
             scope.cancel()
             with trio.fail_after(10):
                 await b_ended.wait()  # b's row was only waiting: b ends while a's step runs

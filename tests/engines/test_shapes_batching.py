@@ -5,7 +5,6 @@ by default."""
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import trio
 
 from tests.conftest import Transcript, receive_into
-from tests.instrumented import StoppingCheckpoint
+from tests.instrumented import FirstStepMeeting, StoppingCheckpoint, meeting_streams
 from trio_vstream.engines.base import (
     Checkpoint,
     EngineConfigError,
@@ -71,17 +70,16 @@ async def batched(
     (None for a session stopped before its first chunk). ``stop`` = (request id, step)."""
     batcher = StepBatcher(8, EngineProgress())
     frames: dict[str, Any] = {}
-    barrier = threading.Barrier(len(requests))
+    meet = FirstStepMeeting(len(requests))  # their first steps in one batch
 
     async def session(req: GenerationRequest) -> None:
         scope = trio.CancelScope()
         stop_at = stop[1] if stop is not None and stop[0] == req.request_id else None
-        checkpoint = StoppingCheckpoint(batcher, scope, stop_at)
+        checkpoint = StoppingCheckpoint(batcher, scope, stop_at, meet)
         mine = (changes or {}).get(req.request_id, {})
         chunks: list[np.ndarray] = []
         stream = engine.open_stream(req)
         try:
-            await trio.to_thread.run_sync(barrier.wait)  # start together
             with scope:
                 while True:
                     if len(chunks) in mine:
@@ -92,6 +90,7 @@ async def batched(
                     chunks.append(frames_to_uint8_array(chunk.frames, width=64, height=64))
             frames[req.request_id] = np.concatenate(chunks) if chunks else None
         finally:
+            checkpoint.left()
             stream.close()
 
     async with trio.open_nursery() as nursery:
@@ -154,8 +153,15 @@ def test_max_batch_is_an_engine_arg() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("max_batch", "batches"), [(8, True), (1, False)])
 async def test_a_server_batches_its_sessions_by_default(
-    nursery: trio.Nursery, engine: ShapesEngine, max_batch: int, batches: bool
+    nursery: trio.Nursery,
+    monkeypatch: pytest.MonkeyPatch,
+    engine: ShapesEngine,
+    max_batch: int,
+    batches: bool,
 ) -> None:
+    # The three sessions meet at their first step: else, under load, each can make its
+    # video alone before the next has connected, and nothing is batched to count.
+    meeting_streams(engine, monkeypatch, len(REQUESTS))
     engine.max_batch = max_batch
     try:
         server = VideoServer(

@@ -185,8 +185,11 @@ async def test_a_draining_server_answers_503_and_lets_running_sessions_finish(
 
 
 async def test_freed_memory_goes_back_only_after_an_idle_while(
-    start_server: Any, monkeypatch: pytest.MonkeyPatch
+    mock_clock: trio.testing.MockClock, start_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On a clock that moves only when the test moves it, so the second session starts
+    inside the idle while however loaded the machine (on the wall clock, connecting it
+    could take the whole while, and a trim come between the sessions)."""
     from trio_vstream import memory, server
 
     trims: list[float] = []
@@ -194,7 +197,7 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
     real_trim = memory.return_free_memory
 
     def counting_trim() -> None:  # called on the event loop
-        trims.append(time.monotonic())
+        trims.append(trio.current_time())
         trimmed.set()
         real_trim()
 
@@ -203,15 +206,17 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
     running = await start_server()
     await running.run_session(START)
     await running.wait_sessions_ended(1)
-    ended = time.monotonic()
+    mock_clock.jump(0.4)  # idle, but not for the whole while
     await running.run_session(START)  # a second session inside the idle window
     await running.wait_sessions_ended(2)
-    second_ended = time.monotonic()
-    with trio.fail_after(5):
-        await trimmed.wait()
-    # One trim, an idle while after the second session: none between the two sessions.
-    assert len(trims) == 1
-    assert trims[0] - second_ended >= 0.4 and trims[0] - ended >= 0.4
+    second_ended = trio.current_time()
+    mock_clock.jump(0.4)  # 0.8 s idle in all, 0.4 s of it since the second session
+    await trio.testing.wait_all_tasks_blocked()
+    assert trims == []  # none between the two sessions, none yet after the second
+    mock_clock.jump(0.1)
+    await trimmed.wait()
+    # One trim, an idle while after the second session.
+    assert trims == [pytest.approx(second_ended + 0.5)]
 
 
 @pytest.mark.slow

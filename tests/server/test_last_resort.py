@@ -135,8 +135,11 @@ def test_the_last_resort_ends_the_process_at_its_deadline_with_its_status() -> N
 def test_a_disarmed_last_resort_ends_nothing() -> None:
     ended: list[int] = []
     resort = LastResort(exit=ended.append)
-    resort.arm(0.2)
-    resort.disarm()
+    # Held across both, the watcher's lock keeps it from looking at the deadline in
+    # between, however long the two calls take under load (a re-entrant lock).
+    with resort._changed:
+        resort.arm(0.2)
+        resort.disarm()
     assert resort.seconds_left() == float("inf")
     # The watcher thread waits on a condition with no deadline now: it never wakes to exit.
     assert resort._thread is not None

@@ -59,10 +59,13 @@ async def test_chunks_go_out_at_their_media_time_less_the_lead(start_server: Any
             arrivals.append(time.monotonic())
         await receive_into(ws, transcript)
     assert transcript.terminal[-1]["type"] == "session.done"
-    # The server sends chunk k no earlier than its media time (0.5 s * k, from the first
-    # chunk) less the lead; the first chunk's own delivery time is the only slack.
+    # The server sends chunk k no earlier than its media time (0.5 s * k) less the lead,
+    # from when it had chunk 0 (the media clock starts as chunk 0 is handed on, which is
+    # after the engine made it). Measured from chunk 0's arrival instead, a slow first
+    # encode or read under load could make a chunk on time look early.
+    made = running.engine.streams[0].chunk_times[0]
     for index, arrived in enumerate(arrivals):
-        assert arrived - arrivals[0] >= 0.5 * index - lead - 0.05, (index, arrivals)
+        assert arrived - made >= 0.5 * index - lead, (index, made, arrivals)
     # The engine never saw the server's parameters.
     assert running.engine.streams[0].request.extra_params == {}
 

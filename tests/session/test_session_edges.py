@@ -303,6 +303,9 @@ async def test_sessions_queued_behind_a_busy_engine_are_not_stalled(start_server
         stall_timeout=stall_timeout,
         engine_class=TakingTurnsEngine,
     )
+    # The first to get a turn keeps it (stepping) until the other two queue behind it:
+    # else, under load, it can be done before they have connected, and none queues.
+    running.engine.queue_to_meet = 2
     transcripts = await sessions_at_once(running, {**START, "num_frames": 4}, 3)
     for transcript in transcripts:
         assert transcript.terminal == [transcript.json[-1]]
