@@ -189,16 +189,36 @@ class AbandonedCalls:
         """Abandoned ever."""
         self._on_change = on_change
         """Told how many are running whenever that changes (the server's wedge check)."""
+        self._at_stop: set[EngineCall[Any]] = set()
+        """Of ``running``, those left only because the server stopped (see `add`)."""
 
-    def add(self, call: EngineCall[Any], on_return: Callable[[], None]) -> None:
-        """Count ``call`` until it returns; then ``on_return`` (in the Trio thread)."""
+    @property
+    def stuck(self) -> int:
+        """How many of ``running`` are known to hang: each was waited for (a stall
+        timeout, then a close timeout) before it was abandoned. What makes an engine
+        wedged (``--max-stuck-calls``)."""
+        return len(self.running) - len(self._at_stop)
+
+    def add(
+        self, call: EngineCall[Any], on_return: Callable[[], None], *, at_stop: bool = False
+    ) -> None:
+        """Count ``call`` until it returns; then ``on_return`` (in the Trio thread).
+
+        ``at_stop``: it is left because the server itself stops (a second signal, the
+        end of a drain) without waiting its close timeout for it. It still runs, and is
+        counted and named as such, but says nothing of the engine: a call that was only
+        slow to return is not `stuck`.
+        """
         if call in self.running:
             return
         self.total += 1
         self.running.add(call)
+        if at_stop:
+            self._at_stop.add(call)
 
         def returned() -> None:
             self.running.discard(call)
+            self._at_stop.discard(call)
             on_return()
             self._on_change(len(self.running))
 

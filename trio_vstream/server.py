@@ -291,7 +291,7 @@ class VideoServer:
         becomes stuck or takes rows again: a batching engine whose
         batched step hangs can serve nobody, however few calls are stuck."""
         bound = self.config.max_stuck_calls
-        stuck = len(self.abandoned_calls.running)
+        stuck = self.abandoned_calls.stuck
         batcher_stuck = self.batcher is not None and self.batcher.stuck
         wedged = bound > 0 and (stuck >= bound or batcher_stuck)
         if wedged == self._wedged:
@@ -675,7 +675,7 @@ class VideoServer:
             return 503, "draining\n"
         if self._wedged:
             return 503, self._unavailable_body()
-        stuck = len(self.abandoned_calls.running)
+        stuck = self.abandoned_calls.stuck
         if stuck:
             return 200, (
                 f"degraded: {stuck} engine call(s) stuck after their sessions ended "
@@ -690,7 +690,7 @@ class VideoServer:
                 "returned); try another server"
             )
         return (
-            f"Engine unavailable: {len(self.abandoned_calls.running)} engine call(s) stuck "
+            f"Engine unavailable: {self.abandoned_calls.stuck} engine call(s) stuck "
             "after their sessions ended; try another server"
         )
 

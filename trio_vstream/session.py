@@ -49,6 +49,7 @@ and the session's units (``outcomes``, ``sending``, ``pacing``, ``interaction_qu
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import uuid
@@ -215,7 +216,9 @@ class Session:
             encoder, self._encoder = self._encoder, None
             if encoder is not None:  # shielded, within a close timeout
                 await self._calls.close_encoder(encoder, self._config.close_timeout)
-            self._calls.abandon_detached()
+            # Cancelled here, past the session's own scope, only by the server stopping
+            # (a second signal, a drain's end): then nothing waited for the calls.
+            self._calls.abandon_detached(at_stop=trio.current_effective_deadline() == -math.inf)
             stats.sessions_active -= 1
             self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
         return self.summary()

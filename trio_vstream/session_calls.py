@@ -157,20 +157,21 @@ class SessionCalls:
         for call in self._detached:
             await call.returned.wait()
 
-    def abandon_detached(self) -> None:
+    def abandon_detached(self, at_stop: bool = False) -> None:
         """The session ends: the calls still running are abandoned to their threads.
 
         Counted, and logged, until they return (``/metrics``, and ``/health`` says
         degraded meanwhile): a thread stuck outside a checkpoint is the engine's, and
-        an operator should know the GPU may be wedged.
+        an operator should know the GPU may be wedged. ``at_stop``: the server stops
+        without waiting for them (`AbandonedCalls.add`), so they are not known to hang.
         """
         abandoned = self._res.abandoned_calls
         for call in self._detached:
             if call.returned.is_set():
                 continue
-            if (on_abandon := self._on_abandon.get(call)) is not None:
+            if not at_stop and (on_abandon := self._on_abandon.get(call)) is not None:
                 on_abandon()  # before it is counted: the server's wedge check sees both
-            abandoned.add(call, partial(self._abandoned_call_returned, call))
+            abandoned.add(call, partial(self._abandoned_call_returned, call), at_stop=at_stop)
             logger.warning(
                 "session %s: %s still running as the session ends; left to finish in its "
                 "thread (%d engine call(s) outstanding)",

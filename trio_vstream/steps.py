@@ -299,8 +299,9 @@ class StepBatcher:
     in it is abandoned (`member_abandoned`): that session waited its stall timeout
     and then its close timeout for the step, so the forward has hung. The batched
     call is then left to its thread, counted in ``abandoned`` (``/health``, the
-    server's wedge check) until it returns; the same when the batcher task is
-    cancelled (the server stops) while a batch runs. So the batcher task never
+    server's wedge check) until it returns. When the batcher task is cancelled (the
+    server stops) while a batch runs, the call is left too, counted as left at a stop
+    (`AbandonedCalls.add`), which wedges nothing. So the batcher task never
     waits for a thread, and neither does anything waiting for it. A member left
     stepping alone (`claim_alone`) whose session is abandoned makes it stuck too,
     until that step returns.
@@ -552,6 +553,11 @@ class StepBatcher:
             # at its first checkpoint): the batch never ran.
             self._unstick(_PENDING)
             return [_cancelled_error() for _ in range(count)]
+        if self._stuck_on is None:
+            # The batcher itself is cancelled (the server stops) while the batch runs: it
+            # is left, not known to hang, and no batch will run after it anyway.
+            self._abandoned.add(call, lambda: None, at_stop=True)
+            return [_stopped_error() for _ in range(count)]
         self._become_stuck(call, f"the batched step {call.name}")
         self._abandoned.add(call, lambda: self._unstick(call))
         return [_stuck_error() for _ in range(count)]

@@ -368,3 +368,36 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
         engine.release.set()
 
     await wedged_by_a_hung_batch(server, START, release, ended.wait_for)
+
+
+async def test_calls_left_because_the_server_stops_wedge_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's run is cancelled (a second signal) while two sessions' calls are in
+    their threads: nothing waited a close timeout for them, so they are left, counted as
+    running, but not known to hang. Two of them used to reach the wedge bound, and the
+    stop was logged as an engine wedged (an ERROR, the wedge counter)."""
+    engine = InstrumentedEngine(SETTINGS)
+    server = VideoServer(engine, ServerConfig(port=0, session=SessionConfig(stall_timeout=30.0)))
+    assert server.config.max_stuck_calls == 2
+
+    async def client() -> None:
+        async with open_websocket_url(server.url) as ws:
+            await ws.send_message(json.dumps(blocked_at(0)))
+            await receive_into(ws, Transcript())
+
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                nursery.start_soon(client)
+                nursery.start_soon(client)
+                await until_blocked(engine, 2)
+                nursery.cancel_scope.cancel()
+        assert len(server.abandoned_calls.running) == 2
+        assert server.abandoned_calls.stuck == 0
+        assert not server.wedged
+        assert metric(server.metrics.exposition(), "trio_vstream_engine_wedged_total") == 0
+        assert [r.getMessage() for r in caplog.records if "wedged" in r.getMessage()] == []
+    finally:
+        engine.blocks.release()
