@@ -9,6 +9,7 @@ checks cannot fail proves nothing.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -513,12 +514,41 @@ def stuck_record_problems(plan: Plan, tr: Transcript, record: dict[str, Any]) ->
 
 @attrs.frozen
 class HealthSample:
-    """One ``GET /health`` during the run: when it went, when the answer came, the answer."""
+    """One ``GET /health`` during the run: when it went, when the answer came, the answer
+    (its body stripped)."""
 
     sent_at: float
     received_at: float
     status: int | None
     body: str
+
+    @property
+    def ok(self) -> bool:
+        """``200 ok``: no engine call stuck."""
+        return self.status == 200 and self.body == "ok"
+
+    @property
+    def degraded(self) -> bool:
+        """``200 degraded: N engine call(s) stuck ...``: some, fewer than the wedge bound."""
+        return self.status == 200 and self.body.startswith("degraded")
+
+    @property
+    def unavailable(self) -> bool:
+        """``503 engine_unavailable: ...``: the engine is wedged."""
+        return self.status == 503 and self.body.startswith("engine_unavailable")
+
+    @property
+    def stuck_calls(self) -> int | None:
+        """The N of a ``degraded`` answer (None for any other)."""
+        match = DEGRADED.match(self.body) if self.degraded else None
+        return int(match[1]) if match else None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.body[:200]}"
+
+
+DEGRADED: Final = re.compile(r"degraded: (\d+) engine call")
+"""``/health``'s answer while engine calls are stuck below the wedge bound (server.py)."""
 
 
 def check_health(
@@ -526,22 +556,46 @@ def check_health(
 ) -> list[str]:
     """An ``abandoned`` ``engine_stuck`` session: from its end (its call left running in
     its thread) until the earliest its block can end (the block began after the client
-    connected), ``/health`` must not answer 200: the server knows a call is stuck and
-    must say degraded. Only answers wholly inside that window are judged."""
+    connected), ``/health`` must not answer ``200 ok``: the server knows a call is stuck
+    and must say ``200 degraded`` (a 503 is `wedge_problems`'). Only answers wholly
+    inside that window are judged."""
     if plan.kind != "engine_stuck" or plan.params.get("variant") != "abandoned":
         return []
     ended = record.get("ended_at") if record is not None else None
     if not isinstance(ended, int | float) or tr.connected_at is None:
         return []
     until = tr.connected_at + plan.params["block_s"]
-    ok = [s for s in samples if s.status == 200 and ended < s.sent_at and s.received_at < until]
+    ok = [s for s in samples if s.ok and ended < s.sent_at and s.received_at < until]
     if not ok:
         return []
     return [
-        f"GET /health answered 200 {ok[0].sent_at - ended:.2f} s after the session ended "
+        f"GET /health answered 200 ok {ok[0].sent_at - ended:.2f} s after the session ended "
         f"with its engine call still blocked (for {until - ended:.2f} s more at least): "
-        f"expected 503 degraded"
+        f"expected 200 degraded"
     ]
+
+
+def wedge_problems(samples: Sequence[HealthSample], bound: int) -> list[str]:
+    """The soak's own server is never to be wedged: its ``--max-stuck-calls`` is above
+    what its mix leaves stuck (`settings.stuck_calls_bound`). A ``/health`` 503 while
+    its sessions ran says the server counted more stuck calls than the mix can leave
+    (a call it never let go of), or that the mix outgrew its bound; so does a
+    ``degraded`` count at the bound. One problem for the first such answer."""
+    for sample in samples:
+        if sample.status == 503:
+            return [
+                f"GET /health answered {sample}: the engine counted as wedged, although "
+                f"--max-stuck-calls ({bound}) is above what the mix leaves stuck"
+            ]
+        stuck = sample.stuck_calls
+        if stuck is not None and stuck >= bound:
+            return [f"GET /health answered {sample}: at the wedge bound {bound}"]
+    return []
+
+
+def peak_stuck_calls(samples: Sequence[HealthSample]) -> int:
+    """The most engine calls ``/health`` said were stuck at once (0: it never said)."""
+    return max((s.stuck_calls or 0 for s in samples), default=0)
 
 
 def check_server_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ import trio
 from bench._harness import parse_log, read_log
 from bench._output import now, progress, read_file
 from bench._server import Endpoint, ServerProcess
+from bench._soak.checks import wedge_problems
 from bench._soak.plans import (
     make_plans,
 )
@@ -62,6 +63,7 @@ from bench._soak.settings import (
     Settings,
     Timing,
     server_command,
+    stuck_calls_bound,
 )
 from bench._soak.shutdown import run_rounds
 from trio_vstream.server import IDLE_BEFORE_TRIM
@@ -81,7 +83,8 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
     plans = make_plans(s.seed, s.sessions, s.warmup_sessions, timing)
     warm, measured = plans[: s.warmup_sessions], plans[s.warmup_sessions :]
     violations: list[Violation] = []
-    command = server_command(s)
+    stuck_plans = sum(1 for plan in plans if plan.kind == "engine_stuck")
+    command = server_command(s, stuck_plans)
     server = ServerProcess(command, log_path)
     report: dict[str, Any] = {
         "schema": 1,
@@ -103,6 +106,7 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
                 },
                 "round_block_s": ROUND_BLOCK_S,
             },
+            "max_stuck_calls": stuck_calls_bound(s.concurrency, stuck_plans),
             "shutdown_rounds": {
                 "kinds": ROUND_KINDS,
                 "engines": {name: dict(engine.args) for name, engine in ROUND_ENGINES.items()},
@@ -174,9 +178,13 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
         else:
             violations += [Violation(f"at the end: {p}") for p in idle_problems(final.metrics)]
         health = soak.settled_health
-        if health is None or health.status != 200:
-            answer = f"{health.status}: {health.body[:200]}" if health else "nothing"
-            violations.append(Violation(f"at the end: GET /health answered {answer}"))
+        if health is None or not health.ok:
+            answer = str(health) if health else "nothing"
+            violations.append(
+                Violation(f"at the end: GET /health answered {answer}, expected 200 ok")
+            )
+        bound = stuck_calls_bound(s.concurrency, stuck_plans)
+        violations += [Violation(problem) for problem in wedge_problems(soak.health, bound)]
         report["health"] = health_summary(soak)
         report["resources"] = {
             "fresh": fresh.to_json(),

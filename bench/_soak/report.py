@@ -22,6 +22,7 @@ from bench._soak.checks import (
     check_server_record,
     check_server_records,
     check_transcript,
+    peak_stuck_calls,
     read_messages,
 )
 from bench._soak.runner import SessionResult, Soak
@@ -255,8 +256,9 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
 
 
 def health_summary(soak: Soak) -> dict[str, Any]:
-    """The ``GET /health`` answers of the run, counted (``degraded``: while an engine call
-    abandoned by an ``engine_stuck`` session was still blocked), and the last one."""
+    """The ``GET /health`` answers of the run, counted (``degraded``: while engine calls
+    left by their sessions still ran, an ``engine_stuck`` session's block among them),
+    the most stuck calls it reported at once, and the last answer."""
     counts: Counter[str] = Counter()
     for sample in soak.health:
         if sample.status is None:
@@ -266,6 +268,7 @@ def health_summary(soak: Soak) -> dict[str, Any]:
     last = soak.settled_health
     return {
         "answers": dict(counts.most_common()),
+        "peak_stuck_calls": peak_stuck_calls(soak.health),
         "at_the_end": None if last is None else f"{last.status} {last.body}",
     }
 
@@ -345,7 +348,10 @@ def render_summary(report: dict[str, Any]) -> str:
     health = report.get("health")
     if health:
         answers = ", ".join(f"{k} x{v}" for k, v in health["answers"].items())
-        lines.append(f"  /health: {answers}; at the end {health['at_the_end']}")
+        lines.append(
+            f"  /health: {answers}; at most {health['peak_stuck_calls']} call(s) stuck at once; "
+            f"at the end {health['at_the_end']}"
+        )
     server = report.get("server") or {}
     lines.append(
         f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"

@@ -95,7 +95,7 @@ class Soak:
         self.health: list[HealthSample] = []
         """Every ``GET /health`` answer, polled with /stats (see ``checks.check_health``)."""
         self.settled_health: HealthSample | None = None
-        """The last answer while settling: 200 once no engine call is stuck."""
+        """The last answer while settling: 200 ok once no engine call is stuck."""
         self.metrics_lock = trio.Lock()
         """Held while a /stats connection is open: a snapshot of the server's open file
         descriptors must not count it."""
@@ -348,8 +348,8 @@ class Soak:
         )
 
     async def settle(self, baseline: Snapshot | None) -> tuple[Snapshot, list[str], float]:
-        """Wait until the server is idle and past its idle trim, ``/health`` answers 200
-        (no engine call stuck), and, with a baseline, back to it, bounded; returns the
+        """Wait until the server is idle and past its idle trim, ``/health`` answers
+        ``200 ok`` (no engine call stuck), and, with a baseline, back to it, bounded; returns the
         snapshot, what never settled, and the wait. The bound counts from the last
         session's end, or a stuck engine's, whichever is later."""
         started = now()
@@ -361,8 +361,8 @@ class Soak:
                 snapshot = Snapshot.take(self.pid, metrics)
                 health = self.settled_health = await self._fetch_health()
             pending = idle_problems(metrics)
-            if health.status != 200:
-                pending.append(f"GET /health answered {health.status}: {health.body[:200]}")
+            if not health.ok:
+                pending.append(f"GET /health answered {health}, not 200 ok")
             idle_for = now() - self.last_session_end()
             if idle_for < IDLE_BEFORE_TRIM + 0.5:
                 pending.append(f"idle for {idle_for:.1f} s only (trim after {IDLE_BEFORE_TRIM} s)")

@@ -94,6 +94,26 @@ session still waits for the call it left (``returns``), or after the session has
 without it (``abandoned``: ``/health`` says degraded until it returns)."""
 STUCK_EXTRA_S: Final = (0.5, 1.5)
 """Drawn on top of the shortest block of a variant."""
+CALLS_LEFT_PER_SESSION: Final = 2
+"""The most engine calls one session leaves running as it ends: its engine call and its
+encoder's (``encode_chunk``), both seen "left to finish in its thread" in one stop. The
+server counts them as stuck (``/health`` says ``degraded``) until they return, within a
+step for all but an ``engine_stuck`` block."""
+
+
+def stuck_calls_bound(sessions_at_once: int, stuck_plans: int) -> int:
+    """The ``--max-stuck-calls`` of a server that is not to be wedged: one more than
+    its sessions can leave stuck at once, each session slot the calls it leaves as it
+    ends (`CALLS_LEFT_PER_SESSION`), and every ``engine_stuck`` block of the run on top
+    (each outlives its session, by seconds when ``abandoned``), as if all overlapped.
+
+    The server counts as wedged at that many (``/health`` 503, new sessions refused),
+    and the soak's mix is not there to test that (the batched part's wedge rounds are):
+    below the bound ``/health`` says ``200 degraded`` while calls are stuck, and a 503
+    during the sessions is a violation (`checks.wedge_problems`)."""
+    return CALLS_LEFT_PER_SESSION * sessions_at_once + stuck_plans + 1
+
+
 STUCK_ORDER_MARGIN_S: Final = 0.25
 """An ``engine_stuck`` session's ``stall_timeout`` must reach its client at least this long
 before the blocked call returns (at least 0.5 s is left by the block lengths, at the
@@ -288,13 +308,18 @@ class Settings:
         return ROUND_BUDGET_S * self.shutdown_rounds
 
 
-def server_command(s: Settings) -> list[str]:
+def server_command(s: Settings, stuck_plans: int = 0) -> list[str]:
     """The server under test: as many session slots as the soak runs at once (so that any
     ``server_busy`` is a violation), short timeouts, small byte limits, INFO logging
-    (the log check reads every session's records)."""
+    (the log check reads every session's records), and a wedge bound above what the mix
+    leaves stuck (`stuck_calls_bound`; ``stuck_plans``: its ``engine_stuck`` sessions),
+    never an exit when wedged (a supervisor's variable in the environment would turn it
+    on)."""
     t = s.timing
     extra = ["--stall-timeout", str(t.stall_timeout), "--start-timeout", str(t.start_timeout)]
     extra += ["--shutdown-grace", str(t.shutdown_grace), "--log-level", "INFO"]
+    extra += ["--max-stuck-calls", str(stuck_calls_bound(s.concurrency, stuck_plans))]
+    extra += ["--no-exit-when-wedged"]
     return synthetic_server_command(
         ENGINE_ARGS,
         max_sessions=s.concurrency,
@@ -307,7 +332,9 @@ def server_command(s: Settings) -> list[str]:
 def round_server_command(engine: str, timing: Timing) -> list[str]:
     """A shutdown round's server: ``engine`` on 127.0.0.1 with 8 session slots, the soak's
     timeouts, and the default grace (``ROUND_SHUTDOWN_GRACE``), INFO logging (the round
-    reads the signals' records)."""
+    reads the signals' records), and a wedge bound above what its sessions leave stuck
+    (`stuck_calls_bound`: a second signal leaves every session's calls running for a
+    moment, an ``engine_stuck`` round's blocked ones for good)."""
     command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--engine", engine]
     for key, value in ROUND_ENGINES[engine].args:
@@ -316,4 +343,6 @@ def round_server_command(engine: str, timing: Timing) -> list[str]:
     command += ["--stall-timeout", str(timing.stall_timeout)]
     command += ["--start-timeout", str(timing.start_timeout)]
     command += ["--shutdown-grace", str(ROUND_SHUTDOWN_GRACE), "--log-level", "INFO"]
+    command += ["--max-stuck-calls", str(stuck_calls_bound(ROUND_SESSIONS[1], 0))]
+    command += ["--no-exit-when-wedged"]
     return command

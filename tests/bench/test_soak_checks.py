@@ -20,6 +20,8 @@ from bench._soak.checks import (
     check_server_record,
     check_server_records,
     check_transcript,
+    peak_stuck_calls,
+    wedge_problems,
 )
 from bench._soak.plans import Plan, make_plan
 from bench._soak.settings import Timing
@@ -355,11 +357,31 @@ def test_health_must_say_degraded_while_an_abandoned_call_is_blocked() -> None:
     client connected at 0, the block lasts 10.5 s)."""
     plan, tr = _stuck("abandoned", block_s=10.5), _stalled_at(1.65)
     record = _stalled_record(closed=None, ended=7.0)
-    degraded = "degraded: 1 engine call(s) stuck after their sessions ended"
-    fine = [_health(6.5, 200, "ok"), _health(7.5, 503, degraded), _health(10.6, 200, "ok")]
+    degraded = "degraded: 1 engine call(s) stuck after their sessions ended (wedged at 19)"
+    fine = [_health(6.5, 200, "ok"), _health(7.5, 200, degraded), _health(10.6, 200, "ok")]
     assert check_health(plan, tr, record, fine) == []
     lying = [*fine, _health(9.0, 200, "ok")]
-    assert _flagged(check_health(plan, tr, record, lying), "/health answered 200 2.00 s after")
+    assert _flagged(check_health(plan, tr, record, lying), "/health answered 200 ok 2.00 s after")
     # Only the abandoned variant is judged: a returning call is never abandoned.
     assert check_health(_stuck("returns"), tr, record, lying) == []
     assert check_health(_plan("normal"), tr, record, lying) == []
+
+
+def test_the_soak_server_must_never_count_as_wedged() -> None:
+    """Its wedge bound is above what the mix leaves stuck: a 503 (or a degraded count at
+    the bound) is flagged, once; ``200 degraded`` below it is right, and its count is
+    the peak reported."""
+    degraded = "degraded: {} engine call(s) stuck after their sessions ended (wedged at 19)"
+    fine = [_health(1.0, 200, "ok"), _health(2.0, 200, degraded.format(3))]
+    fine.append(_health(3.0, 200, degraded.format(1)))
+    assert wedge_problems(fine, bound=19) == []
+    assert peak_stuck_calls(fine) == 3
+    assert fine[1].degraded and not fine[1].ok and fine[0].ok
+    wedged = "engine_unavailable: Engine unavailable: 19 engine call(s) stuck"
+    samples = [*fine, _health(4.0, 503, wedged), _health(5.0, 503, wedged)]
+    problems = wedge_problems(samples, bound=19)
+    assert len(problems) == 1
+    assert _flagged(problems, "answered 503 engine_unavailable", "--max-stuck-calls (19)")
+    at_bound = wedge_problems([_health(1.0, 200, degraded.format(19))], bound=19)
+    assert _flagged(at_bound, "at the wedge bound 19")
+    assert peak_stuck_calls([_health(1.0, 200, "ok")]) == 0
