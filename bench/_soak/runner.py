@@ -39,6 +39,7 @@ from bench._soak.client import (
     DRIVERS,
     Abandon,
     Conn,
+    describe_error,
 )
 from bench._soak.plans import (
     Plan,
@@ -198,8 +199,8 @@ class Soak:
             elif tr.eof is False and stream is not None:
                 lingering.start_soon(self._linger, result, stream, "eof")
                 handed_over = True
-        except Exception as exc:  # a soak bug or a transport surprise: report, go on
-            tr.client_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a refused upgrade, a soak bug, a transport surprise
+            tr.client_error = describe_error(exc)
         except BaseException as exc:
             # The watchdog catches its own cancellation: this is the soak's deadline.
             tr.cut_by_deadline = _is_cancellation(exc)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+from trio_websocket import ConnectionRejected
 
 from bench._soak.checks import (
     Event,
@@ -23,6 +24,7 @@ from bench._soak.checks import (
     peak_stuck_calls,
     wedge_problems,
 )
+from bench._soak.client import describe_error, rejected_upgrade
 from bench._soak.plans import Plan, make_plan
 from bench._soak.settings import Timing
 
@@ -385,3 +387,14 @@ def test_the_soak_server_must_never_count_as_wedged() -> None:
     at_bound = wedge_problems([_health(1.0, 200, degraded.format(19))], bound=19)
     assert _flagged(at_bound, "at the wedge bound 19")
     assert peak_stuck_calls([_health(1.0, 200, "ok")]) == 0
+
+
+def test_a_client_error_says_why_an_upgrade_was_refused() -> None:
+    rejected = ConnectionRejected(503, (), b"engine_unavailable: Engine unavailable\n")
+    group = ExceptionGroup("Exceptions from Trio nursery (1 sub-exception)", [rejected])
+    assert describe_error(group) == (
+        "WebSocket upgrade refused: HTTP 503: engine_unavailable: Engine unavailable"
+    )
+    assert rejected_upgrade(group) is rejected
+    assert rejected_upgrade(ValueError("x")) is None
+    assert describe_error(ValueError("x")) == "ValueError: x"
