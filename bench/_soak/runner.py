@@ -45,6 +45,7 @@ from bench._soak.plans import (
     Plan,
 )
 from bench._soak.resources import (
+    TRIO_IDLE_TIMEOUT_S,
     Snapshot,
     SocketWatch,
     idle_problems,
@@ -350,28 +351,42 @@ class Soak:
 
     async def settle(self, baseline: Snapshot | None) -> tuple[Snapshot, list[str], float]:
         """Wait until the server is idle and past its idle trim, ``/health`` answers
-        ``200 ok`` (no engine call stuck), and, with a baseline, back to it, bounded; returns the
-        snapshot, what never settled, and the wait. The bound counts from the last
-        session's end, or a stuck engine's, whichever is later."""
+        ``200 ok`` (no engine call stuck), no idle Trio worker thread is alive (their
+        names, polled: such a thread counts among the process's threads until Trio's
+        idle timeout ends it), and, with a baseline, back to it, bounded; returns the
+        snapshot, what never settled, and the wait.
+
+        The bound counts from the last session's end, or a stuck engine's, whichever is
+        later; for the worker threads, from when no session and no engine call was left
+        (`TRIO_IDLE_TIMEOUT_S` and slack after that: no job starts after it)."""
         started = now()
         last = max(self.last_session_end(), self.last_block_end())
         deadline = max(last + IDLE_BEFORE_TRIM + SETTLE_EXTRA_S, started + 2.0)
+        calls_done_at: float | None = None
         while True:
             async with self.metrics_lock:
                 metrics = await self._fetch_stats()
                 snapshot = Snapshot.take(self.pid, metrics)
                 health = self.settled_health = await self._fetch_health()
             pending = idle_problems(metrics)
+            if not pending and health.ok and calls_done_at is None:
+                calls_done_at = now()
             if not health.ok:
                 pending.append(f"GET /health answered {health}, not 200 ok")
             idle_for = now() - self.last_session_end()
             if idle_for < IDLE_BEFORE_TRIM + 0.5:
                 pending.append(f"idle for {idle_for:.1f} s only (trim after {IDLE_BEFORE_TRIM} s)")
+            workers = snapshot.idle_workers
+            if workers:
+                pending.append(f"idle Trio worker thread(s) alive: {', '.join(workers)}")
             if baseline is not None:
                 pending += [
                     p for p in resource_problems(baseline, snapshot) if not p.startswith("RSS")
                 ]
-            if not pending or now() >= deadline:
+            bound = deadline
+            if calls_done_at is not None:
+                bound = max(bound, calls_done_at + TRIO_IDLE_TIMEOUT_S + self.s.timing.slack)
+            if not pending or now() >= bound:
                 return snapshot, pending, now() - started
             await trio.sleep(0.25)
 
