@@ -3,6 +3,8 @@
 Modules, lowest first (each imports only those above it):
 
 * ``settings``: session kinds and weights, the server's limits and timeouts, thresholds;
+* ``held_engine``: the batched part's engine (shapes, whose batched step the soak can
+  hold), loaded by that server, not by the soak;
 * ``plans``: each session's kind, request and random choices, drawn from the seed;
 * ``checks``: transcripts and the pure checks on them and on the server's records;
 * ``serverlog``: the checks on the server's log;

@@ -7,6 +7,7 @@ and the report can state them next to the results.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Final
 
@@ -210,6 +211,20 @@ CLOSE_AFTER_EXIT_S: Final = 2.0
 """After the server's exit, how long a client may still see its connection open."""
 ROUND_BUDGET_S: Final = 15.0
 """What a round adds to the soak's default deadline (it takes 2-5 s)."""
+
+
+# --------------------------------------------------------------------------------------
+# The batched part: a server of its own with the held engine, and wedge rounds
+# --------------------------------------------------------------------------------------
+
+BATCHED_MAX_SESSIONS: Final = 4
+"""The batched server's ``--max-sessions``, and its engine's ``max_batch``: every session
+it admits steps in one batch with the others."""
+HOLD_PARAM: Final = "hold"
+"""The ``extra_params`` key of a session's hold token (``held_engine.py``)."""
+HOLD_TOKEN: Final = re.compile(r"[a-z0-9-]{1,32}")
+"""What a hold token may be, whole: it names a file in the hold directory, so no ``/``
+and no ``.``."""
 
 
 @attrs.frozen(kw_only=True)
