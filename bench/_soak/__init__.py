@@ -12,8 +12,11 @@ Modules, lowest first (each imports only those above it):
 * ``client``: one connection and the per-kind drivers;
 * ``runner``: the run: workers, admission slots, abandoned connections, settling;
 * ``report``: judging every session at the end, violations, the summary;
+* ``batched``: the batched part, a server of its own with the held engine, and its
+  wedge rounds;
 * ``shutdown``: the shutdown rounds, a server each stopped with two signals;
-* ``cli``: the command line and the whole run, start to SIGTERM, then the rounds.
+* ``cli``: the command line and the whole run, start to SIGTERM, then the batched part
+  and the shutdown rounds.
 
 What the soak shares with the fuzz and ``bench/run.py`` is in ``bench._harness``.
 """

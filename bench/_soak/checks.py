@@ -352,16 +352,16 @@ def check_transcript(
                 timing.start_timeout,
                 timing,
             )
-    elif kind in ("engine_fail", "engine_hang", "engine_stuck"):
+    elif kind in ("engine_fail", "engine_hang", "engine_stuck", "held"):
         code = "generation_failed" if kind == "engine_fail" else "stall_timeout"
         if terminal != f"error:{code}":
             problems.append(f"expected error {code} as the terminal message, got {seen_end}")
-        at_chunk = plan.params["at_chunk"]
-        if media_chunks > at_chunk:
+        at_chunk = plan.params.get("at_chunk")  # a held session's: wherever its rows meet
+        if at_chunk is not None and media_chunks > at_chunk:
             problems.append(f"{media_chunks} media chunks, but the engine stopped at {at_chunk}")
         # A blocked engine takes no checkpoint: the stall guard must answer all the same,
         # on time (whether before the block ended: check_server_record).
-        stalls = kind in ("engine_hang", "engine_stuck")
+        stalls = kind in ("engine_hang", "engine_stuck", "held")
         if stalls and terminal == f"error:{code}" and last_progress is not None:
             _expect_delay(
                 problems,
@@ -428,6 +428,7 @@ SERVER_OUTCOMES: Final[dict[str, tuple[frozenset[str], str | None]]] = {
     "engine_fail": (frozenset({"failed"}), "generation_failed"),
     "engine_hang": (frozenset({"stalled"}), "stall_timeout"),
     "engine_stuck": (frozenset({"stalled"}), "stall_timeout"),
+    "held": (frozenset({"stalled"}), "stall_timeout"),
 }
 
 
@@ -601,6 +602,104 @@ def peak_stuck_calls(samples: Sequence[HealthSample]) -> int:
 def check_server_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records no session may have, whoever it was: an internal error."""
     return [r for r in records if r.get("error_code") == "internal_error"]
+
+
+# --------------------------------------------------------------------------------------
+# Wedge rounds (the batched part)
+# --------------------------------------------------------------------------------------
+
+
+@attrs.define
+class WedgeRecord:
+    """What one wedge round saw from outside, judged afterwards (`check_wedge_round`).
+
+    Its held sessions' transcripts are judged with the batched part's other sessions
+    (kind ``held``: ``stall_timeout`` on time, then close 1000); this is the server's side
+    of the round: wedged, refusing, released, recovered."""
+
+    index: int
+    token: str
+    held: list[int] = attrs.Factory(list)
+    """The plan numbers of its held sessions."""
+    after: list[int] = attrs.Factory(list)
+    """The plan numbers of the sessions after its release."""
+    clients_done_at: float | None = None
+    """When both held clients' part had ended (their stall error and close)."""
+    health: list[HealthSample] = attrs.Factory(list)
+    """Every ``/health`` answer of the round, from the clients' end on, in order."""
+    wedged: HealthSample | None = None
+    """The first 503 (None: none came within ``Timing.wedge_bound``)."""
+    upgrade: tuple[int | None, str] | None = None
+    """A new WebSocket upgrade while wedged: its HTTP status (101: accepted) and body."""
+    released_at: float | None = None
+    """When the soak created the token's file."""
+    recovered: HealthSample | None = None
+    """The first ``200 ok`` after the release (None: none within ``Timing.recover_bound``)."""
+
+
+BATCH_STUCK: Final = "batched step is stuck"
+"""What the server's 503 says when its batcher is stuck (server.py's
+``_unavailable_message``), as opposed to too many stuck calls."""
+
+
+def check_wedge_round(rec: WedgeRecord, timing: Timing) -> list[str]:
+    """A wedge round: once its held clients were done, ``/health`` answered 503
+    ``engine_unavailable`` naming the stuck batched step within ``Timing.wedge_bound``;
+    a new upgrade then got HTTP 503 ``engine_unavailable``; every answer until the
+    release stayed 503; after the release, ``200 ok`` within ``Timing.recover_bound``."""
+    problems: list[str] = []
+    if rec.clients_done_at is None:
+        return ["the held sessions' clients did not end (the soak's deadline?)"]
+    answers = ", ".join(dict.fromkeys(str(s) for s in rec.health)) or "none"
+    wedged = rec.wedged
+    if wedged is None:
+        problems.append(
+            f"GET /health did not answer 503 within {timing.wedge_bound:.1f} s of the held "
+            f"sessions' end (answers: {answers[:300]})"
+        )
+    else:
+        after = wedged.sent_at - rec.clients_done_at
+        if after > timing.wedge_bound:
+            problems.append(
+                f"GET /health answered 503 {after:.2f} s after the held sessions' end, "
+                f"expected within {timing.wedge_bound:.1f} s"
+            )
+        if not wedged.unavailable or BATCH_STUCK not in wedged.body:
+            problems.append(
+                f"GET /health answered {wedged} while wedged, expected 503 "
+                f"engine_unavailable naming the stuck batched step"
+            )
+        if rec.upgrade is None:
+            problems.append("no WebSocket upgrade was tried while wedged")
+        else:
+            status, body = rec.upgrade
+            if status != 503 or not body.startswith("engine_unavailable"):
+                problems.append(
+                    f"a new WebSocket upgrade while wedged got HTTP {status} {body[:200]!r}, "
+                    f"expected 503 engine_unavailable before the upgrade"
+                )
+        released = rec.released_at if rec.released_at is not None else float("inf")
+        early = [s for s in rec.health if wedged.sent_at < s.sent_at and s.received_at < released]
+        ended = [s for s in early if s.status != 503]
+        if ended:
+            problems.append(
+                f"GET /health answered {ended[0]} {ended[0].sent_at - wedged.sent_at:.2f} s "
+                f"after the wedge, before the release: the held batch still ran"
+            )
+    if rec.released_at is None:
+        problems.append("the hold was never released")
+    elif rec.recovered is None:
+        last = rec.health[-1] if rec.health else None
+        problems.append(
+            f"GET /health did not answer 200 ok within {timing.recover_bound:.1f} s of the "
+            f"release (last: {last})"
+        )
+    elif rec.recovered.sent_at - rec.released_at > timing.recover_bound:
+        problems.append(
+            f"GET /health answered 200 ok {rec.recovered.sent_at - rec.released_at:.2f} s after "
+            f"the release, expected within {timing.recover_bound:.1f} s"
+        )
+    return problems
 
 
 # --------------------------------------------------------------------------------------

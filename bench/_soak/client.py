@@ -278,4 +278,5 @@ DRIVERS: Final[dict[str, Driver]] = {
     "engine_fail": drive_normal,
     "engine_hang": drive_normal,
     "engine_stuck": drive_normal,
+    "held": drive_normal,  # the batched part's wedge rounds: its rows wait, held
 }

@@ -143,13 +143,20 @@ def sessions_at(soak: Soak, wall: float, margin: float = 0.05, limit: int = 8) -
 
 
 def judge_sessions(
-    soak: Soak, log_records: Sequence[LogRecord], timing: Timing
+    soak: Soak,
+    log_records: Sequence[LogRecord],
+    timing: Timing,
+    expected_errors: Sequence[str] = (),
 ) -> tuple[list[Violation], dict[str, Any]]:
-    """Every session's checks, the server's records and log: violations and per-kind counts."""
+    """Every session's checks, the server's records and log (``expected_errors``: ERROR
+    messages the run provokes, see `log_problems`): violations and per-kind counts."""
     violations: list[Violation] = []
     kinds: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
     warmup: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
     server_side: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    for result in soak.results:  # the batched part's kinds besides the mix's
+        for counts in (kinds, warmup, server_side):
+            counts.setdefault(result.plan.kind, Counter())
     timings: dict[str, list[float]] = {}
     for result in soak.results:
         plan, tr = result.plan, result.tr
@@ -185,7 +192,7 @@ def judge_sessions(
     expected_ids = {
         r.request_id for r in soak.results if r.plan.kind == "engine_fail" and r.request_id
     }
-    for log_record in log_problems(log_records, expected_ids):
+    for log_record in log_problems(log_records, expected_ids, expected_errors):
         request_ids = REQUEST_ID.findall(log_record.text)
         if request_ids and set(request_ids) <= covered:
             continue
@@ -356,6 +363,7 @@ def render_summary(report: dict[str, Any]) -> str:
     lines.append(
         f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"
     )
+    lines += batched_lines(report.get("batched"))
     lines += [f"  {round_line(info)}" for info in report.get("shutdown_rounds") or []]
     for violation in report.get("violations", [])[:50]:
         where = f"session {violation['session']} {violation['kind']}"
@@ -394,3 +402,46 @@ def round_line(info: dict[str, Any]) -> str:
         f"session{'' if count == 1 else 's'}{stuck}): {'; '.join(signals)}: {status} after "
         f"{info['exit_s']} s; clients: {clients or 'none'}"
     )
+
+
+def batched_lines(batched: dict[str, Any] | None) -> list[str]:
+    """The batched part in the summary: its sessions, each wedge round, its server."""
+    if not batched:
+        return []
+    sessions = batched.get("sessions") or {}
+    kinds = batched.get("kinds") or {}
+    outcomes = "; ".join(
+        f"{kind} " + ", ".join(f"{k} {v}" for k, v in info["outcomes"].items())
+        for kind, info in kinds.items()
+    )
+    batches = batched.get("batches") or {}
+    rows = f"{batches.get('batch_rows')} rows in {batches.get('batches')} batched steps"
+    lines = [
+        f"  batched: {sessions.get('batched', 0)} sessions (+{sessions.get('warmup', 0)} warm-up) "
+        f"4 at a time, {sessions.get('held', 0)} held, {sessions.get('after_wedge', 0)} after "
+        f"wedges: {outcomes or 'none'}; {rows}"
+    ]
+    for info in batched.get("wedge_rounds") or []:
+        held = ", ".join(f"{k} x{v}" for k, v in info["held"].items())
+        after = ", ".join(f"{k} x{v}" for k, v in info["after"].items())
+        wedged = "never 503"
+        if info["health_wedged"]:
+            wedged = f"{info['health_wedged'][:60]} {info['wedged_after_s']} s after"
+        lines.append(
+            f"  wedge round {info['index']}: held {held or 'none'}; /health {wedged}; "
+            f"upgrade {(info['upgrade'] or 'not tried')[:24]}; 200 ok "
+            f"{info['recovered_after_s']} s after the release; then {after or 'none'}"
+        )
+    resources = batched.get("resources") or {}
+    base, final = resources.get("baseline"), resources.get("final")
+    if base and final:
+        lines.append(
+            f"  batched server: threads {base['threads']} -> {final['threads']}, fds "
+            f"{base['fds']} -> {final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
+        )
+    server = batched.get("server") or {}
+    lines.append(
+        f"  batched server SIGTERM: exit status {server.get('exit_status')} after "
+        f"{server.get('exit_s')} s"
+    )
+    return lines

@@ -40,6 +40,7 @@ from bench._soak.client import (
     Abandon,
     Conn,
     describe_error,
+    rejected_upgrade,
 )
 from bench._soak.plans import (
     Plan,
@@ -117,6 +118,11 @@ class Soak:
                 await self._fetch_stats()
                 await self._fetch_health()
             await trio.sleep(METRICS_PERIOD_S)
+
+    async def fetch_health(self) -> HealthSample:
+        """``GET /health`` now (recorded with the others)."""
+        async with self.metrics_lock:
+            return await self._fetch_health()
 
     async def _fetch_health(self) -> HealthSample:
         sent_at = now()
@@ -263,6 +269,30 @@ class Soak:
         if abandon is None:
             tr.eof = not nursery.cancel_scope.cancelled_caught
         return abandon
+
+    async def try_upgrade(self) -> tuple[int | None, str]:
+        """A WebSocket upgrade and nothing more: ``(101, "accepted")`` (then closed at
+        once), or the refusal's HTTP status and body, or ``(None, why)``."""
+        try:
+            with trio.fail_after(self.s.timing.reply_wait):
+                stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        ws = await wrap_client_stream(
+                            nursery, stream, self.endpoint.host_header, self.endpoint.resource
+                        )
+                        await ws.aclose()
+                finally:
+                    await stream.aclose()
+        except trio.TooSlowError:
+            return None, f"no answer within {self.s.timing.reply_wait:.1f} s"
+        except Exception as exc:
+            rejected = rejected_upgrade(exc)
+            if rejected is None:
+                return None, describe_error(exc)
+            body = (rejected.body or b"").decode(errors="replace").strip()
+            return rejected.status_code, body
+        return 101, "accepted"
 
     async def _abandon(self, tr: Transcript, stream: trio.SocketStream, abandon: Abandon) -> None:
         if tr.abandoned is None:
