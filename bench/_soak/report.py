@@ -233,10 +233,12 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
     last = received[-1].t if received else None
     if plan.kind == "no_start" and last is not None and tr.connected_at is not None:
         out["start_timeout_error"] = last - tr.connected_at
-    if plan.kind == "engine_hang" and last is not None and len(received) > 1:
+    if plan.kind in ("engine_hang", "held") and last is not None and len(received) > 1:
         progress = [e.t for e in received[:-1] if e.text is None or '"video.start"' in e.text]
         if progress:
-            out["hang_stall_error"] = last - progress[-1]
+            out[f"{'hang' if plan.kind == 'engine_hang' else 'held'}_stall_error"] = (
+                last - progress[-1]
+            )
     if plan.kind == "engine_stuck":
         messages = read_messages(tr)
         if messages.messages and messages.last_progress is not None:
@@ -426,11 +428,15 @@ def batched_lines(batched: dict[str, Any] | None) -> list[str]:
         after = ", ".join(f"{k} x{v}" for k, v in info["after"].items())
         wedged = "never 503"
         if info["health_wedged"]:
-            wedged = f"{info['health_wedged'][:60]} {info['wedged_after_s']} s after"
+            answer = info["health_wedged"].split(":", 1)[0]
+            wedged = f"{answer} {info['wedged_after_s']} s after the held sessions' end"
+        upgrade = (info["upgrade"] or "not tried").split(":", 1)[0]
+        recovered = "never 200 ok"
+        if info["recovered_after_s"] is not None:
+            recovered = f"200 ok {info['recovered_after_s']} s after the release"
         lines.append(
             f"  wedge round {info['index']}: held {held or 'none'}; /health {wedged}; "
-            f"upgrade {(info['upgrade'] or 'not tried')[:24]}; 200 ok "
-            f"{info['recovered_after_s']} s after the release; then {after or 'none'}"
+            f"upgrade {upgrade}; {recovered}; then {after or 'none'}"
         )
     resources = batched.get("resources") or {}
     base, final = resources.get("baseline"), resources.get("final")
