@@ -13,7 +13,7 @@ import re
 import signal
 import ssl
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -71,9 +71,13 @@ class ServerProcess:
     block on a full pipe; the URL line is found by reading the file.
     """
 
-    def __init__(self, command: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, command: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.command = list(command)
         self.log_path = log_path
+        self.env = dict(env or {})
+        """Set in the server's environment, over the harness's own."""
         self.process: trio.Process | None = None
 
     @property
@@ -94,7 +98,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         with trio.move_on_after(timeout):
             while True:

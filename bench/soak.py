@@ -63,7 +63,16 @@ least the number of kinds):
   client had its error; the server's record tells when, as its thread closes the stream
   then), the others after the session ended without it (``abandoned``: the session's
   record shows the stream still open; ``/health``, polled with /stats, must not answer
-  200 until the block can have ended, and says ``degraded``).
+  ``200 ok`` until the block can have ended: it says ``200 degraded``).
+
+The wedge bound: the server's ``--max-stuck-calls`` is set above what the mix can leave
+stuck at once (two calls per session slot, each session's engine call and encoder's as it
+ends, and every ``engine_stuck`` block of the run as if all overlapped:
+``settings.stuck_calls_bound``), with ``--no-exit-when-wedged``. So ``/health`` says
+``200 degraded`` while calls are stuck, and a 503 during the run is a violation (the
+server counted more than the mix leaves, or the mix outgrew the bound); the report gives
+the most calls ``/health`` said were stuck at once (``health.peak_stuck_calls``). The
+batched part below is where the soak wedges a server on purpose.
 
 Admission: the server runs with ``--max-sessions`` equal to ``--concurrency``, and the
 soak counts a connection against that from connect until the server has closed its
@@ -87,15 +96,33 @@ The report lists the measured reaction times (``timings_s``), so the margins can
 
 At the end, with no sessions running and every stuck engine call returned: ``/stats``
 must show ``sessions_active``, ``streams_open`` and ``worker_threads`` at 0, ``/health``
-answer 200; the process's threads and open file
+answer ``200 ok``; the process's threads and open file
 descriptors must be back to the baseline taken after the warm-up (waiting out the server's
-10 s idle trim and Trio's 10 s idle-thread timeout, bounded), and its RSS within
-``RSS_GROWTH_LIMIT_MIB`` of it; SIGTERM must end it with status 0 within
-``--shutdown-grace``. The server's log must hold no ERROR record or traceback other than
-the injected engine failures'.
+10 s idle trim, bounded), and its RSS within ``RSS_GROWTH_LIMIT_MIB`` of it. Threads are
+counted, at the baseline and at the end, once no idle Trio worker thread is alive
+(``Trio thread N`` in ``/proc/PID/task/*/comm``, polled; Trio ends one 10 s after its
+last job), and a count that differs is reported with the threads' names at both.
+SIGTERM must end it with status 0 within ``--shutdown-grace``. The server's log must
+hold no ERROR record or traceback other than the injected engine failures'.
 
-Shutdown rounds (``--shutdown-rounds``, default 8; the short form in CI runs 3): after
-that, each round starts a server of its own (``--shutdown-grace`` 30 s, its default),
+The batched part (``--batched-sessions``, default 32, and ``--wedge-rounds``, default 4;
+both 0: none; ``bench/_soak/batched.py`` says it step by step): after that, a server of
+its own runs the held engine (``bench/_soak/held_engine.py``: shapes batching 4 sessions'
+steps; a batch of 2 rows or more sharing an ``extra_params.hold`` token blocks outside any
+checkpoint until a file named after the token exists in the soak's hold directory) with
+``--max-sessions 4`` and a wedge bound. Its sessions, 4 at a time, must complete. In each
+wedge round two sessions share a new token: both clients must get ``stall_timeout``; once
+the sessions have waited their close timeout for the held batch, the batcher is stuck and
+the server wedged: ``/health`` must answer 503 ``engine_unavailable`` naming the stuck
+batched step (within the close timeout plus 2 x slack, 8 s), a new WebSocket upgrade HTTP
+503 ``engine_unavailable``, and ``/health`` stay 503 until the soak creates the file; then
+``200 ok`` within a slack, and two sessions started at once complete. At the end its
+threads, descriptors and RSS are checked against its own baseline as above, its log must
+show each wedge's two ERROR records once and no other, and SIGTERM must end it with 0.
+
+Shutdown rounds (``--shutdown-rounds``, default 8; the short form in CI runs none,
+``tests/bench/test_soak_shutdown.py`` runs real ones): after the batched part, each
+round starts a server of its own (``--shutdown-grace`` 30 s, its default),
 alternately with the shapes engine (64x64, batching its sessions' steps, 8 rows at most:
 what reaches its step batcher) and the synthetic one, and streams 1-8 sessions of 2400
 frames (longer than a round by far). Once every session has had a media chunk, and

@@ -3,6 +3,8 @@
 Modules, lowest first (each imports only those above it):
 
 * ``settings``: session kinds and weights, the server's limits and timeouts, thresholds;
+* ``held_engine``: the batched part's engine (shapes, whose batched step the soak can
+  hold), loaded by that server, not by the soak;
 * ``plans``: each session's kind, request and random choices, drawn from the seed;
 * ``checks``: transcripts and the pure checks on them and on the server's records;
 * ``serverlog``: the checks on the server's log;
@@ -10,8 +12,11 @@ Modules, lowest first (each imports only those above it):
 * ``client``: one connection and the per-kind drivers;
 * ``runner``: the run: workers, admission slots, abandoned connections, settling;
 * ``report``: judging every session at the end, violations, the summary;
+* ``batched``: the batched part, a server of its own with the held engine, and its
+  wedge rounds;
 * ``shutdown``: the shutdown rounds, a server each stopped with two signals;
-* ``cli``: the command line and the whole run, start to SIGTERM, then the rounds.
+* ``cli``: the command line and the whole run, start to SIGTERM, then the batched part
+  and the shutdown rounds.
 
 What the soak shares with the fuzz and ``bench/run.py`` is in ``bench._harness``.
 """

@@ -24,6 +24,8 @@ import trio
 from bench._harness import parse_log, read_log
 from bench._output import now, progress, read_file
 from bench._server import Endpoint, ServerProcess
+from bench._soak.batched import run_batched
+from bench._soak.checks import wedge_problems
 from bench._soak.plans import (
     make_plans,
 )
@@ -41,11 +43,16 @@ from bench._soak.resources import (
 from bench._soak.runner import Soak
 from bench._soak.serverlog import log_summary
 from bench._soak.settings import (
+    AFTER_WEDGE_SESSIONS,
+    BATCHED_MAX_SESSIONS,
+    DEFAULT_BATCHED_SESSIONS,
     DEFAULT_SHUTDOWN_ROUNDS,
     DEFAULT_STALL_TIMEOUT,
     DEFAULT_START_TIMEOUT,
+    DEFAULT_WEDGE_ROUNDS,
     ENGINE_ARGS,
     FD_GROWTH_LIMIT,
+    HELD_SESSIONS,
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
@@ -62,6 +69,7 @@ from bench._soak.settings import (
     Settings,
     Timing,
     server_command,
+    stuck_calls_bound,
 )
 from bench._soak.shutdown import run_rounds
 from trio_vstream.server import IDLE_BEFORE_TRIM
@@ -77,11 +85,12 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
     # Kept back from the session phases for settling, the final checks, SIGTERM and the
     # shutdown rounds.
     reserve = IDLE_BEFORE_TRIM + SETTLE_EXTRA_S + timing.shutdown_grace + 10.0
-    reserve += s.rounds_reserve_s
+    reserve += s.rounds_reserve_s + s.batched_reserve_s
     plans = make_plans(s.seed, s.sessions, s.warmup_sessions, timing)
     warm, measured = plans[: s.warmup_sessions], plans[s.warmup_sessions :]
     violations: list[Violation] = []
-    command = server_command(s)
+    stuck_plans = sum(1 for plan in plans if plan.kind == "engine_stuck")
+    command = server_command(s, stuck_plans)
     server = ServerProcess(command, log_path)
     report: dict[str, Any] = {
         "schema": 1,
@@ -103,6 +112,16 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
                 },
                 "round_block_s": ROUND_BLOCK_S,
             },
+            "max_stuck_calls": stuck_calls_bound(s.concurrency, stuck_plans),
+            "batched": {
+                "sessions": s.batched_sessions,
+                "wedge_rounds": s.wedge_rounds,
+                "max_sessions": BATCHED_MAX_SESSIONS,
+                "held_sessions": HELD_SESSIONS,
+                "after_wedge_sessions": AFTER_WEDGE_SESSIONS,
+                "wedge_bound_s": timing.wedge_bound,
+                "recover_bound_s": timing.recover_bound,
+            },
             "shutdown_rounds": {
                 "kinds": ROUND_KINDS,
                 "engines": {name: dict(engine.args) for name, engine in ROUND_ENGINES.items()},
@@ -111,6 +130,8 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
             },
         },
         "thresholds": {
+            "wedge_s": timing.wedge_bound,
+            "recover_s": timing.recover_bound,
             "fd_growth": FD_GROWTH_LIMIT,
             "thread_growth": THREAD_GROWTH_LIMIT,
             "rss_growth_mib": RSS_GROWTH_LIMIT_MIB,
@@ -174,9 +195,13 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
         else:
             violations += [Violation(f"at the end: {p}") for p in idle_problems(final.metrics)]
         health = soak.settled_health
-        if health is None or health.status != 200:
-            answer = f"{health.status}: {health.body[:200]}" if health else "nothing"
-            violations.append(Violation(f"at the end: GET /health answered {answer}"))
+        if health is None or not health.ok:
+            answer = str(health) if health else "nothing"
+            violations.append(
+                Violation(f"at the end: GET /health answered {answer}, expected 200 ok")
+            )
+        bound = stuck_calls_bound(s.concurrency, stuck_plans)
+        violations += [Violation(problem) for problem in wedge_problems(soak.health, bound)]
         report["health"] = health_summary(soak)
         report["resources"] = {
             "fresh": fresh.to_json(),
@@ -202,6 +227,12 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
     records = parse_log(read_log(log_path))
     session_violations, stats = judge_sessions(soak, records, timing)
     violations = session_violations + violations
+    if s.batched:
+        batched_deadline = deadline - s.rounds_reserve_s
+        report["batched"], batched_violations = await run_batched(
+            s, log_path.parent, batched_deadline
+        )
+        violations += batched_violations
     rounds, round_violations = await run_rounds(s, log_path.parent, deadline)
     report["shutdown_rounds"] = rounds
     violations += round_violations
@@ -242,6 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"after the sessions, servers stopped with two signals (default "
         f"{DEFAULT_SHUTDOWN_ROUNDS}; each starts a server)",
     )
+    add(
+        "--batched-sessions",
+        type=int,
+        default=DEFAULT_BATCHED_SESSIONS,
+        help=f"sessions on a second server whose engine batches 4 sessions' steps (default "
+        f"{DEFAULT_BATCHED_SESSIONS}; with --wedge-rounds 0 too, no such server)",
+    )
+    add(
+        "--wedge-rounds",
+        type=int,
+        default=DEFAULT_WEDGE_ROUNDS,
+        help=f"on that server, rounds in which a held batched step wedges it until released "
+        f"(default {DEFAULT_WEDGE_ROUNDS})",
+    )
     add("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, help="(default 1.5)")
     add("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT, help="(default 1.0)")
     add("--json", type=Path, default=None, help="write the report here (and the server log)")
@@ -253,6 +298,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit("--sessions and --concurrency must be >= 1")
     if args.shutdown_rounds < 0:
         raise SystemExit("--shutdown-rounds must be >= 0")
+    if args.batched_sessions < 0 or args.wedge_rounds < 0:
+        raise SystemExit("--batched-sessions and --wedge-rounds must be >= 0")
     timing = Timing(stall_timeout=args.stall_timeout, start_timeout=args.start_timeout)
     return Settings(
         sessions=args.sessions,
@@ -261,6 +308,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         warmup=args.warmup,
         deadline_s=args.deadline,
         shutdown_rounds=args.shutdown_rounds,
+        batched_sessions=args.batched_sessions,
+        wedge_rounds=args.wedge_rounds,
         timing=timing,
     )
 
@@ -286,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             kept = args.json.with_suffix(".server.log")
             shutil.copyfile(log_path, kept)
             written = [args.json, kept]
+            batched_log = Path(tmp) / "batched.server.log"
+            if batched_log.exists():
+                written.append(args.json.with_suffix(".batched.server.log"))
+                shutil.copyfile(batched_log, written[-1])
             if report.get("shutdown_rounds"):
                 written.append(
                     keep_round_logs(Path(tmp), args.json.with_suffix(".rounds.server.log"))

@@ -15,6 +15,8 @@ import attrs
 import trio
 from trio_websocket import (
     ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
     WebSocketConnection,
 )
 
@@ -29,6 +31,28 @@ from bench._soak.plans import (
     padded_start,
 )
 from bench._soak.settings import Timing
+
+
+def describe_error(exc: BaseException) -> str:
+    """A client's exception in a line, for its transcript: nurseries' groups of one
+    unwrapped (trio-websocket raises a refused upgrade in its reader task, so it leaves
+    the connection's nursery in a group), and a refused upgrade with its HTTP status
+    and body, which say why (``503 engine_unavailable: ...``)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ConnectionRejected):
+        body = (exc.body or b"").decode(errors="replace").strip()
+        return f"WebSocket upgrade refused: HTTP {exc.status_code}: {body[:200]}"
+    if isinstance(exc, HandshakeError):
+        return f"WebSocket handshake failed: {type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def rejected_upgrade(exc: BaseException) -> ConnectionRejected | None:
+    """The refused upgrade ``exc`` is, alone or in groups of one (see `describe_error`)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, ConnectionRejected) else None
 
 
 @attrs.frozen
@@ -254,4 +278,5 @@ DRIVERS: Final[dict[str, Driver]] = {
     "engine_fail": drive_normal,
     "engine_hang": drive_normal,
     "engine_stuck": drive_normal,
+    "held": drive_normal,  # the batched part's wedge rounds: its rows wait, held
 }

@@ -19,6 +19,8 @@ from bench._soak.settings import (
     BACK_TO_BACK_SHARE,
     DISCONNECT_PHASES,
     FIRST_SIGNAL_AFTER_S,
+    HELD_NUM_FRAMES,
+    HOLD_PARAM,
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
@@ -263,6 +265,29 @@ def make_plan(
     elif kind != "normal":
         raise ValueError(f"unknown session kind {kind!r}")
     return Plan(index=index, kind=kind, warmup=warmup, start=start, params=params)
+
+
+def make_held_plan(rng: random.Random, index: int, token: str) -> Plan:
+    """A wedge round's session (the batched part): a long video whose steps share the
+    round's hold token (``extra_params.hold``) with the round's other held session, so
+    that their rows meet in a batch that the held engine holds until the soak creates
+    the token's file. The session must end with ``stall_timeout`` (``checks``)."""
+    start: dict[str, Any] = {
+        "prompt": rng.choice(PROMPTS),
+        "width": ROUND_FRAME_SIZE,
+        "height": ROUND_FRAME_SIZE,
+        "fps": 24,
+        "num_frames": HELD_NUM_FRAMES,
+        "seed": rng.randint(0, 2**31),
+        "extra_params": {HOLD_PARAM: token},
+    }
+    return Plan(index=index, kind="held", warmup=False, start=start, params={"token": token})
+
+
+def hold_token(rng: random.Random, round_index: int) -> str:
+    """A wedge round's hold token: its number and random letters, so that a file left by
+    an earlier run in the hold directory can never release it."""
+    return f"wedge-{round_index}-{rng.randbytes(6).hex()}"
 
 
 def make_plans(

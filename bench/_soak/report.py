@@ -22,6 +22,7 @@ from bench._soak.checks import (
     check_server_record,
     check_server_records,
     check_transcript,
+    peak_stuck_calls,
     read_messages,
 )
 from bench._soak.runner import SessionResult, Soak
@@ -142,13 +143,20 @@ def sessions_at(soak: Soak, wall: float, margin: float = 0.05, limit: int = 8) -
 
 
 def judge_sessions(
-    soak: Soak, log_records: Sequence[LogRecord], timing: Timing
+    soak: Soak,
+    log_records: Sequence[LogRecord],
+    timing: Timing,
+    expected_errors: Sequence[str] = (),
 ) -> tuple[list[Violation], dict[str, Any]]:
-    """Every session's checks, the server's records and log: violations and per-kind counts."""
+    """Every session's checks, the server's records and log (``expected_errors``: ERROR
+    messages the run provokes, see `log_problems`): violations and per-kind counts."""
     violations: list[Violation] = []
     kinds: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
     warmup: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
     server_side: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    for result in soak.results:  # the batched part's kinds besides the mix's
+        for counts in (kinds, warmup, server_side):
+            counts.setdefault(result.plan.kind, Counter())
     timings: dict[str, list[float]] = {}
     for result in soak.results:
         plan, tr = result.plan, result.tr
@@ -184,7 +192,7 @@ def judge_sessions(
     expected_ids = {
         r.request_id for r in soak.results if r.plan.kind == "engine_fail" and r.request_id
     }
-    for log_record in log_problems(log_records, expected_ids):
+    for log_record in log_problems(log_records, expected_ids, expected_errors):
         request_ids = REQUEST_ID.findall(log_record.text)
         if request_ids and set(request_ids) <= covered:
             continue
@@ -225,10 +233,12 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
     last = received[-1].t if received else None
     if plan.kind == "no_start" and last is not None and tr.connected_at is not None:
         out["start_timeout_error"] = last - tr.connected_at
-    if plan.kind == "engine_hang" and last is not None and len(received) > 1:
+    if plan.kind in ("engine_hang", "held") and last is not None and len(received) > 1:
         progress = [e.t for e in received[:-1] if e.text is None or '"video.start"' in e.text]
         if progress:
-            out["hang_stall_error"] = last - progress[-1]
+            out[f"{'hang' if plan.kind == 'engine_hang' else 'held'}_stall_error"] = (
+                last - progress[-1]
+            )
     if plan.kind == "engine_stuck":
         messages = read_messages(tr)
         if messages.messages and messages.last_progress is not None:
@@ -255,8 +265,9 @@ def session_timings(result: SessionResult, record: dict[str, Any] | None) -> dic
 
 
 def health_summary(soak: Soak) -> dict[str, Any]:
-    """The ``GET /health`` answers of the run, counted (``degraded``: while an engine call
-    abandoned by an ``engine_stuck`` session was still blocked), and the last one."""
+    """The ``GET /health`` answers of the run, counted (``degraded``: while engine calls
+    left by their sessions still ran, an ``engine_stuck`` session's block among them),
+    the most stuck calls it reported at once, and the last answer."""
     counts: Counter[str] = Counter()
     for sample in soak.health:
         if sample.status is None:
@@ -266,6 +277,7 @@ def health_summary(soak: Soak) -> dict[str, Any]:
     last = soak.settled_health
     return {
         "answers": dict(counts.most_common()),
+        "peak_stuck_calls": peak_stuck_calls(soak.health),
         "at_the_end": None if last is None else f"{last.status} {last.body}",
     }
 
@@ -345,11 +357,15 @@ def render_summary(report: dict[str, Any]) -> str:
     health = report.get("health")
     if health:
         answers = ", ".join(f"{k} x{v}" for k, v in health["answers"].items())
-        lines.append(f"  /health: {answers}; at the end {health['at_the_end']}")
+        lines.append(
+            f"  /health: {answers}; at most {health['peak_stuck_calls']} call(s) stuck at once; "
+            f"at the end {health['at_the_end']}"
+        )
     server = report.get("server") or {}
     lines.append(
         f"  SIGTERM: exit status {server.get('exit_status')} after {server.get('exit_s')} s"
     )
+    lines += batched_lines(report.get("batched"))
     lines += [f"  {round_line(info)}" for info in report.get("shutdown_rounds") or []]
     for violation in report.get("violations", [])[:50]:
         where = f"session {violation['session']} {violation['kind']}"
@@ -388,3 +404,50 @@ def round_line(info: dict[str, Any]) -> str:
         f"session{'' if count == 1 else 's'}{stuck}): {'; '.join(signals)}: {status} after "
         f"{info['exit_s']} s; clients: {clients or 'none'}"
     )
+
+
+def batched_lines(batched: dict[str, Any] | None) -> list[str]:
+    """The batched part in the summary: its sessions, each wedge round, its server."""
+    if not batched:
+        return []
+    sessions = batched.get("sessions") or {}
+    kinds = batched.get("kinds") or {}
+    outcomes = "; ".join(
+        f"{kind} " + ", ".join(f"{k} {v}" for k, v in info["outcomes"].items())
+        for kind, info in kinds.items()
+    )
+    batches = batched.get("batches") or {}
+    rows = f"{batches.get('batch_rows')} rows in {batches.get('batches')} batched steps"
+    lines = [
+        f"  batched: {sessions.get('batched', 0)} sessions (+{sessions.get('warmup', 0)} warm-up) "
+        f"4 at a time, {sessions.get('held', 0)} held, {sessions.get('after_wedge', 0)} after "
+        f"wedges: {outcomes or 'none'}; {rows}"
+    ]
+    for info in batched.get("wedge_rounds") or []:
+        held = ", ".join(f"{k} x{v}" for k, v in info["held"].items())
+        after = ", ".join(f"{k} x{v}" for k, v in info["after"].items())
+        wedged = "never 503"
+        if info["health_wedged"]:
+            answer = info["health_wedged"].split(":", 1)[0]
+            wedged = f"{answer} {info['wedged_after_s']} s after the held sessions' end"
+        upgrade = (info["upgrade"] or "not tried").split(":", 1)[0]
+        recovered = "never 200 ok"
+        if info["recovered_after_s"] is not None:
+            recovered = f"200 ok {info['recovered_after_s']} s after the release"
+        lines.append(
+            f"  wedge round {info['index']}: held {held or 'none'}; /health {wedged}; "
+            f"upgrade {upgrade}; {recovered}; then {after or 'none'}"
+        )
+    resources = batched.get("resources") or {}
+    base, final = resources.get("baseline"), resources.get("final")
+    if base and final:
+        lines.append(
+            f"  batched server: threads {base['threads']} -> {final['threads']}, fds "
+            f"{base['fds']} -> {final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
+        )
+    server = batched.get("server") or {}
+    lines.append(
+        f"  batched server SIGTERM: exit status {server.get('exit_status')} after "
+        f"{server.get('exit_s')} s"
+    )
+    return lines

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Any
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Final
 
 import attrs
 import trio
@@ -31,6 +33,45 @@ def _rss_kib(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+TRIO_IDLE_WORKER: Final = "Trio thread "
+"""How a worker thread of Trio's thread cache is named while it idles: its OS name
+(``/proc/PID/task/TID/comm``) is set to a job's name while it runs one (``engine call
+...`` for the server's engine calls) and back to ``Trio thread N`` after it."""
+TRIO_IDLE_TIMEOUT_S: Final = 10.0
+"""How long an idle Trio worker waits for another job before it exits
+(``trio._core._thread_cache.IDLE_TIMEOUT``): until then it counts among the process's
+threads, so a thread count read sooner than that after the last job says nothing."""
+
+
+def thread_names(pid: int) -> list[str] | None:
+    """The OS names of the process's threads, sorted (None if it is gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    names: list[str] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            continue  # it exited meanwhile
+    return sorted(names)
+
+
+def idle_trio_workers(names: Sequence[str] | None) -> list[str]:
+    """The idle Trio worker threads among ``names`` (`TRIO_IDLE_WORKER`)."""
+    return [name for name in names or () if name.startswith(TRIO_IDLE_WORKER)]
+
+
+def describe_threads(names: Sequence[str] | None) -> str:
+    """Thread names for a report: each name once, with a count where there are more."""
+    if names is None:
+        return "unknown"
+    counts = Counter(names)
+    return ", ".join(f"{name} x{count}" if count > 1 else name for name, count in counts.items())
 
 
 def socket_inodes(pid: int) -> set[int] | None:
@@ -79,6 +120,8 @@ class Snapshot:
     fds: int | None
     rss_kib: int | None
     metrics: dict[str, Any] | None
+    thread_names: tuple[str, ...] | None = None
+    """The threads' OS names (`thread_names`), read with ``threads``."""
 
     @classmethod
     def take(cls, pid: int, metrics: dict[str, Any] | None) -> Snapshot:
@@ -88,11 +131,21 @@ class Snapshot:
             fds = None
         keys = ("sessions_active", "streams_open", "worker_threads", "threads_alive", "rss_bytes")
         subset = {k: metrics.get(k) for k in keys} if metrics else None
-        return cls(now(), os_threads(pid), fds, _rss_kib(pid), subset)
+        names = thread_names(pid)
+        threads = os_threads(pid)
+        return cls(
+            now(), threads, fds, _rss_kib(pid), subset, tuple(names) if names is not None else None
+        )
+
+    @property
+    def idle_workers(self) -> list[str]:
+        """Idle Trio worker threads alive (`idle_trio_workers`)."""
+        return idle_trio_workers(self.thread_names)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "threads": self.threads,
+            "thread_names": describe_threads(self.thread_names),
             "fds": self.fds,
             "rss_mib": round(self.rss_kib / 1024, 1) if self.rss_kib is not None else None,
             "metrics": self.metrics,
@@ -120,7 +173,11 @@ def resource_problems(baseline: Snapshot, final: Snapshot) -> list[str]:
     if final.fds - baseline.fds > FD_GROWTH_LIMIT:
         problems.append(f"open file descriptors {baseline.fds} -> {final.fds}")
     if final.threads - baseline.threads > THREAD_GROWTH_LIMIT:
-        problems.append(f"OS threads {baseline.threads} -> {final.threads}")
+        problems.append(
+            f"OS threads {baseline.threads} -> {final.threads} (at the baseline: "
+            f"{describe_threads(baseline.thread_names)}; at the end: "
+            f"{describe_threads(final.thread_names)})"
+        )
     if baseline.rss_kib is not None and final.rss_kib is not None:
         growth = (final.rss_kib - baseline.rss_kib) / 1024
         if growth > RSS_GROWTH_LIMIT_MIB:

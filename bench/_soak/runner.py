@@ -39,11 +39,14 @@ from bench._soak.client import (
     DRIVERS,
     Abandon,
     Conn,
+    describe_error,
+    rejected_upgrade,
 )
 from bench._soak.plans import (
     Plan,
 )
 from bench._soak.resources import (
+    TRIO_IDLE_TIMEOUT_S,
     Snapshot,
     SocketWatch,
     idle_problems,
@@ -95,7 +98,7 @@ class Soak:
         self.health: list[HealthSample] = []
         """Every ``GET /health`` answer, polled with /stats (see ``checks.check_health``)."""
         self.settled_health: HealthSample | None = None
-        """The last answer while settling: 200 once no engine call is stuck."""
+        """The last answer while settling: 200 ok once no engine call is stuck."""
         self.metrics_lock = trio.Lock()
         """Held while a /stats connection is open: a snapshot of the server's open file
         descriptors must not count it."""
@@ -115,6 +118,11 @@ class Soak:
                 await self._fetch_stats()
                 await self._fetch_health()
             await trio.sleep(METRICS_PERIOD_S)
+
+    async def fetch_health(self) -> HealthSample:
+        """``GET /health`` now (recorded with the others)."""
+        async with self.metrics_lock:
+            return await self._fetch_health()
 
     async def _fetch_health(self) -> HealthSample:
         sent_at = now()
@@ -198,8 +206,8 @@ class Soak:
             elif tr.eof is False and stream is not None:
                 lingering.start_soon(self._linger, result, stream, "eof")
                 handed_over = True
-        except Exception as exc:  # a soak bug or a transport surprise: report, go on
-            tr.client_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a refused upgrade, a soak bug, a transport surprise
+            tr.client_error = describe_error(exc)
         except BaseException as exc:
             # The watchdog catches its own cancellation: this is the soak's deadline.
             tr.cut_by_deadline = _is_cancellation(exc)
@@ -261,6 +269,30 @@ class Soak:
         if abandon is None:
             tr.eof = not nursery.cancel_scope.cancelled_caught
         return abandon
+
+    async def try_upgrade(self) -> tuple[int | None, str]:
+        """A WebSocket upgrade and nothing more: ``(101, "accepted")`` (then closed at
+        once), or the refusal's HTTP status and body, or ``(None, why)``."""
+        try:
+            with trio.fail_after(self.s.timing.reply_wait):
+                stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        ws = await wrap_client_stream(
+                            nursery, stream, self.endpoint.host_header, self.endpoint.resource
+                        )
+                        await ws.aclose()
+                finally:
+                    await stream.aclose()
+        except trio.TooSlowError:
+            return None, f"no answer within {self.s.timing.reply_wait:.1f} s"
+        except Exception as exc:
+            rejected = rejected_upgrade(exc)
+            if rejected is None:
+                return None, describe_error(exc)
+            body = (rejected.body or b"").decode(errors="replace").strip()
+            return rejected.status_code, body
+        return 101, "accepted"
 
     async def _abandon(self, tr: Transcript, stream: trio.SocketStream, abandon: Abandon) -> None:
         if tr.abandoned is None:
@@ -348,29 +380,43 @@ class Soak:
         )
 
     async def settle(self, baseline: Snapshot | None) -> tuple[Snapshot, list[str], float]:
-        """Wait until the server is idle and past its idle trim, ``/health`` answers 200
-        (no engine call stuck), and, with a baseline, back to it, bounded; returns the
-        snapshot, what never settled, and the wait. The bound counts from the last
-        session's end, or a stuck engine's, whichever is later."""
+        """Wait until the server is idle and past its idle trim, ``/health`` answers
+        ``200 ok`` (no engine call stuck), no idle Trio worker thread is alive (their
+        names, polled: such a thread counts among the process's threads until Trio's
+        idle timeout ends it), and, with a baseline, back to it, bounded; returns the
+        snapshot, what never settled, and the wait.
+
+        The bound counts from the last session's end, or a stuck engine's, whichever is
+        later; for the worker threads, from when no session and no engine call was left
+        (`TRIO_IDLE_TIMEOUT_S` and slack after that: no job starts after it)."""
         started = now()
         last = max(self.last_session_end(), self.last_block_end())
         deadline = max(last + IDLE_BEFORE_TRIM + SETTLE_EXTRA_S, started + 2.0)
+        calls_done_at: float | None = None
         while True:
             async with self.metrics_lock:
                 metrics = await self._fetch_stats()
                 snapshot = Snapshot.take(self.pid, metrics)
                 health = self.settled_health = await self._fetch_health()
             pending = idle_problems(metrics)
-            if health.status != 200:
-                pending.append(f"GET /health answered {health.status}: {health.body[:200]}")
+            if not pending and health.ok and calls_done_at is None:
+                calls_done_at = now()
+            if not health.ok:
+                pending.append(f"GET /health answered {health}, not 200 ok")
             idle_for = now() - self.last_session_end()
             if idle_for < IDLE_BEFORE_TRIM + 0.5:
                 pending.append(f"idle for {idle_for:.1f} s only (trim after {IDLE_BEFORE_TRIM} s)")
+            workers = snapshot.idle_workers
+            if workers:
+                pending.append(f"idle Trio worker thread(s) alive: {', '.join(workers)}")
             if baseline is not None:
                 pending += [
                     p for p in resource_problems(baseline, snapshot) if not p.startswith("RSS")
                 ]
-            if not pending or now() >= deadline:
+            bound = deadline
+            if calls_done_at is not None:
+                bound = max(bound, calls_done_at + TRIO_IDLE_TIMEOUT_S + self.s.timing.slack)
+            if not pending or now() >= bound:
                 return snapshot, pending, now() - started
             await trio.sleep(0.25)
 

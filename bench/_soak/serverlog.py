@@ -24,17 +24,23 @@ AT_EXIT_TROUBLE: Final = ("Fatal Python error", "Exception ignored in")
 thread or a finaliser): as serious as a traceback."""
 
 
-def log_problems(records: Sequence[LogRecord], expected_ids: set[str]) -> list[LogRecord]:
+def log_problems(
+    records: Sequence[LogRecord], expected_ids: set[str], expected: Sequence[str] = ()
+) -> list[LogRecord]:
     """ERROR records, tracebacks and Python's complaints at exit, except those of
-    sessions whose failure was injected (``expected_ids``: their request ids)."""
+    sessions whose failure was injected (``expected_ids``: their request ids), and ERROR
+    records whose message has one of the ``expected`` fragments (with no traceback: a
+    wedge round's, `WEDGE_ERRORS`, counted by `wedge_log_problems`)."""
     bad: list[LogRecord] = []
     for record in records:
-        serious = record.level in ("ERROR", "CRITICAL") or any(
+        trouble = any(
             line.startswith("Traceback (most recent call last)") or line.startswith(AT_EXIT_TROUBLE)
             for line in record.lines
         )
-        if not serious:
-            continue
+        if not trouble:
+            provoked = record.level == "ERROR" and any(f in record.lines[0] for f in expected)
+            if provoked or record.level not in ("ERROR", "CRITICAL"):
+                continue
         ids = set(REQUEST_ID.findall(record.text))
         if ids and ids <= expected_ids:
             continue
@@ -127,5 +133,28 @@ def stuck_problems(
                 f"session {i} (stuck): the server's log does not show its blocked engine call "
                 "left running as the session ended: the process did not exit with a stuck "
                 "thread"
+            )
+    return problems
+
+
+WEDGE_ERRORS: Final = (
+    "hangs: its session was abandoned; rows fail at once until it returns",
+    "engine wedged: ",
+)
+"""The ERROR records a wedge round makes the batched server log, once each: its batcher
+giving up on the held batch (trio_vstream.steps), then the server counting as wedged."""
+
+
+def wedge_log_problems(records: Sequence[LogRecord], wedges: int) -> list[str]:
+    """The batched server's log: each of `WEDGE_ERRORS` as an ERROR record exactly once per
+    wedge round that wedged it (``wedges``): the server said so, once, each time. Any
+    other ERROR is `log_problems`'."""
+    problems: list[str] = []
+    for fragment in WEDGE_ERRORS:
+        found = [r for r in records if r.level == "ERROR" and fragment in r.lines[0]]
+        if len(found) != wedges:
+            problems.append(
+                f"server log: {len(found)} ERROR record(s) with {fragment.strip()!r}, "
+                f"expected {wedges} (one per wedge)"
             )
     return problems

@@ -7,7 +7,9 @@ and the report can state them next to the results.
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -94,6 +96,26 @@ session still waits for the call it left (``returns``), or after the session has
 without it (``abandoned``: ``/health`` says degraded until it returns)."""
 STUCK_EXTRA_S: Final = (0.5, 1.5)
 """Drawn on top of the shortest block of a variant."""
+CALLS_LEFT_PER_SESSION: Final = 2
+"""The most engine calls one session leaves running as it ends: its engine call and its
+encoder's (``encode_chunk``), both seen "left to finish in its thread" in one stop. The
+server counts them as stuck (``/health`` says ``degraded``) until they return, within a
+step for all but an ``engine_stuck`` block."""
+
+
+def stuck_calls_bound(sessions_at_once: int, stuck_plans: int) -> int:
+    """The ``--max-stuck-calls`` of a server that is not to be wedged: one more than
+    its sessions can leave stuck at once, each session slot the calls it leaves as it
+    ends (`CALLS_LEFT_PER_SESSION`), and every ``engine_stuck`` block of the run on top
+    (each outlives its session, by seconds when ``abandoned``), as if all overlapped.
+
+    The server counts as wedged at that many (``/health`` 503, new sessions refused),
+    and the soak's mix is not there to test that (the batched part's wedge rounds are):
+    below the bound ``/health`` says ``200 degraded`` while calls are stuck, and a 503
+    during the sessions is a violation (`checks.wedge_problems`)."""
+    return CALLS_LEFT_PER_SESSION * sessions_at_once + stuck_plans + 1
+
+
 STUCK_ORDER_MARGIN_S: Final = 0.25
 """An ``engine_stuck`` session's ``stall_timeout`` must reach its client at least this long
 before the blocked call returns (at least 0.5 s is left by the block lengths, at the
@@ -192,6 +214,48 @@ ROUND_BUDGET_S: Final = 15.0
 """What a round adds to the soak's default deadline (it takes 2-5 s)."""
 
 
+# --------------------------------------------------------------------------------------
+# The batched part: a server of its own with the held engine, and wedge rounds
+# --------------------------------------------------------------------------------------
+
+REPO_ROOT: Final = Path(__file__).resolve().parents[2]
+"""Where ``bench`` is importable from: the batched server imports its engine from it."""
+HELD_ENGINE: Final = "bench._soak.held_engine:create_engine"
+"""The batched part's engine: shapes batching 4 sessions' steps, whose batched step the
+soak can hold (``held_engine.py``)."""
+BATCHED_MAX_SESSIONS: Final = 4
+"""The batched server's ``--max-sessions``, and its engine's ``max_batch``: every session
+it admits steps in one batch with the others."""
+DEFAULT_BATCHED_SESSIONS: Final = 32
+"""``--batched-sessions``: normal sessions on the batched server, 4 at a time."""
+DEFAULT_WEDGE_ROUNDS: Final = 4
+"""``--wedge-rounds``: rounds in which two sessions sharing a hold token wedge it."""
+HOLD_PARAM: Final = "hold"
+"""The ``extra_params`` key of a session's hold token (``held_engine.py``)."""
+HOLD_TOKEN: Final = re.compile(r"[a-z0-9-]{1,32}")
+"""What a hold token may be, whole: it names a file in the hold directory, so no ``/``
+and no ``.``."""
+HELD_SESSIONS: Final = 2
+"""Sessions of a wedge round that share its hold token: a batch of 2 rows, held."""
+HELD_NUM_FRAMES: Final = 2400
+"""A held session's video: far longer than the round, so that it cannot end before its
+rows meet in a batch."""
+AFTER_WEDGE_SESSIONS: Final = 2
+"""Normal sessions after each round's release, at once (so they batch): they must
+complete, the batcher taking rows again."""
+HEALTH_POLL_S: Final = 0.05
+"""How often a wedge round asks ``/health`` while it waits for the wedge or its end."""
+BATCHED_BUDGET_S: Final = 75.0
+"""What the batched part adds to the soak's default deadline beside its sessions and
+rounds: its server's start (shapes imports torch), and two settles (idle trim, Trio's
+idle threads, 11-20 s each)."""
+BATCHED_SESSION_BUDGET_S: Final = 0.5
+"""Per batched session (4 at a time, well under a second each)."""
+WEDGE_ROUND_BUDGET_S: Final = 20.0
+"""Per wedge round: the stall timeout, the sessions' close wait (5 s), the wedge's checks,
+the release and two sessions after it (9-12 s measured)."""
+
+
 @attrs.frozen(kw_only=True)
 class Timing:
     """The server's timeouts as the soak sets them, and how much lateness it tolerates."""
@@ -252,6 +316,21 @@ class Timing:
         return round(shortest + extra, 3)
 
     @property
+    def wedge_bound(self) -> float:
+        """Seconds from the end of a wedge round's held clients (their ``stall_timeout``,
+        the close) to ``/health`` answering 503: the sessions' wait for the calls they
+        left (the close timeout), after which the batcher gives up on the held batch and
+        is stuck, and 2 x slack."""
+        return self.close_timeout + 2 * self.slack
+
+    @property
+    def recover_bound(self) -> float:
+        """Seconds from the release of a held batch (its file created) to ``/health``
+        answering ``200 ok``: the held step sees the file within 10 ms, the batch runs
+        (tens of ms), and the batcher takes rows again: slack."""
+        return self.slack
+
+    @property
     def drain_bound(self) -> float:
         """Seconds from a first signal to the exit of a round's server: its grace, a close
         timeout to wind sessions down and one to abort them (server.py's drain), slack."""
@@ -268,6 +347,8 @@ class Settings:
     warmup: int | None = None
     deadline_s: float | None = None
     shutdown_rounds: int = DEFAULT_SHUTDOWN_ROUNDS
+    batched_sessions: int = DEFAULT_BATCHED_SESSIONS
+    wedge_rounds: int = DEFAULT_WEDGE_ROUNDS
     timing: Timing = Timing()
 
     @property
@@ -280,21 +361,42 @@ class Settings:
         if self.deadline_s is not None:
             return self.deadline_s
         sessions = max(90.0, 30.0 + 0.6 * (self.sessions + self.warmup_sessions))
-        return sessions + self.rounds_reserve_s
+        return sessions + self.rounds_reserve_s + self.batched_reserve_s
 
     @property
     def rounds_reserve_s(self) -> float:
         """Kept back from the session phases for the shutdown rounds."""
         return ROUND_BUDGET_S * self.shutdown_rounds
 
+    @property
+    def batched(self) -> bool:
+        """Whether the run has a batched part (`BATCHED_MAX_SESSIONS`)."""
+        return self.batched_sessions > 0 or self.wedge_rounds > 0
 
-def server_command(s: Settings) -> list[str]:
+    @property
+    def batched_reserve_s(self) -> float:
+        """Kept back from the session phases for the batched part."""
+        if not self.batched:
+            return 0.0
+        return (
+            BATCHED_BUDGET_S
+            + BATCHED_SESSION_BUDGET_S * self.batched_sessions
+            + WEDGE_ROUND_BUDGET_S * self.wedge_rounds
+        )
+
+
+def server_command(s: Settings, stuck_plans: int = 0) -> list[str]:
     """The server under test: as many session slots as the soak runs at once (so that any
     ``server_busy`` is a violation), short timeouts, small byte limits, INFO logging
-    (the log check reads every session's records)."""
+    (the log check reads every session's records), and a wedge bound above what the mix
+    leaves stuck (`stuck_calls_bound`; ``stuck_plans``: its ``engine_stuck`` sessions),
+    never an exit when wedged (a supervisor's variable in the environment would turn it
+    on)."""
     t = s.timing
     extra = ["--stall-timeout", str(t.stall_timeout), "--start-timeout", str(t.start_timeout)]
     extra += ["--shutdown-grace", str(t.shutdown_grace), "--log-level", "INFO"]
+    extra += ["--max-stuck-calls", str(stuck_calls_bound(s.concurrency, stuck_plans))]
+    extra += ["--no-exit-when-wedged"]
     return synthetic_server_command(
         ENGINE_ARGS,
         max_sessions=s.concurrency,
@@ -307,7 +409,9 @@ def server_command(s: Settings) -> list[str]:
 def round_server_command(engine: str, timing: Timing) -> list[str]:
     """A shutdown round's server: ``engine`` on 127.0.0.1 with 8 session slots, the soak's
     timeouts, and the default grace (``ROUND_SHUTDOWN_GRACE``), INFO logging (the round
-    reads the signals' records)."""
+    reads the signals' records), and a wedge bound above what its sessions leave stuck
+    (`stuck_calls_bound`: a second signal leaves every session's calls running for a
+    moment, an ``engine_stuck`` round's blocked ones for good)."""
     command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--engine", engine]
     for key, value in ROUND_ENGINES[engine].args:
@@ -316,4 +420,25 @@ def round_server_command(engine: str, timing: Timing) -> list[str]:
     command += ["--stall-timeout", str(timing.stall_timeout)]
     command += ["--start-timeout", str(timing.start_timeout)]
     command += ["--shutdown-grace", str(ROUND_SHUTDOWN_GRACE), "--log-level", "INFO"]
+    command += ["--max-stuck-calls", str(stuck_calls_bound(ROUND_SESSIONS[1], 0))]
+    command += ["--no-exit-when-wedged"]
+    return command
+
+
+def batched_server_command(timing: Timing, hold_dir: Path) -> list[str]:
+    """The batched part's server: the held engine (``hold_dir``: where the soak creates
+    its hold tokens' files) with 4 session slots and batches of 4, the soak's timeouts,
+    INFO logging, and a wedge bound above what a wedge round leaves stuck by count (its
+    held batch, and the held sessions' calls for a moment): the round wedges the server
+    by its batcher, stuck on the held batch, whatever the count (server.py's
+    ``_check_wedged``). Never an exit when wedged: the rounds wait for the recovery."""
+    command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
+    command += ["--port", "0", "--engine", HELD_ENGINE, "--engine-arg", f"hold_dir={hold_dir}"]
+    command += ["--engine-arg", f"max_batch={BATCHED_MAX_SESSIONS}"]
+    command += ["--max-sessions", str(BATCHED_MAX_SESSIONS)]
+    command += ["--max-stuck-calls", str(stuck_calls_bound(BATCHED_MAX_SESSIONS, 0))]
+    command += ["--no-exit-when-wedged"]
+    command += ["--stall-timeout", str(timing.stall_timeout)]
+    command += ["--start-timeout", str(timing.start_timeout)]
+    command += ["--shutdown-grace", str(timing.shutdown_grace), "--log-level", "INFO"]
     return command

@@ -41,7 +41,7 @@ from bench._soak.checks import (
     exit_bound,
     round_ending,
 )
-from bench._soak.client import Conn
+from bench._soak.client import Conn, describe_error, rejected_upgrade
 from bench._soak.plans import ShutdownPlan, make_shutdown_plans, stuck_at
 from bench._soak.report import Violation
 from bench._soak.serverlog import log_problems, signal_problems, stuck_problems, taken_line
@@ -134,6 +134,10 @@ async def _client(
             nursery.cancel_scope.cancel()
     except OSError as exc:  # the connect
         tr.client_error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        if rejected_upgrade(exc) is None:
+            raise  # a soak bug: the round fails loudly
+        tr.client_error = describe_error(exc)  # a refused upgrade (in a nursery's group)
     finally:
         tr.ended_at = now()
         tr.timed_out = tr.closed_at is None and tr.client_error is None

@@ -1,14 +1,18 @@
-"""The soak test (``bench/soak.py``): its short form against a real server, and the
-server it starts.
+"""The soak test (``bench/soak.py``): its short form against real servers, and the
+servers it starts.
 
-The short form (200 randomized sessions of every kind, a stuck engine's among them, then
-3 shutdown rounds that stop a server with two signals, one of them with an engine call
-stuck, ~60 s) runs in CI like the benchmark's ``--quick``: as a subprocess, judged from
-its JSON report. It must find no violation. The checks that
-decide that are unit-tested module by module, with bad input that proves each can fail
-(``test_soak_checks.py``, ``test_soak_serverlog.py``, ``test_soak_resources.py``,
-``test_soak_plans.py``, ``test_soak_shutdown.py``), since a soak that never fails
-proves nothing.
+The short form runs in CI like the benchmark's ``--quick``: as a subprocess, judged from
+its JSON report, and must find no violation. It is the main mix small (20 randomized
+sessions, so every kind once, a stuck engine's of both variants among them, on the
+synthetic engine), then the batched part: a server whose engine batches 4 sessions'
+steps, 8 sessions on it, and 2 wedge rounds (two sessions whose batch is held wedge it:
+503 on /health and on a new upgrade, until the soak releases the batch; then 200 ok and
+sessions complete again). 80-90 s on a loaded 2-core machine. The shutdown rounds are
+left out here (``--shutdown-rounds 0``): ``test_soak_shutdown.py`` runs real ones. The
+checks that decide are unit-tested module by module, with bad input that proves each
+can fail (``test_soak_checks.py``, ``test_soak_serverlog.py``, ``test_soak_resources.py``,
+``test_soak_plans.py``, ``test_soak_shutdown.py``, ``test_soak_held_engine.py``), since a
+soak that never fails proves nothing.
 """
 
 from __future__ import annotations
@@ -22,23 +26,29 @@ import pytest
 
 from bench._soak.plans import make_plans
 from bench._soak.settings import (
+    BATCHED_MAX_SESSIONS,
+    HELD_ENGINE,
     KINDS,
-    ROUND_KINDS,
+    ROUND_SESSIONS,
     ROUND_SHUTDOWN_GRACE,
     STUCK_VARIANTS,
     Settings,
     Timing,
+    batched_server_command,
     round_server_command,
     server_command,
+    stuck_calls_bound,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 SOAK = REPO / "bench" / "soak.py"
-SHORT_FORM = ("--sessions", "200", "--concurrency", "8", "--seed", "1", "--deadline", "140")
-SHORT_FORM += ("--shutdown-rounds", "3")
+SEED = 11
+"""Its 20 sessions have an ``engine_stuck`` session of each variant."""
+SHORT_FORM = ("--sessions", "20", "--concurrency", "8", "--seed", str(SEED))
+SHORT_FORM += ("--shutdown-rounds", "0", "--batched-sessions", "8", "--wedge-rounds", "2")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(290)
 def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
     done = subprocess.run(
@@ -46,7 +56,7 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=270,
     )
     assert output.exists(), done.stderr[-3000:]
     report = json.loads(output.read_text())
@@ -56,7 +66,7 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
     assert report["passed"] is True
     # Every kind ran, and each ended the way it should at least once.
     assert set(report["kinds"]) == set(KINDS)
-    assert sum(k["count"] for k in report["kinds"].values()) == 200
+    assert sum(k["count"] for k in report["kinds"].values()) == 20
     assert report["kinds"]["engine_fail"]["outcomes"] == {
         "error:generation_failed": report["kinds"]["engine_fail"]["count"]
     }
@@ -64,44 +74,68 @@ def test_short_soak_finds_no_violation(tmp_path: Path) -> None:
         "close:1009": report["kinds"]["oversized_frame"]["count"]
     }
     # A stuck engine: the stall error on time, while blocked (the server's record is
-    # checked too); /health back to ok once the abandoned calls have returned.
+    # checked too); /health said degraded while calls were stuck, never 503 (the wedge
+    # bound is above what the mix leaves stuck), and ok once they had returned.
     stuck = report["kinds"]["engine_stuck"]
     assert stuck["outcomes"] == {"error:stall_timeout": stuck["count"]}
     assert stuck["server_outcomes"] == {"stalled:stall_timeout": stuck["count"]}
     assert report["health"]["at_the_end"] == "200 ok"
-    # Seed 1's short form has both variants: calls that return while their session waits,
-    # and calls abandoned, during which /health must say degraded (and did, when polled).
-    plans = make_plans(1, 200, Settings(concurrency=8).warmup_sessions)
+    plans = make_plans(SEED, 20, Settings(concurrency=8).warmup_sessions)
     variants = {p.params["variant"] for p in plans if p.kind == "engine_stuck" and not p.warmup}
     assert variants == set(STUCK_VARIANTS)
-    assert report["health"]["answers"].get("503 degraded", 0) > 0
+    answers = report["health"]["answers"]
+    assert answers.get("200 degraded", 0) > 0
+    assert not [answer for answer in answers if answer.startswith("503")]
+    assert 0 < report["health"]["peak_stuck_calls"] < report["settings"]["max_stuck_calls"]
     resources = report["resources"]
     assert resources["final"]["threads"] <= resources["baseline"]["threads"]
     assert resources["final"]["fds"] <= resources["baseline"]["fds"]
     assert report["server"]["exit_status"] == 0
-    # The shutdown rounds: every kind, both engines, each server out at once after its
-    # second signal, a stuck engine's too.
-    rounds = report["shutdown_rounds"]
-    assert {r["kind"] for r in rounds} == set(ROUND_KINDS)
-    assert {r["engine"] for r in rounds} == {"shapes", "synthetic"}
-    assert all(r["stuck"] > 0 for r in rounds if r["kind"] == "engine_stuck")
-    for info in rounds:
-        assert info["problems"] == [] and info["exit_status"] == 0 and not info["killed"]
-        assert info["exit_s"] <= report["thresholds"]["second_signal_exit_s"]
-        assert sum(info["clients"].values()) == info["sessions"]
-    assert sum("shutdown round" in line for line in done.stdout.splitlines()) == 3
+    # The batched part: its sessions completed, batched; each wedge round wedged the
+    # server (503 on /health and before an upgrade), and it recovered once released.
+    batched = report["batched"]
+    assert batched["sessions"] == {"warmup": 4, "batched": 8, "held": 4, "after_wedge": 4}
+    assert batched["kinds"]["normal"]["outcomes"] == {"done": 8 + 4}
+    assert batched["kinds"]["held"]["outcomes"] == {"error:stall_timeout": 4}
+    assert batched["kinds"]["held"]["server_outcomes"] == {"stalled:stall_timeout": 4}
+    assert batched["batches"]["batch_rows"] > batched["batches"]["batches"] > 0
+    assert len(batched["wedge_rounds"]) == 2
+    for info in batched["wedge_rounds"]:
+        assert info["problems"] == [] and info["after"] == {"done": 2}
+        assert info["health_wedged"].startswith("503 engine_unavailable: ")
+        assert info["upgrade"].startswith("503 engine_unavailable: ")
+        assert info["recovered_after_s"] <= report["thresholds"]["recover_s"]
+    resources = batched["resources"]
+    assert resources["final"]["threads"] <= resources["baseline"]["threads"]
+    assert resources["final"]["fds"] <= resources["baseline"]["fds"]
+    assert batched["server"]["exit_status"] == 0
+    assert sum("wedge round" in line for line in done.stdout.splitlines()) == 2
     assert "soak PASS" in done.stdout.splitlines()[-1]
 
 
 def test_the_server_command_only_listens_on_loopback() -> None:
-    command = server_command(Settings(concurrency=5))
+    command = server_command(Settings(concurrency=5), stuck_plans=3)
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--max-sessions") + 1] == "5"
+    # Never wedged by its mix: every session's calls and every stuck plan's, and one more.
+    assert command[command.index("--max-stuck-calls") + 1] == str(2 * 5 + 3 + 1)
+    assert "--no-exit-when-wedged" in command
     assert Settings(sessions=200).total_deadline_s < Settings().total_deadline_s
     rounds = round_server_command("shapes", Timing())
     assert rounds[rounds.index("--host") + 1] == "127.0.0.1"
     assert rounds[rounds.index("--engine") + 1] == "shapes"
     assert float(rounds[rounds.index("--shutdown-grace") + 1]) == ROUND_SHUTDOWN_GRACE
+    assert rounds[rounds.index("--max-stuck-calls") + 1] == str(
+        stuck_calls_bound(ROUND_SESSIONS[1], 0)
+    )
     # A second signal must beat the drain by far, or a drain could pass for it.
     assert Timing().stop_bound < ROUND_SHUTDOWN_GRACE / 2
     assert Settings(shutdown_rounds=0).total_deadline_s < Settings().total_deadline_s
+    held = batched_server_command(Timing(), Path("/tmp/holds"))
+    assert held[held.index("--host") + 1] == "127.0.0.1"
+    assert held[held.index("--engine") + 1] == HELD_ENGINE
+    assert "hold_dir=/tmp/holds" in held and f"max_batch={BATCHED_MAX_SESSIONS}" in held
+    assert held[held.index("--max-sessions") + 1] == str(BATCHED_MAX_SESSIONS)
+    assert int(held[held.index("--max-stuck-calls") + 1]) > 0  # the batcher can wedge it
+    no_batched = Settings(batched_sessions=0, wedge_rounds=0)
+    assert not no_batched.batched and no_batched.total_deadline_s < Settings().total_deadline_s

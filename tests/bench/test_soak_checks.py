@@ -1,6 +1,7 @@
 """The soak's transcript and server-record checks (``bench/_soak/checks.py``), fed fake
 transcripts: good sessions pass, and each broken rule (two terminal messages, an error
-without a code, a wrong close, lost frames, a late timeout, ...) is flagged.
+without a code, a wrong close, lost frames, a late timeout, ...) is flagged; so are a
+wedge round's broken rules (no 503, an upgrade accepted while wedged, no recovery).
 """
 
 from __future__ import annotations
@@ -11,17 +12,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+from trio_websocket import ConnectionRejected
 
 from bench._soak.checks import (
     Event,
     HealthSample,
     Transcript,
+    WedgeRecord,
     check_health,
     check_server_record,
     check_server_records,
     check_transcript,
+    check_wedge_round,
+    peak_stuck_calls,
+    wedge_problems,
 )
-from bench._soak.plans import Plan, make_plan
+from bench._soak.client import describe_error, rejected_upgrade
+from bench._soak.plans import Plan, make_held_plan, make_plan
 from bench._soak.settings import Timing
 
 TIMING = Timing()
@@ -355,11 +362,119 @@ def test_health_must_say_degraded_while_an_abandoned_call_is_blocked() -> None:
     client connected at 0, the block lasts 10.5 s)."""
     plan, tr = _stuck("abandoned", block_s=10.5), _stalled_at(1.65)
     record = _stalled_record(closed=None, ended=7.0)
-    degraded = "degraded: 1 engine call(s) stuck after their sessions ended"
-    fine = [_health(6.5, 200, "ok"), _health(7.5, 503, degraded), _health(10.6, 200, "ok")]
+    degraded = "degraded: 1 engine call(s) stuck after their sessions ended (wedged at 19)"
+    fine = [_health(6.5, 200, "ok"), _health(7.5, 200, degraded), _health(10.6, 200, "ok")]
     assert check_health(plan, tr, record, fine) == []
     lying = [*fine, _health(9.0, 200, "ok")]
-    assert _flagged(check_health(plan, tr, record, lying), "/health answered 200 2.00 s after")
+    assert _flagged(check_health(plan, tr, record, lying), "/health answered 200 ok 2.00 s after")
     # Only the abandoned variant is judged: a returning call is never abandoned.
     assert check_health(_stuck("returns"), tr, record, lying) == []
     assert check_health(_plan("normal"), tr, record, lying) == []
+
+
+def test_the_soak_server_must_never_count_as_wedged() -> None:
+    """Its wedge bound is above what the mix leaves stuck: a 503 (or a degraded count at
+    the bound) is flagged, once; ``200 degraded`` below it is right, and its count is
+    the peak reported."""
+    degraded = "degraded: {} engine call(s) stuck after their sessions ended (wedged at 19)"
+    fine = [_health(1.0, 200, "ok"), _health(2.0, 200, degraded.format(3))]
+    fine.append(_health(3.0, 200, degraded.format(1)))
+    assert wedge_problems(fine, bound=19) == []
+    assert peak_stuck_calls(fine) == 3
+    assert fine[1].degraded and not fine[1].ok and fine[0].ok
+    wedged = "engine_unavailable: Engine unavailable: 19 engine call(s) stuck"
+    samples = [*fine, _health(4.0, 503, wedged), _health(5.0, 503, wedged)]
+    problems = wedge_problems(samples, bound=19)
+    assert len(problems) == 1
+    assert _flagged(problems, "answered 503 engine_unavailable", "--max-stuck-calls (19)")
+    at_bound = wedge_problems([_health(1.0, 200, degraded.format(19))], bound=19)
+    assert _flagged(at_bound, "at the wedge bound 19")
+    assert peak_stuck_calls([_health(1.0, 200, "ok")]) == 0
+
+
+# --------------------------------------------------------------------------------------
+# The batched part: held sessions and wedge rounds
+# --------------------------------------------------------------------------------------
+
+
+def _held() -> Plan:
+    return make_held_plan(random.Random(0), 0, "wedge-0-abc")
+
+
+def test_a_held_session_must_end_in_a_timely_stall_error() -> None:
+    plan = _held()
+    assert plan.start is not None and plan.start["extra_params"] == {"hold": "wedge-0-abc"}
+    assert _problems(plan, _stalled_at(1.65)) == []
+    assert _flagged(_problems(plan, _stalled_at(4.2)), "stall_timeout after 4.09 s")
+    done = _transcript(_video(16))
+    assert _flagged(_problems(plan, done), "expected error stall_timeout", "got done")
+    assert check_server_record(plan, _stalled_at(1.65), _stalled_record(None), TIMING) == []
+    failed = {**_stalled_record(None), "outcome": "failed", "error_code": "generation_failed"}
+    assert _flagged(check_server_record(plan, _stalled_at(1.65), failed, TIMING), "'failed'")
+
+
+WEDGED = "engine_unavailable: Engine unavailable: its batched step is stuck (a forward ...)"
+
+
+def _wedge(**fields: Any) -> WedgeRecord:
+    """A round that went right: clients done at 10, ok until 14.9, wedged at 15 (503,
+    the upgrade refused), released at 16, ok at 16.1."""
+    health = [_health(14.9, 200, "ok"), _health(15.0, 503, WEDGED), _health(15.1, 503, WEDGED)]
+    health.append(_health(16.1, 200, "ok"))
+    values: dict[str, Any] = {
+        "clients_done_at": 10.0,
+        "health": health,
+        "wedged": health[1],
+        "upgrade": (503, WEDGED),
+        "released_at": 16.0,
+        "recovered": health[3],
+    }
+    return WedgeRecord(index=0, token="wedge-0-abc", **{**values, **fields})
+
+
+def test_a_wedge_round_that_went_right_passes() -> None:
+    assert check_wedge_round(_wedge(), TIMING) == []
+
+
+def test_a_wedge_that_never_came_or_came_late_or_wrong_is_flagged() -> None:
+    never = check_wedge_round(_wedge(wedged=None, upgrade=None), TIMING)
+    assert _flagged(never, "did not answer 503 within 8.0 s", "answers: 200 ok, 503")
+    late = _health(18.5, 503, WEDGED)
+    assert _flagged(check_wedge_round(_wedge(wedged=late), TIMING), "8.50 s after")
+    busy = _health(15.0, 503, "engine_unavailable: Engine unavailable: 9 engine call(s) stuck")
+    assert _flagged(check_wedge_round(_wedge(wedged=busy), TIMING), "naming the stuck batched")
+    draining = _health(15.0, 503, "draining")
+    assert _flagged(check_wedge_round(_wedge(wedged=draining), TIMING), "503 draining")
+    assert check_wedge_round(attrs.evolve(_wedge(), clients_done_at=None), TIMING) == [
+        "the held sessions' clients did not end (the soak's deadline?)"
+    ]
+
+
+def test_an_upgrade_accepted_while_wedged_is_flagged() -> None:
+    accepted = check_wedge_round(_wedge(upgrade=(101, "accepted")), TIMING)
+    assert _flagged(accepted, "upgrade while wedged got HTTP 101")
+    busy = check_wedge_round(_wedge(upgrade=(503, "too many connections")), TIMING)
+    assert _flagged(busy, "got HTTP 503 'too many connections'")
+    assert _flagged(check_wedge_round(_wedge(upgrade=None), TIMING), "no WebSocket upgrade")
+
+
+def test_a_wedge_that_ended_before_the_release_or_never_ended_is_flagged() -> None:
+    record = _wedge()
+    record.health.insert(2, _health(15.05, 200, "ok"))
+    assert _flagged(check_wedge_round(record, TIMING), "200 ok 0.05 s after the wedge")
+    stuck = check_wedge_round(_wedge(recovered=None), TIMING)
+    assert _flagged(stuck, "did not answer 200 ok within 1.5 s of the release")
+    late = check_wedge_round(_wedge(recovered=_health(17.8, 200, "ok")), TIMING)
+    assert _flagged(late, "200 ok 1.80 s after the release")
+    assert _flagged(check_wedge_round(_wedge(released_at=None), TIMING), "never released")
+
+
+def test_a_client_error_says_why_an_upgrade_was_refused() -> None:
+    rejected = ConnectionRejected(503, (), b"engine_unavailable: Engine unavailable\n")
+    group = ExceptionGroup("Exceptions from Trio nursery (1 sub-exception)", [rejected])
+    assert describe_error(group) == (
+        "WebSocket upgrade refused: HTTP 503: engine_unavailable: Engine unavailable"
+    )
+    assert rejected_upgrade(group) is rejected
+    assert rejected_upgrade(ValueError("x")) is None
+    assert describe_error(ValueError("x")) == "ValueError: x"

@@ -9,8 +9,22 @@ import random
 
 import pytest
 
-from bench._soak.plans import make_plan, make_plans, padded_interaction, padded_start
-from bench._soak.settings import KINDS, MAX_START_BYTES, STUCK_ORDER_MARGIN_S, Timing
+from bench._soak.plans import (
+    hold_token,
+    make_held_plan,
+    make_plan,
+    make_plans,
+    padded_interaction,
+    padded_start,
+)
+from bench._soak.settings import (
+    HELD_NUM_FRAMES,
+    HOLD_TOKEN,
+    KINDS,
+    MAX_START_BYTES,
+    STUCK_ORDER_MARGIN_S,
+    Timing,
+)
 from trio_vstream.engines.synthetic import BLOCK_SECONDS_MAX
 
 
@@ -67,3 +81,18 @@ def test_stuck_engines_block_longer_than_the_stall_timeout_as_their_variant_need
     assert seen == {"returns", "abandoned"}
     with pytest.raises(ValueError, match="unknown engine_stuck variant"):
         timing.stuck_block_s("sometimes", 1.0)
+
+
+def test_held_plans_share_their_rounds_token_and_tokens_never_repeat() -> None:
+    """A wedge round's sessions (the batched part): a long video whose steps share the
+    round's hold token, which the held engine accepts; each round's token is new."""
+    rng = random.Random(3)
+    tokens = [hold_token(rng, i) for i in range(50)]
+    assert len(set(tokens)) == 50 and all(HOLD_TOKEN.fullmatch(t) for t in tokens)
+    assert tokens[0].startswith("wedge-0-") and tokens[49].startswith("wedge-49-")
+    plans = [make_held_plan(rng, i, tokens[0]) for i in range(2)]
+    for plan in plans:
+        assert plan.kind == "held" and plan.label == "held" and not plan.warmup
+        assert plan.start is not None and plan.start["extra_params"] == {"hold": tokens[0]}
+        assert plan.num_frames == HELD_NUM_FRAMES
+        json.loads(plan.start_text())

@@ -1,13 +1,13 @@
 """The soak's log checks (``bench/_soak/serverlog.py``) over the shared log parser
 (``bench/_harness.py``): ERROR records, tracebacks and Python's complaints at exit are
-flagged unless the failure was injected, and the summary counts warnings with ids and
-numbers blanked.
+flagged unless the failure was injected (or, in the batched part, a wedge round's, once
+per wedge), and the summary counts warnings with ids and numbers blanked.
 """
 
 from __future__ import annotations
 
-from bench._harness import parse_log
-from bench._soak.serverlog import log_problems, log_summary
+from bench._harness import LogRecord, parse_log
+from bench._soak.serverlog import WEDGE_ERRORS, log_problems, log_summary, wedge_log_problems
 
 _ID = "video_stream-" + "a" * 32
 _OTHER = "video_stream-" + "b" * 32
@@ -54,3 +54,39 @@ def test_errors_and_complaints_at_exit_are_flagged() -> None:
         "Exception ignored in: <function Thread.__del__>",
         "Fatal Python error: _enter_buffered_busy",
     ]
+
+
+def _wedge_log(*extra: str) -> list[LogRecord]:
+    """A batched server's log with one wedge: the batcher's ERROR, the server's, the
+    recovery (warnings), and ``extra`` lines."""
+    lines = [
+        "2026-01-01 10:00:00,000 ERROR trio_vstream.steps: the batched step _call_batch hangs: "
+        "its session was abandoned; rows fail at once until it returns",
+        "2026-01-01 10:00:00,001 ERROR trio_vstream.server: engine wedged: 1 engine call(s) stuck "
+        "after their sessions ended (_call_batch); /health answers 503",
+        "2026-01-01 10:00:02,000 WARNING trio_vstream.steps: the engine's hung step returned",
+        "2026-01-01 10:00:02,001 WARNING trio_vstream.server: engine recovered: 0 engine call(s)",
+        *extra,
+    ]
+    return parse_log("\n".join(lines) + "\n")
+
+
+def test_a_wedge_rounds_errors_are_expected_once_per_wedge_and_no_others() -> None:
+    records = _wedge_log()
+    assert log_problems(records, set(), WEDGE_ERRORS) == []
+    assert len(log_problems(records, set())) == 2  # without the allowance: both flagged
+    assert wedge_log_problems(records, wedges=1) == []
+    # Two wedges, but the server said so once; or never.
+    missing = wedge_log_problems(records, wedges=2)
+    assert len(missing) == 2 and all("expected 2 (one per wedge)" in p for p in missing)
+    assert len(wedge_log_problems(parse_log(""), wedges=1)) == 2
+    # Any other error is still flagged, and so is an expected one with a traceback.
+    other = _wedge_log("2026-01-01 10:00:03,000 ERROR trio_vstream.session: internal error")
+    assert [r.lines[0][24:] for r in log_problems(other, set(), WEDGE_ERRORS)] == [
+        "ERROR trio_vstream.session: internal error"
+    ]
+    traced = parse_log(
+        "2026-01-01 10:00:00,000 ERROR trio_vstream.server: engine wedged: 1 engine call(s)\n"
+        "Traceback (most recent call last):\nValueError: boom\n"
+    )
+    assert len(log_problems(traced, set(), WEDGE_ERRORS)) == 1
