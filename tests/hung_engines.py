@@ -9,7 +9,9 @@ hanging dies with the test's process, which is the point of the tests that use t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from trio_vstream.engines import shapes
@@ -47,6 +49,30 @@ def shapes_whose_batches_hang(*, device: str = "auto", **args: str) -> shapes.Sh
         if len(steps) > 1:
             _NEVER.wait()
         return forward(steps)
+
+    engine.run_batch = run_batch  # type: ignore[method-assign]
+    return engine
+
+
+def shapes_whose_batches_wait(*, device: str = "auto", **args: str) -> shapes.ShapesEngine:
+    """The built-in model whose batched forward of two rows or more, each time, writes
+    ``entered`` into the folder ``markers`` (an engine arg) and waits, outside any
+    checkpoint, until a file ``release`` appears there (at most 60 s); then it runs, and
+    writes ``returned``: a step that is slow, not hung."""
+    markers = Path(args.pop("markers"))
+    engine = shapes.create_engine(device="cpu", **args)
+    forward = engine.run_batch
+
+    def run_batch(steps: Sequence[Any]) -> list[Any]:
+        if len(steps) > 1:
+            (markers / "entered").touch()
+            waited_until = time.monotonic() + 60.0
+            while not (markers / "release").exists() and time.monotonic() < waited_until:
+                time.sleep(0.01)  # another process's file: nothing to wait on
+        results = forward(steps)
+        if len(steps) > 1:
+            (markers / "returned").touch()
+        return results
 
     engine.run_batch = run_batch  # type: ignore[method-assign]
     return engine

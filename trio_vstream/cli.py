@@ -786,4 +786,11 @@ async def _serve_until_signalled(
                 else:
                     logger.info("%s: shutting down gracefully", signal.Signals(signum).name)
                     server.shutdown()
+    # Engine calls the stop left mid-step (a second signal does not wait for them) still
+    # run in their threads: the engine is not closed, nor the interpreter torn down, under
+    # a running step, which kills the process (libtorch's threads: "terminate called
+    # without an active exception", SIGABRT). A healthy step returns well within this;
+    # a hung one is waited for no longer, and the last resort ends the process.
+    with trio.move_on_after(min(config.session.close_timeout, last_resort.seconds_left() - 1.0)):
+        await server.abandoned_calls.wait_left_at_stop()
     return server.exit_status

@@ -226,6 +226,12 @@ class AbandonedCalls:
         if call in self.running:  # not returned already (then it was told above)
             self._on_change(len(self.running))
 
+    async def wait_left_at_stop(self) -> None:
+        """Return once every call left because the server stopped has returned: each
+        was only mid-step, as far as anyone knows. Unbounded: the caller bounds it."""
+        for call in list(self._at_stop):
+            await call.returned.wait()
+
     def names(self) -> list[str]:
         """What each running call is, for the log of a server that is stuck."""
         return sorted(call.name for call in self.running)

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 import pytest
@@ -279,3 +280,45 @@ async def test_sigterm_ends_the_process_with_a_hung_batched_forward(
         text = log_text(log)
         assert "the process did not exit in time" not in text
         assert status == 0
+
+
+@pytest.mark.slow
+async def test_a_second_signal_waits_for_a_step_in_flight_before_the_process_exits(
+    tmp_path: Path,
+) -> None:
+    """A second signal does not wait for the sessions' steps, but the process does, a
+    little, before it closes the engine and exits: a step cut by the interpreter's exit
+    killed the process (libtorch: "terminate called without an active exception",
+    status -6). Here the batched step is still waiting when the server has stopped; it
+    is let go then, and must have returned before the process ended, which ends 0."""
+    with serving(
+        "--engine", "tests.hung_engines:shapes_whose_batches_wait",
+        "--engine-arg", "max_batch=2", "--engine-arg", f"markers={tmp_path}",
+        "--no-exit-when-wedged",
+    ) as (process, url, log):  # fmt: skip
+        start = {**START, "num_frames": 480}
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(session_until_closed, url, start)
+            with trio.fail_after(30):
+                # Polled (ASYNC110): another process's file.
+                while not (tmp_path / "entered").exists():  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            await signal_twice(process, log)
+            with trio.fail_after(10):
+                while "stopping now" not in log_text(log):  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            (tmp_path / "release").touch()
+            status, _ = await exit_within(process, SECOND_SIGNAL_BOUND)
+            nursery.cancel_scope.cancel()
+        text = log_text(log)
+        assert (tmp_path / "returned").exists(), text
+        assert "terminate called" not in text
+        assert "the process did not exit in time" not in text
+        assert status == 0
+
+
+async def session_until_closed(url: str, start: dict[str, Any]) -> None:
+    """A session whose server may go away under it (the test stops it)."""
+    with contextlib.suppress(Exception):
+        await session(url, start)
