@@ -306,11 +306,15 @@ class VideoServer:
             )
             return
         self.metrics.engine_wedged()
+        if stuck >= bound:
+            why = f"{stuck} engine call(s) stuck after their sessions ended"
+            why += f" ({', '.join(self.abandoned_calls.names())})"
+        else:
+            why = "its batched step hangs (a forward that never returned)"
         logger.error(
-            "engine wedged: %d engine call(s) stuck after their sessions ended (%s); "
-            "/health answers 503 and new sessions are refused with engine_unavailable",
-            stuck,
-            ", ".join(self.abandoned_calls.names()),
+            "engine wedged: %s; /health answers 503 and new sessions are refused with "
+            "engine_unavailable",
+            why,
         )
         if self.config.exit_when_wedged and not self.shutting_down:
             logger.error(
