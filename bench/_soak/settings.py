@@ -410,8 +410,8 @@ def round_server_command(engine: str, timing: Timing) -> list[str]:
     """A shutdown round's server: ``engine`` on 127.0.0.1 with 8 session slots, the soak's
     timeouts, and the default grace (``ROUND_SHUTDOWN_GRACE``), INFO logging (the round
     reads the signals' records), and a wedge bound above what its sessions leave stuck
-    (`stuck_calls_bound`: a second signal leaves every session's calls running for a
-    moment, an ``engine_stuck`` round's blocked ones for good)."""
+    (`stuck_calls_bound`: a drain's ``engine_stuck`` sessions leave their blocked calls
+    for good; calls a second signal leaves mid-step are not counted as stuck)."""
     command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--engine", engine]
     for key, value in ROUND_ENGINES[engine].args:
