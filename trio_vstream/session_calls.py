@@ -26,6 +26,7 @@ with it and closes it as it returns (`next_chunk`). The server's counters
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -267,16 +268,21 @@ class SessionCalls:
         budget exhausted by a bug, or a wedged machine, must not hang the process).
         """
         stats = self._res.stats
+        close = _CloseOnce(encoder)
         stats.worker_threads += 1
         try:
             with trio.CancelScope(shield=True) as scope:
                 scope.deadline = trio.current_time() + timeout
                 await trio.to_thread.run_sync(
-                    close_quietly, encoder, limiter=self._res.thread_limiter, abandon_on_cancel=True
+                    close, limiter=self._res.thread_limiter, abandon_on_cancel=True
                 )
         finally:
             stats.worker_threads -= 1
         if scope.cancelled_caught:
+            # The deadline may have come before a thread was free to start the close:
+            # then it starts now in a thread of its own, outside the limiter, and is
+            # never skipped (an encoder left open keeps its x264 threads).
+            trio.lowlevel.start_thread_soon(close, lambda _result: None, name="encoder close")
             logger.warning(
                 "session %s: the encoder did not close within %.1f s; left to close in its thread",
                 self.request_id,
@@ -340,6 +346,24 @@ def release_chunk(chunk: Chunk | None, request_id: str | None) -> None:
         release_frames(chunk.frames)
     except Exception:
         logger.exception("session %s: releasing chunk %d's frames failed", request_id, chunk.index)
+
+
+class _CloseOnce:
+    """`close_quietly` for an encoder, run by whichever thread calls it first; later
+    calls return at once. Two threads may be given the close (see `close_encoder`), and
+    an encoder must not be closed by two at the same time."""
+
+    def __init__(self, encoder: FragmentedMP4Encoder) -> None:
+        self._encoder = encoder
+        self._lock = threading.Lock()
+        self._claimed = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        close_quietly(self._encoder)
 
 
 def close_quietly(encoder: FragmentedMP4Encoder) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -234,3 +234,31 @@ async def test_the_servers_own_work_is_never_left_behind(cancelled: bool) -> Non
         assert results == [] and res.stats.worker_threads == 1  # still waiting for it
         stream.go.set()
     assert results == ["encoded"] and res.stats.worker_threads == 0
+
+
+async def test_an_encoder_close_that_found_no_free_thread_still_closes() -> None:
+    """The close timeout passes while the server's threads are all busy, before the
+    close could start: it starts in a thread of its own then, once (an encoder never
+    closed kept its x264 threads alive)."""
+    res = resources(Stream())
+    calls = SessionCalls(res)
+    closes: list[str] = []
+    closed = threading.Event()
+
+    class Encoder:
+        def close(self) -> None:
+            closes.append(threading.current_thread().name)
+            closed.set()
+
+    holders = [object() for _ in range(int(res.thread_limiter.total_tokens))]
+    for holder in holders:
+        res.thread_limiter.acquire_on_behalf_of_nowait(holder)
+    try:
+        assert not await calls.close_encoder(cast(Any, Encoder()), timeout=0.05)
+        assert await trio.to_thread.run_sync(closed.wait, WAIT)
+    finally:
+        for holder in holders:
+            res.thread_limiter.release_on_behalf_of(holder)
+    await trio.testing.wait_all_tasks_blocked()
+    assert closes == ["encoder close"]
+    assert res.stats.worker_threads == 0
