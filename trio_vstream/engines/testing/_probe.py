@@ -1,0 +1,84 @@
+"""The kit's checkpoint: `Probe`, and what it raises to stop (`CheckpointStopped`)
+or fail (`StepFailed`) a stream.
+
+Every rule drives streams through a `Probe`, counting their steps, stopping, failing or
+parking them at one; it is the one piece of the server every rule's module plays, so it
+lives on its own.
+
+A stop is a ``BaseException`` (`CheckpointStopped`), as the server's is (``trio.Cancelled``),
+so an engine that catches ``Exception`` around its steps still lets it through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import cast
+
+from trio_vstream.engines.base import Checkpoint, In, Out, RunBatch
+from trio_vstream.engines.testing._batcher import Batcher
+
+
+class CheckpointStopped(BaseException):
+    """What the kit's checkpoint raises to stop a stream: the session is over."""
+
+
+class StepFailed(Exception):
+    """What the kit's checkpoint raises to fail a step, as a failed batch row would."""
+
+
+class Probe(Checkpoint):
+    """The kit's checkpoint for one stream: counts its steps, and may stop it at one,
+    fail it at one, park it at one (until ``unpark`` is set), or batch its rows."""
+
+    def __init__(
+        self,
+        *,
+        stop_at: int | None = None,
+        fail_at: int | None = None,
+        park_at: int | None = None,
+        batcher: Batcher | None = None,
+    ) -> None:
+        self.steps = 0
+        """Steps begun: ``checkpoint()`` calls and batched steps."""
+        self.stop_at, self.fail_at, self.park_at = stop_at, fail_at, park_at
+        self.stopped = False
+        """The stop was raised: from now on every call raises it again."""
+        self.failed = False
+        self.calls_after_stop = 0
+        self.parked = threading.Event()
+        self.unpark = threading.Event()
+        self._batcher = batcher
+
+    def __call__(self) -> None:
+        self.check_cancelled()
+        self.steps += 1
+        if self.steps == self.park_at:
+            self.parked.set()
+            self.unpark.wait()
+        if self.steps == self.stop_at:
+            self.stopped = True
+            raise CheckpointStopped
+        if self.steps == self.fail_at:
+            self.failed = True
+            raise StepFailed(f"check_engine failed step {self.steps}")
+
+    def check_cancelled(self) -> None:
+        if self.stopped:
+            self.calls_after_stop += 1
+            raise CheckpointStopped
+
+    @contextlib.contextmanager
+    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
+        batcher = self._batcher
+        if batcher is None:  # each row alone: a step, then run_batch([row])
+            with super().batched(run_batch) as alone:
+                yield alone
+            return
+
+        def together(row: In) -> Out:
+            self()
+            return cast(Out, batcher.step(run_batch, row))
+
+        yield together
