@@ -1,9 +1,12 @@
 """The registry of pipeline families (``trio_vstream.engines.diffusers.loops``): every
-family is one module, found without being listed, asked in its order; the first that
-recognises a pipeline serves it."""
+family is one module, listed in ``FAMILIES`` in the order the registry asks them and
+imported when asked; the first that recognises a pipeline serves it."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,15 +28,7 @@ from trio_vstream.engines.diffusers.loops import (
 
 
 @pytest.fixture
-def fresh_registry() -> Iterator[None]:
-    """The registry read again (it is read once per process), and as it was afterwards."""
-    loops.registered.cache_clear()
-    yield
-    loops.registered.cache_clear()
-
-
-@pytest.fixture
-def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: None) -> Iterator[Path]:
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A folder the registry reads as part of ``loops`` (as if its modules were there);
     what it imported from it is forgotten afterwards."""
     monkeypatch.setattr(loops, "__path__", [*loops.__path__, str(tmp_path)])
@@ -42,7 +37,18 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_registry: None
         sys.modules.pop(f"{loops.__name__}.{module.stem}", None)
 
 
-def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
+def test_the_families_in_the_order_they_are_asked() -> None:
+    # The order the families' old ``LOOP.order`` numbers gave (10, 20, 30, 40, 45, 47,
+    # 1000): the same family serves every pipeline as before the list.
+    assert loops.FAMILIES == (
+        "history",
+        "forcing",
+        "far",
+        "framepack",
+        "sana_wm",
+        "ltx2",
+        "segments",
+    )
     assert loops.registered() == (
         history.LOOP,
         forcing.LOOP,
@@ -54,35 +60,77 @@ def test_the_families_in_the_order_they_are_asked(fresh_registry: None) -> None:
     )
 
 
-def test_a_new_family_is_one_module_in_the_folder(folder: Path) -> None:
-    """A module dropped beside the others is asked in its order, before the segment
-    path; a private module there is not a family."""
+def test_every_module_that_defines_a_loop_is_listed() -> None:
+    """A new family's module left out of ``FAMILIES`` would never be asked: each module
+    of the package that defines ``LOOP`` is listed, once, and only those are."""
+    defines_loop = {
+        module.name
+        for module in pkgutil.iter_modules(loops.__path__)
+        if hasattr(importlib.import_module(f"{loops.__name__}.{module.name}"), "LOOP")
+    }
+    assert len(set(loops.FAMILIES)) == len(loops.FAMILIES), loops.FAMILIES
+    assert set(loops.FAMILIES) == defines_loop
+
+
+def test_the_package_imports_no_family() -> None:
+    """The registry imports a family's module when it asks it, not before."""
+    code = (
+        "import sys\n"
+        "import trio_vstream.engines.diffusers.loops as loops\n"
+        "print(sorted(f for f in loops.FAMILIES if f'{loops.__name__}.{f}' in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_new_family_is_its_module_and_its_place_in_the_list(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module beside the others, listed before the segment path, serves the pipelines
+    it recognises; the families after it are not asked, nor imported."""
     (folder / "newfamily.py").write_text(
         "class NewFamily:\n"
         "    name = 'new'\n"
-        "    order = 50\n"
         "    def recognises(self, info):\n"
         "        return info.class_name == 'NewPipeline'\n"
         "LOOP = NewFamily()\n"
     )
-    (folder / "_helpers.py").write_text("raise AssertionError('not a family')\n")
-    found = loops.registered()
-    assert [loop.name for loop in found][-2:] == ["new", "segments"]
+    (folder / "after.py").write_text("raise AssertionError('asked after the one that served')\n")
+    monkeypatch.setattr(loops, "FAMILIES", ("newfamily", "after", "segments"))
     pipeline = SimpleNamespace(class_name="NewPipeline", params={}, pipe=None)
     assert loops.loop_for(pipeline).name == "new"  # type: ignore[arg-type]
+    assert f"{loops.__name__}.after" not in sys.modules
 
 
-def test_a_module_without_a_loop_is_an_error(folder: Path) -> None:
+def test_a_listed_module_without_a_loop_is_an_error(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (folder / "notafamily.py").write_text("X = 1\n")
+    monkeypatch.setattr(loops, "FAMILIES", ("notafamily", "segments"))
     with pytest.raises(ImportError, match="notafamily: a family's module defines LOOP"):
         loops.registered()
 
 
-def test_two_families_of_one_order_are_an_error(folder: Path) -> None:
-    twin = "class Twin:\n    name = 'twin'\n    order = 10\nLOOP = Twin()\n"
-    (folder / "twin.py").write_text(twin)  # Helios' order
-    with pytest.raises(ImportError, match="two families share an order"):
-        loops.registered()
+# The modules of the old circle (the stream imported the registry, whose protocol
+# imported the stream), and families that import the stream's helpers.
+FIRST_IMPORTS = [
+    "trio_vstream.engines.diffusers.loops._protocol",
+    "trio_vstream.engines.diffusers.loops",
+    "trio_vstream.engines.diffusers._stream",
+    "trio_vstream.engines.diffusers.loops.segments",
+    "trio_vstream.engines.diffusers.loops.sana_wm",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", FIRST_IMPORTS)
+def test_each_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_fixed_length_pipeline_takes_the_segment_path(

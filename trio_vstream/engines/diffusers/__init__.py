@@ -418,6 +418,7 @@ class DiffusersEngine:
             first=first,
             following=following,
             loop=self.loop,
+            world=self.loop if isinstance(self.loop, WorldLoop) else None,
             loop_plan=loop_plan,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,

@@ -30,13 +30,15 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.engines.diffusers._lora import LoadedLora
-from trio_vstream.engines.diffusers.loops import WorldLoop
 from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 from trio_vstream.logsafe import get_logger
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
-    from trio_vstream.engines.diffusers.loops import Loop
+
+    # Annotations only: the families import this module (its helpers) at run time, and
+    # it imports nothing of theirs, so there is no import circle.
+    from trio_vstream.engines.diffusers.loops import Loop, WorldLoop
 
 logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
@@ -67,6 +69,9 @@ class StreamPlan:
     """Runs the chunks after it."""
     loop: Loop[Any]
     """The family that makes each chunk (the engine's)."""
+    world: WorldLoop | None
+    """The same family when it is a world model steered by cameras (`loops.WorldLoop`),
+    else None: the engine's to tell (this module imports no family's module)."""
     loop_plan: Any
     """What the family planned for this request (``loop.plan``), for ``loop.start``."""
     call_kwargs: Mapping[str, Mapping[str, Any]]
@@ -117,9 +122,9 @@ class DiffusersStream:
         """Queue a prompt change; it starts with the next chunk (a running one is not
         touched: its embeddings went into the call already). A camera goes to a world
         model's run (`loops.WorldLoop`), which applies it from the next chunk too."""
-        loop = self.plan.loop
-        if change.camera is not None and isinstance(loop, WorldLoop):
-            loop.steer(self._run, change)
+        world = self.plan.world
+        if change.camera is not None and world is not None:
+            world.steer(self._run, change)
             if change.prompt is None:
                 return
         self._schedule.push(change)

@@ -18,32 +18,36 @@ A family is the pipelines the engine streams one way:
   samples of the call's vocoder waveform. A family that makes sound also implements
   `SoundLoop` (the engine then declares the sound).
 
-The engine asks the registry once, at start-up (`loop_for`): the first family, in
-``LOOP.order``, that recognises the ``model`` pipeline serves it, and that one value
-decides everything the engine does per family.
+The engine asks the registry once, at start-up (`loop_for`): the families are asked in
+the order `FAMILIES` lists them, and the first that recognises the ``model`` pipeline
+serves it; that one value decides everything the engine does per family. A family's
+module is imported when the registry first asks it (as vLLM's model registry imports a
+model's module only when it is needed): importing this package imports none of them.
 
-Adding a family is one new module here and its tests:
+Adding a family is one new module here, its name in `FAMILIES`, and its tests:
 
-1. ``loops/<family>.py`` (a name without a leading underscore: the registry imports
-   every such module of this package; ``_``-modules hold what families share, such as
-   `_vae`) defines ``LOOP``, an object implementing `Loop`: its ``name``, its ``order``
-   (below the segment path's 1000), ``recognises`` (what the pipeline's ``__call__``
-   takes and the parts its loop needs), ``segment_frames`` (what the engine arg means
-   for it), ``extra_params`` (its allow-list: `ExtraParams` built from the checks in
-   ``_extra``, ``by_plan`` for the keys its plan checks against the video),
-   ``engine_set``, ``plan`` (a request's video, every problem appended, nothing run) and
-   ``start``, whose `Run` makes each chunk (``next_chunk``) and drops its tensors
-   (``close``). A loop the engine drives hands each pass to
-   ``DiffusersStream.driven_chunk`` (the lock, the LoRA, the prompt blend, the host copy);
-   a loop of pipeline calls can build on ``segments.SegmentRun``, as ``history`` does.
-   A family whose steps can run batched across sessions also sets ``batches = True``
-   (optional, read with a default) and, when the engine's ``max_batch`` > 1, steps
-   inside ``checkpoint.batched`` with one ``run_batch`` per batch key
-   (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and ``far`` do. A
-   family of pipeline calls built on ``SegmentRun`` batches its calls' transformer
-   forwards through ``_calls.BatchedCall`` (``segments``, ``history``); its optional
-   ``batches_for(model, i2v)`` says which pipelines it batches.
-2. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
+1. ``loops/<family>.py`` (a name without a leading underscore; ``_``-modules hold what
+   families share, such as `_vae`) defines ``LOOP``, an object implementing `Loop`: its
+   ``name``, ``recognises`` (what the pipeline's ``__call__`` takes and the parts its
+   loop needs), ``segment_frames`` (what the engine arg means for it), ``extra_params``
+   (its allow-list: `ExtraParams` built from the checks in ``_extra``, ``by_plan`` for
+   the keys its plan checks against the video), ``engine_set``, ``plan`` (a request's
+   video, every problem appended, nothing run) and ``start``, whose `Run` makes each
+   chunk (``next_chunk``) and drops its tensors (``close``). A loop the engine drives
+   hands each pass to ``DiffusersStream.driven_chunk`` (the lock, the LoRA, the prompt
+   blend, the host copy); a loop of pipeline calls can build on ``segments.SegmentRun``,
+   as ``history`` does. A family whose steps can run batched across sessions also sets
+   ``batches = True`` (optional, read with a default) and, when the engine's
+   ``max_batch`` > 1, steps inside ``checkpoint.batched`` with one ``run_batch`` per
+   batch key (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and
+   ``far`` do. A family of pipeline calls built on ``SegmentRun`` batches its calls'
+   transformer forwards through ``_calls.BatchedCall`` (``segments``, ``history``); its
+   optional ``batches_for(model, i2v)`` says which pipelines it batches.
+2. Its module's name in `FAMILIES`, before the first family that would take its
+   pipelines (always before ``segments``, which takes any): the registry asks only the
+   families listed there, and ``tests/diffusers_engine/test_loops.py`` fails while a
+   module of this package that defines ``LOOP`` is missing from it.
+3. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
    (a builder in ``tiny``): the streamed frames equal the pipeline's own single call,
    sessions take turns, a stop ends within a step and the stopped chunk is not decoded,
    memory stays flat (or says why not), and the ``extra_params`` it refuses.
@@ -51,9 +55,8 @@ Adding a family is one new module here and its tests:
 
 from __future__ import annotations
 
-import functools
 import importlib
-import pkgutil
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from trio_vstream.engines.diffusers.loops._protocol import (
@@ -67,30 +70,57 @@ from trio_vstream.engines.diffusers.loops._protocol import (
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
 
-__all__ = ["Draft", "Loop", "Run", "SoundLoop", "WorldLoop", "loop_for", "registered"]
+__all__ = [
+    "FAMILIES",
+    "Draft",
+    "Loop",
+    "Run",
+    "SoundLoop",
+    "WorldLoop",
+    "family",
+    "loop_for",
+    "registered",
+]
+
+FAMILIES: tuple[str, ...] = (
+    "history",
+    "forcing",
+    "far",
+    "framepack",
+    "sana_wm",
+    "ltx2",
+    "segments",  # last: it takes any pipeline
+)
+"""Every family's module, in the order the registry asks them: the first that
+recognises a pipeline serves it."""
 
 
-@functools.cache
+def family(name: str) -> Loop[Any]:
+    """The ``LOOP`` of family ``name`` (one of `FAMILIES`), its module imported now if
+    it was not yet."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    loop: Loop[Any] | None = getattr(module, "LOOP", None)
+    if loop is None:
+        raise ImportError(f"{module.__name__}: a family's module defines LOOP")
+    return loop
+
+
+def _asked() -> Iterator[Loop[Any]]:
+    """The families in the order the registry asks them, each imported when reached."""
+    for name in FAMILIES:
+        yield family(name)
+
+
 def registered() -> tuple[Loop[Any], ...]:
-    """Every family's ``LOOP``, in the order the registry asks them (``LOOP.order``)."""
-    loops: list[Loop[Any]] = []
-    for module in pkgutil.iter_modules(__path__):
-        if module.name.startswith("_"):
-            continue
-        family = importlib.import_module(f"{__name__}.{module.name}")
-        loop = getattr(family, "LOOP", None)
-        if loop is None:
-            raise ImportError(f"{family.__name__}: a family's module defines LOOP")
-        loops.append(loop)
-    orders = [loop.order for loop in loops]
-    if len(set(orders)) != len(orders):
-        raise ImportError(f"two families share an order: {sorted(orders)}")
-    return tuple(sorted(loops, key=lambda loop: loop.order))
+    """Every family's ``LOOP``, in the order the registry asks them (`FAMILIES`); this
+    imports them all."""
+    return tuple(_asked())
 
 
 def loop_for(info: PipelineInfo) -> Loop[Any]:
-    """The family that serves ``info``: the first, in order, that recognises it."""
-    for loop in registered():
+    """The family that serves ``info``: the first, in `FAMILIES`' order, that recognises
+    it. Only the families asked are imported."""
+    for loop in _asked():
         if loop.recognises(info):
             return loop
     raise LookupError(f"no family serves {info.class_name}")  # the segment path takes any

@@ -68,13 +68,11 @@ class Run(Protocol):
 
 class Loop(Protocol[PlanT]):
     """A family of pipelines, and the loop that streams them (one object per family, as
-    ``LOOP`` in its module; see the package's docstring for how to add one)."""
+    ``LOOP`` in its module, named in the registry's ``FAMILIES``; see the package's
+    docstring for how to add one)."""
 
     name: str
     """The family, for the log."""
-    order: int
-    """The registry asks the families in this order, lowest first, and the first that
-    recognises a pipeline serves it: the segment path, which takes any pipeline, last."""
     frame_continued: bool
     """Whether chunks after the first continue from the last frame, through an
     image-to-video pipeline (``i2v_model``, or the model itself). False for a family that

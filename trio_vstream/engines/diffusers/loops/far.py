@@ -82,7 +82,6 @@ class FarChunks:
     """AnyFlow FAR pipelines (`Loop`): the causal chunk loop, driven by the engine."""
 
     name = "FAR chunks"
-    order = 30
     batches = True
     """Its chunks' flow-map steps and cache passes run batched across sessions when the
     engine's ``max_batch`` > 1 (`ChunkGroup`, `CachePassGroup`)."""

@@ -79,7 +79,6 @@ class ForcingWindows:
     """Diffusion-forcing pipelines (`Loop`): the window loop, driven by the engine."""
 
     name = "forcing windows"
-    order = 20
     batches = True
     """Its windows' steps run batched across sessions when the engine's ``max_batch`` > 1
     (`ForwardGroup`)."""

@@ -116,7 +116,6 @@ class FramepackSections:
     engine; inverted sampling, the segment path (decided per request, in `plan`)."""
 
     name = "FramePack sections"
-    order = 40
     batches = True
     """Vanilla sections' steps run batched across sessions when the engine's
     ``max_batch`` > 1 (`SectionGroup`); inverted sampling's segments do not."""

@@ -221,7 +221,6 @@ class HistoryChunks:
     session's history latents."""
 
     name = "history chunks"
-    order = 10
     batches = True
     """Its chunks' forwards run batched across sessions when the engine's ``max_batch`` > 1
     (`_calls.BatchedCall`)."""

@@ -124,7 +124,6 @@ class LTX2Segments(Segments):
     """LTX-2 (`Loop`, `SoundLoop`): the segment path, each chunk with its soundtrack."""
 
     name = "LTX-2 segments"
-    order = 47
     batches = False
     """Its calls run alone under the lock (its transformer is not one `_calls` batches)."""
     engine_set: tuple[str, ...] = ("audio_latents", "min_seconds", "max_seconds")

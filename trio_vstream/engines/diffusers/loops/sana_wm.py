@@ -94,7 +94,6 @@ class SanaWMSegments(Segments):
     the ``camera`` interaction kind for it, and hands each camera to `steer`."""
 
     name = "SANA-WM segments"
-    order = 45
     batches = False
     """Its calls run alone under the lock (its transformer is not one `_calls` batches)."""
     frame_continued = False

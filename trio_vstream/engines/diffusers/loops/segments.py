@@ -63,7 +63,6 @@ class Segments:
     """The segment path (`Loop`): any pipeline, one call a segment."""
 
     name = "segments"
-    order = 1000
     batches = True
     """Its calls' forwards run batched across sessions when the engine's ``max_batch`` > 1,
     for the pipelines whose transformer takes it (`batches_for`)."""
