@@ -331,10 +331,9 @@ class StepBatcher:
         """Where a hung batch's call is counted until it returns (the server's)."""
         self._thread = trio.CapacityLimiter(1)
         self._handed_over = 0
-        self._running: list[_Row] | None = None
-        """The rows of the batch running now."""
         self._batch_scope: trio.CancelScope | None = None
-        """The running batch's wait: cancelled to abandon it (see `member_abandoned`)."""
+        """The running batch's wait, while one runs: cancelled to abandon it (see
+        `member_abandoned`)."""
         self._stuck_on: object | None = None
         """What hangs: a batch's `EngineCall`, or a `_Member` stepping alone; None when
         the batcher takes rows."""
@@ -429,7 +428,7 @@ class StepBatcher:
         alone = (
             self._alone is None  # another group's only member may be stepping alone
             and self._stuck_on is None
-            and self._running is None
+            and self._batch_scope is None  # no batch runs
             and not self._queues
             and self._members.get(member.run_batch) == {member}
         )
@@ -523,7 +522,6 @@ class StepBatcher:
         run_batch = rows[0].member.run_batch
         call = EngineCall(_call_batch, run_batch, [row.data for row in rows])
         results: Sequence[Any] | None = None
-        self._running = rows
         try:
             with trio.CancelScope() as self._batch_scope:
                 try:
@@ -531,7 +529,7 @@ class StepBatcher:
                 except Exception as exc:  # the whole batch failed: every row fails with it
                     results = [_row_error(exc) for _ in rows]
         finally:
-            self._running = self._batch_scope = None
+            self._batch_scope = None
             if results is None:
                 results = self._left_behind(call, len(rows))
             else:
