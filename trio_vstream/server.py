@@ -306,11 +306,9 @@ class VideoServer:
             )
             return
         self.metrics.engine_wedged()
-        if stuck >= bound:
-            why = f"{stuck} engine call(s) stuck after their sessions ended"
-            why += f" ({', '.join(self.abandoned_calls.names())})"
-        else:
-            why = "its batched step hangs (a forward that never returned)"
+        why, names = self._why_wedged(), self.abandoned_calls.names()
+        if names:  # none yet for a batch: counted just after the batcher is stuck
+            why += f" ({', '.join(names)})"
         logger.error(
             "engine wedged: %s; /health answers 503 and new sessions are refused with "
             "engine_unavailable",
@@ -687,16 +685,14 @@ class VideoServer:
             )
         return 200, "ok\n"
 
-    def _unavailable_message(self) -> str:
+    def _why_wedged(self) -> str:
+        """What wedges the engine, for its log and its clients."""
         if self.batcher is not None and self.batcher.stuck:
-            return (
-                "Engine unavailable: its batched step is stuck (a forward that never "
-                "returned); try another server"
-            )
-        return (
-            f"Engine unavailable: {self.abandoned_calls.stuck} engine call(s) stuck "
-            "after their sessions ended; try another server"
-        )
+            return "its batched step is stuck (a forward that never returned)"
+        return f"{self.abandoned_calls.stuck} engine call(s) stuck after their sessions ended"
+
+    def _unavailable_message(self) -> str:
+        return f"Engine unavailable: {self._why_wedged()}; try another server"
 
     def _unavailable_body(self) -> str:
         """A refusal's HTTP body: the code first, as in the ``error`` message."""
