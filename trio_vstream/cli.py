@@ -629,7 +629,7 @@ def run_serve(args: argparse.Namespace) -> int:
             # The last sessions' recordings, remuxed and written; a disk stuck for longer
             # than this would otherwise keep the process from ever exiting, and after a
             # signal, the hard deadline comes first (a second left for the engine).
-            timeout = min(RECORDING_CLOSE_TIMEOUT, max(0.0, last_resort.seconds_left() - 1.0))
+            timeout = last_resort.allow(RECORDING_CLOSE_TIMEOUT)
             if recorder is not None and not recorder.close(timeout=timeout):
                 logger.warning(
                     "recordings still being written after %g s: left unfinished", timeout
@@ -791,6 +791,6 @@ async def _serve_until_signalled(
     # a running step, which kills the process (libtorch's threads: "terminate called
     # without an active exception", SIGABRT). A healthy step returns well within this;
     # a hung one is waited for no longer, and the last resort ends the process.
-    with trio.move_on_after(min(config.session.close_timeout, last_resort.seconds_left() - 1.0)):
+    with trio.move_on_after(last_resort.allow(config.session.close_timeout)):
         await server.abandoned_calls.wait_left_at_stop()
     return server.exit_status

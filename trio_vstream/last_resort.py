@@ -82,6 +82,11 @@ class LastResort:
                 return float("inf")
             return max(0.0, self._deadline - time.monotonic())
 
+    def allow(self, seconds: float) -> float:
+        """At most ``seconds`` for one more wait on the way out, ending a second before
+        the deadline (never below 0), so that what follows it still has its turn."""
+        return min(seconds, max(0.0, self.seconds_left() - 1.0))
+
     def disarm(self) -> None:
         """Leave the process alone (an in-process caller that goes on living)."""
         with self._changed:

@@ -148,6 +148,20 @@ def test_a_disarmed_last_resort_ends_nothing() -> None:
     assert resort._thread.is_alive() and ended == [] and not resort.fired
 
 
+def test_a_wait_on_the_way_out_ends_a_second_before_the_deadline_never_below_zero() -> None:
+    """`LastResort.allow` bounds the waits at exit (the recordings, the steps a stop left
+    mid-way): a negative bound would make ``trio.move_on_after`` raise instead."""
+    resort = LastResort(exit=lambda status: None)
+    assert resort.allow(5.0) == 5.0  # unarmed: nothing to leave room for
+    with resort._changed:  # the watcher cannot fire while the bounds are read
+        resort.arm(60.0)
+        assert resort.allow(5.0) == 5.0
+        assert 58.0 <= resort.allow(100.0) <= 59.0
+        resort.arm(0.5)  # less than the second kept back
+        assert resort.allow(5.0) == 0.0
+        resort.disarm()
+
+
 # ------------------------------------------------------- the issue's scenario
 
 
