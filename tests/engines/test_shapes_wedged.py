@@ -9,11 +9,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.conftest import EndedSessions
-from tests.server.test_wedged import HungForward, wedged_by_a_hung_batch
+from tests.server.test_wedged import HungForward, serve_batching, wedged_by_a_hung_batch
 from trio_vstream.engines.shapes import create_engine
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
 
 
 @pytest.mark.slow
@@ -29,14 +26,7 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
 
     engine.run_batch = run_batch  # type: ignore[method-assign]
     hung.opening(engine)
-    config = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        session=SessionConfig(stall_timeout=2.0, close_timeout=0.2, served_model="shapes"),
-    )
-    ended = EndedSessions()
-    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
+    server, ended = await serve_batching(nursery, engine, "shapes", stall_timeout=2.0)
     assert server.batcher is not None and server.batcher.max_batch == 2
-    await nursery.start(server.run)
     start = {"type": "session.start", "prompt": "a red circle", "size": "64x64", "num_frames": 96}
     await wedged_by_a_hung_batch(server, start, hung.release, ended.wait_for)

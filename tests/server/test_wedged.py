@@ -279,6 +279,22 @@ class HungForward:
         self._both_open.set()
 
 
+async def serve_batching(
+    nursery: trio.Nursery, engine: Any, served_model: str, stall_timeout: float
+) -> tuple[VideoServer, EndedSessions]:
+    """A server of ``engine`` (one that batches), with a short close timeout, for
+    `wedged_by_a_hung_batch`; and its ended sessions."""
+    session = SessionConfig(
+        stall_timeout=stall_timeout, close_timeout=0.2, served_model=served_model
+    )
+    config = ServerConfig(host="127.0.0.1", port=0, session=session)
+    ended = EndedSessions()
+    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
+    assert server.batcher is not None
+    await nursery.start(server.run)
+    return server, ended
+
+
 async def wedged_by_a_hung_batch(
     server: VideoServer,
     start: dict[str, Any],
@@ -354,14 +370,7 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
     model (tests/engines/test_shapes_wedged.py) and on a diffusers family that batches
     (tests/diffusers_engine/test_batching.py)."""
     engine = HangingBatches()
-    config = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        session=SessionConfig(stall_timeout=1.0, close_timeout=0.2, served_model="synthetic"),
-    )
-    ended = EndedSessions()
-    server = VideoServer(engine, config, on_session_end=lambda summary: ended.record(summary, {}))
-    await nursery.start(server.run)
+    server, ended = await serve_batching(nursery, engine, "synthetic", stall_timeout=1.0)
 
     def release() -> None:
         engine.hold = False
