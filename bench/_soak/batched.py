@@ -41,7 +41,7 @@ import trio
 from bench._harness import parse_log, read_log
 from bench._output import now, progress
 from bench._server import Endpoint, ServerProcess
-from bench._soak.checks import WedgeRecord, check_wedge_round
+from bench._soak.checks import WedgeRecord, check_wedge_round, sigterm_problems
 from bench._soak.plans import hold_token, make_held_plan, make_plan
 from bench._soak.report import Violation, judge_sessions
 from bench._soak.resources import Snapshot, idle_problems, resource_problems
@@ -152,16 +152,9 @@ async def run_batched(
         status = await server.stop(grace=timing.shutdown_grace + 10.0)
         exit_s = now() - sigterm_at
         report["server"].update({"exit_status": status, "exit_s": round(exit_s, 2)})
-    if status != 0:
-        violations.append(Violation(f"after SIGTERM it exited with status {status}", kind=KIND))
-    elif exit_s > timing.shutdown_grace:
-        violations.append(
-            Violation(
-                f"it took {exit_s:.1f} s to exit after SIGTERM, more than its --shutdown-grace "
-                f"of {timing.shutdown_grace:.0f} s",
-                kind=KIND,
-            )
-        )
+    violations += [
+        Violation(p, kind=KIND) for p in sigterm_problems(status, exit_s, timing.shutdown_grace)
+    ]
     assert soak is not None  # it returned above otherwise
     records = parse_log(read_log(log_path))
     session_violations, stats = judge_sessions(soak, records, timing, WEDGE_ERRORS)

@@ -594,6 +594,20 @@ def wedge_problems(samples: Sequence[HealthSample], bound: int) -> list[str]:
     return []
 
 
+def sigterm_problems(status: int | None, exit_s: float, grace: float) -> list[str]:
+    """A soak server's end: SIGTERM must end it with status 0 within its
+    ``--shutdown-grace`` (its sessions are over by then, so the drain has nothing to wait
+    for). ``status`` None: the process had to be killed."""
+    if status != 0:
+        return [f"after SIGTERM the server exited with status {status}"]
+    if exit_s > grace:
+        return [
+            f"the server took {exit_s:.1f} s to exit after SIGTERM, more than its "
+            f"--shutdown-grace of {grace:.0f} s"
+        ]
+    return []
+
+
 def peak_stuck_calls(samples: Sequence[HealthSample]) -> int:
     """The most engine calls ``/health`` said were stuck at once (0: it never said)."""
     return max((s.stuck_calls or 0 for s in samples), default=0)

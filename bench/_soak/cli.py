@@ -25,7 +25,7 @@ from bench._harness import parse_log, read_log
 from bench._output import now, progress, read_file
 from bench._server import Endpoint, ServerProcess
 from bench._soak.batched import run_batched
-from bench._soak.checks import wedge_problems
+from bench._soak.checks import sigterm_problems, wedge_problems
 from bench._soak.plans import (
     make_plans,
 )
@@ -214,15 +214,7 @@ async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:
         status = await server.stop(grace=timing.shutdown_grace + 10.0)
         exit_s = now() - sigterm_at
         report["server"].update({"exit_status": status, "exit_s": round(exit_s, 2)})
-    if status != 0:
-        violations.append(Violation(f"after SIGTERM the server exited with status {status}"))
-    elif exit_s > timing.shutdown_grace:
-        violations.append(
-            Violation(
-                f"the server took {exit_s:.1f} s to exit after SIGTERM, more than its "
-                f"--shutdown-grace of {timing.shutdown_grace:.0f} s"
-            )
-        )
+    violations += [Violation(p) for p in sigterm_problems(status, exit_s, timing.shutdown_grace)]
 
     records = parse_log(read_log(log_path))
     session_violations, stats = judge_sessions(soak, records, timing)

@@ -347,13 +347,7 @@ def render_summary(report: dict[str, Any]) -> str:
     for kind, info in kinds.items():
         outcomes = ", ".join(f"{k} {v}" for k, v in info["outcomes"].items())
         lines.append(f"  {kind:18} {info['count']:5}  {outcomes}")
-    resources = report.get("resources") or {}
-    base, final = resources.get("baseline"), resources.get("final")
-    if base and final:
-        lines.append(
-            f"  server: threads {base['threads']} -> {final['threads']}, fds {base['fds']} -> "
-            f"{final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
-        )
+    lines += _resources_line("server", report)
     health = report.get("health")
     if health:
         answers = ", ".join(f"{k} x{v}" for k, v in health["answers"].items())
@@ -438,16 +432,23 @@ def batched_lines(batched: dict[str, Any] | None) -> list[str]:
             f"  wedge round {info['index']}: held {held or 'none'}; /health {wedged}; "
             f"upgrade {upgrade}; {recovered}; then {after or 'none'}"
         )
-    resources = batched.get("resources") or {}
-    base, final = resources.get("baseline"), resources.get("final")
-    if base and final:
-        lines.append(
-            f"  batched server: threads {base['threads']} -> {final['threads']}, fds "
-            f"{base['fds']} -> {final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
-        )
+    lines += _resources_line("batched server", batched)
     server = batched.get("server") or {}
     lines.append(
         f"  batched server SIGTERM: exit status {server.get('exit_status')} after "
         f"{server.get('exit_s')} s"
     )
     return lines
+
+
+def _resources_line(server: str, report: dict[str, Any]) -> list[str]:
+    """A summary line of ``server``'s threads, fds and RSS, baseline -> final (none when
+    either was not measured)."""
+    resources = report.get("resources") or {}
+    base, final = resources.get("baseline"), resources.get("final")
+    if not (base and final):
+        return []
+    return [
+        f"  {server}: threads {base['threads']} -> {final['threads']}, fds {base['fds']} -> "
+        f"{final['fds']}, RSS {base['rss_mib']} -> {final['rss_mib']} MiB"
+    ]

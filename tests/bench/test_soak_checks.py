@@ -25,6 +25,7 @@ from bench._soak.checks import (
     check_transcript,
     check_wedge_round,
     peak_stuck_calls,
+    sigterm_problems,
     wedge_problems,
 )
 from bench._soak.client import describe_error, rejected_upgrade
@@ -478,3 +479,14 @@ def test_a_client_error_says_why_an_upgrade_was_refused() -> None:
     assert rejected_upgrade(group) is rejected
     assert rejected_upgrade(ValueError("x")) is None
     assert describe_error(ValueError("x")) == "ValueError: x"
+
+
+def test_a_soak_server_must_end_on_sigterm_with_status_0_within_its_grace() -> None:
+    assert sigterm_problems(0, 0.2, grace=30.0) == []
+    assert sigterm_problems(1, 0.2, grace=30.0) == ["after SIGTERM the server exited with status 1"]
+    assert sigterm_problems(None, 40.0, grace=30.0) == [
+        "after SIGTERM the server exited with status None"
+    ]
+    assert sigterm_problems(0, 31.0, grace=30.0) == [
+        "the server took 31.0 s to exit after SIGTERM, more than its --shutdown-grace of 30 s"
+    ]
