@@ -2,9 +2,9 @@
 
 A bare PyAV/libx264 encoder, in a process of its own (``python -m bench._bare_encoder
 JSON``, which prints its figures as JSON): one libx264 context per session, opened by
-`trio_vstream.encoding.open_h264` (the server's settings: preset, tune, threads, the
+`trio_vstream.media.encoding.open_h264` (the server's settings: preset, tune, threads, the
 low-latency x264 parameters, a forced IDR at every chunk's first frame), each frame
-converted by `trio_vstream.encoding.to_encoder_frame` (the server's RGB -> yuv420p
+converted by `trio_vstream.media.encoding.to_encoder_frame` (the server's RGB -> yuv420p
 conversion) and handed to ``encode``. No fMP4 boxes, no bytes, no threads of its own,
 no event loop: what is left when serving is taken away. The bitstream is the server
 encoder's, byte for byte (``tests/bench/test_bench_overhead.py`` checks it).
@@ -17,7 +17,7 @@ of the server's (``engine_cpu_seconds`` in ``/stats``). CPU is the whole process
 (``time.process_time``: x264's and swscale's threads included) between the calls.
 
 It runs in a process of its own, not in the harness's, so that it has the server's
-allocator settings (`trio_vstream.memory.tune_allocator`) and nothing else's heap.
+allocator settings (`trio_vstream.server.memory.tune_allocator`) and nothing else's heap.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import numpy as np
 from av.video.frame import PictureType
 from av.video.reformatter import VideoReformatter
 
-from trio_vstream.encoding import open_h264, to_encoder_frame
-from trio_vstream.engines.base import Checkpoint, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, GenerationRequest
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.memory import tune_allocator
+from trio_vstream.media.encoding import open_h264, to_encoder_frame
+from trio_vstream.server.memory import tune_allocator
 
 
 @attrs.frozen(kw_only=True)

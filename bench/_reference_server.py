@@ -45,10 +45,10 @@ from wsproto.events import (
 )
 
 from trio_vstream import protocol
-from trio_vstream.encoding import FragmentedMP4Encoder
-from trio_vstream.engines.base import Checkpoint, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, GenerationRequest
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.synthetic import SyntheticEngine, parse_settings
+from trio_vstream.media.encoding import FragmentedMP4Encoder
 
 _REQUESTS = itertools.count(1)
 

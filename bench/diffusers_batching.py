@@ -56,9 +56,11 @@ import trio  # noqa: E402
 
 from bench import diffusers_tiny  # noqa: E402
 from trio_vstream.engines import load_engine  # noqa: E402
-from trio_vstream.engines.base import GenerationRequest  # noqa: E402
+from trio_vstream.engines.contract import GenerationRequest  # noqa: E402
 from trio_vstream.engines.interfaces import max_batch  # noqa: E402
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher  # noqa: E402
+from trio_vstream.scheduling.batcher import StepBatcher  # noqa: E402
+from trio_vstream.scheduling.checkpoint import SessionCheckpoint  # noqa: E402
+from trio_vstream.scheduling.progress import EngineProgress  # noqa: E402
 
 FPS_RATIO_LEVEL = 4
 FPS_RATIO_MIN = 1.3

@@ -29,13 +29,13 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 if str(REPO_DIR) not in sys.path:
     sys.path.insert(0, str(REPO_DIR))
 
-from trio_vstream.encoding import FragmentedMP4Encoder  # noqa: E402
-from trio_vstream.engines.base import (  # noqa: E402
+from trio_vstream.engines.contract import (  # noqa: E402
     Checkpoint,
     Engine,
     GenerationRequest,
 )
 from trio_vstream.engines.frames import frames_to_uint8_array  # noqa: E402
+from trio_vstream.media.encoding import FragmentedMP4Encoder  # noqa: E402
 
 INTERVALS = (0, 1, 2, 4)
 """Chunks from one forced IDR to the next; 0: x264 decides."""

@@ -33,8 +33,8 @@ if str(REPO_DIR) not in sys.path:
     sys.path.insert(0, str(REPO_DIR))
 
 from trio_vstream.engines import GenerationRequest, load_engine  # noqa: E402
-from trio_vstream.engines.base import Checkpoint  # noqa: E402
-from trio_vstream.video import audio_samples_through  # noqa: E402
+from trio_vstream.engines.contract import Checkpoint  # noqa: E402
+from trio_vstream.values import audio_samples_through  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 

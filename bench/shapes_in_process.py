@@ -27,7 +27,7 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 if str(REPO_DIR) not in sys.path:
     sys.path.insert(0, str(REPO_DIR))
 
-from trio_vstream.engines.base import (  # noqa: E402
+from trio_vstream.engines.contract import (  # noqa: E402
     Checkpoint,
     Engine,
     GenerationRequest,

@@ -143,7 +143,7 @@ traceback or complaint of Python's at exit. A second signal once deadlocked the 
 batcher (issue 20, item 11: a cancel in the scheduler tick in which the batcher takes a
 batch, before its thread starts, left the rows unfinished and the process never
 exited). That window is under a millisecond wide, so a round hits it rarely (12 rounds
-of 8 shapes sessions against the old batcher did not); ``tests/engines/test_batching_cancel.py``
+of 8 shapes sessions against the old batcher did not); ``tests/scheduling/test_batching_cancel.py``
 forces it. The rounds check the whole promise from outside, against real processes, as
 an operator's double Ctrl-C meets it. Their plans come from a generator of their own, so
 the session mix of a seed is the same with or without them.

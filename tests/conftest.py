@@ -21,12 +21,12 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from tests.instrumented import InstrumentedEngine
-from trio_vstream.access import AccessPolicy
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig, SessionSummary
-from trio_vstream.taps import TapFactory
-from trio_vstream.watch import WatchConfig
+from trio_vstream.outputs.taps import TapFactory
+from trio_vstream.outputs.watch import WatchConfig
+from trio_vstream.server.access import AccessPolicy
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig, SessionSummary
 
 TESTS = Path(__file__).resolve().parent
 
@@ -151,7 +151,7 @@ def record_stops(monkeypatch: pytest.MonkeyPatch) -> StopsSeen:
     a test of G2 counts the engine's one step from. Counted from the client's send
     instead, an event loop slow to read the message under load lets steps run on before
     the server knows."""
-    from trio_vstream.session import Session
+    from trio_vstream.session.session import Session
 
     seen = StopsSeen()
     for name in ("stop", "abort"):

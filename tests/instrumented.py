@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     EngineError,
@@ -20,7 +20,9 @@ from trio_vstream.engines.base import (
     checkpoint_calling,
 )
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
-from trio_vstream.steps import EngineProgress, SessionCheckpoint, StepBatcher
+from trio_vstream.scheduling.batcher import StepBatcher
+from trio_vstream.scheduling.checkpoint import SessionCheckpoint
+from trio_vstream.scheduling.progress import EngineProgress
 
 MEET_TIMEOUT_S = 30.0
 """How long sessions started together wait for each other (`FirstStepMeeting`): far

@@ -1,5 +1,5 @@
 """The docs say what the code does: the README's examples run, its wire exchange is what a
-server sends, and the layout map in ``docs/architecture.md`` names every module.
+server sends, and the layout map in ``docs/architecture.md`` names every folder.
 
 ``mkdocs build --strict`` (tox's test environment) checks the links between the pages;
 these tests check what a link checker cannot: that the examples a newcomer copies work,
@@ -194,7 +194,7 @@ def layout_map() -> str:
 
 
 def layout_entries() -> dict[str, str]:
-    """Each path the map names (``trio_vstream/engines/base.py``, ``bench/``), with its
+    """Each path the map names (``trio_vstream/engines/contract.py``, ``bench/``), with its
     description. An entry is indented two spaces per level; a description that goes on
     is indented further, past any entry."""
     entries: dict[str, str] = {}
@@ -220,30 +220,27 @@ def test_every_entry_of_the_layout_map_exists() -> None:
     assert not missing, f"the layout map names what is not there: {missing}"
 
 
-def test_the_layout_map_names_every_module() -> None:
-    """A folder with entries under it must list each module (``__init__`` and ``__main__``
-    may go without); a folder with none, such as ``models/shapes/``, stands for all it
-    holds."""
+def test_the_layout_map_names_every_folder_and_top_module() -> None:
+    """A line per folder of the package (a floor, or a room inside one) and per module at
+    its top; key modules may have lines of their own, and every folder's ``__init__.py``
+    says what its modules hold, so that the map stays a map."""
     entries = layout_entries()
-
-    def covered(path: str) -> bool:
-        if path in entries:
-            return True
-        parts = path.split("/")
-        for end in range(len(parts) - 1, 0, -1):
-            folder = "/".join(parts[:end]) + "/"
-            if folder in entries:
-                return not any(e != folder and e.startswith(folder) for e in entries)
-        return False
-
-    modules = [
-        p.relative_to(REPO).as_posix()
-        for p in (REPO / "trio_vstream").rglob("*.py")
-        if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts
+    package = REPO / "trio_vstream"
+    folders = [
+        p.relative_to(REPO).as_posix() + "/"
+        for p in package.rglob("*")
+        if p.is_dir() and (p / "__init__.py").exists() and "__pycache__" not in p.parts
     ]
-    assert modules
-    missing = sorted(m for m in modules if not covered(m))
+    top = [p.relative_to(REPO).as_posix() for p in package.glob("*.py") if p.name != "__init__.py"]
+    assert "trio_vstream/session/" in folders and "trio_vstream/cli.py" in top
+    missing = sorted(path for path in [*folders, *top] if path not in entries)
     assert not missing, f"docs/architecture.md's layout map lacks {missing}"
+    undocumented = sorted(
+        folder
+        for folder in folders
+        if not ast.get_docstring(ast.parse((REPO / folder / "__init__.py").read_text()))
+    )
+    assert not undocumented, f"these folders' __init__.py say nothing: {undocumented}"
 
 
 def test_the_layout_map_names_everything_in_bench() -> None:

@@ -185,7 +185,7 @@ def test_the_local_hooks_run_the_project_tools_as_tox_does() -> None:
         )
         assert "args" not in hook
         assert re.search(hook["files"], "pyproject.toml"), hook
-        assert re.search(hook["files"], "trio_vstream/session.py"), hook
+        assert re.search(hook["files"], "trio_vstream/session/session.py"), hook
     assert "import-linter" in _test_extra()
     assert "importlinter" in _pyproject()["tool"]
 

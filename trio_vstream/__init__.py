@@ -22,10 +22,10 @@ _LAZY = {
     "EngineStream": "trio_vstream.engines",
     "load_engine": "trio_vstream.engines",
     "Limits": "trio_vstream.protocol",
-    "ServerConfig": "trio_vstream.server",
-    "VideoServer": "trio_vstream.server",
-    "serve": "trio_vstream.server",
-    "SessionConfig": "trio_vstream.session",
+    "ServerConfig": "trio_vstream.server.app",
+    "VideoServer": "trio_vstream.server.app",
+    "serve": "trio_vstream.server.app",
+    "SessionConfig": "trio_vstream.session.session",
 }
 
 __all__ = [
@@ -43,8 +43,8 @@ __all__ = [
 if TYPE_CHECKING:
     from trio_vstream.engines import Engine, EngineStream, load_engine
     from trio_vstream.protocol import Limits
-    from trio_vstream.server import ServerConfig, VideoServer, serve
-    from trio_vstream.session import SessionConfig
+    from trio_vstream.server.app import ServerConfig, VideoServer, serve
+    from trio_vstream.session.session import SessionConfig
 
 
 def __getattr__(name: str) -> Any:

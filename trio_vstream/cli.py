@@ -30,15 +30,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trio_vstream import __version__, access, connections, image_fetch, logsafe, memory, protocol
-from trio_vstream.last_resort import FAILURE_STATUS as LAST_RESORT_STATUS
-from trio_vstream.last_resort import MARGIN_SECONDS as LAST_RESORT_MARGIN
-from trio_vstream.last_resort import SECOND_SIGNAL_SECONDS, LastResort
+from trio_vstream import __version__, logsafe, protocol
+from trio_vstream.media import image_fetch
+from trio_vstream.server import access, connections, memory
+from trio_vstream.server.last_resort import FAILURE_STATUS as LAST_RESORT_STATUS
+from trio_vstream.server.last_resort import MARGIN_SECONDS as LAST_RESORT_MARGIN
+from trio_vstream.server.last_resort import SECOND_SIGNAL_SECONDS, LastResort
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.base import Engine
-    from trio_vstream.recording import Recorder
-    from trio_vstream.server import ServerConfig
+    from trio_vstream.engines.contract import Engine
+    from trio_vstream.outputs.recording import Recorder
+    from trio_vstream.server.app import ServerConfig
 
 DEFAULT_ENGINE = "shapes"
 API_KEY_ENV = "TRIO_VSTREAM_API_KEY"
@@ -46,7 +48,7 @@ ADMIN_API_KEY_ENV = "TRIO_VSTREAM_ADMIN_API_KEY"
 _COMMANDS = ("serve", "client", "watch", "replay")
 RECORDING_CLOSE_TIMEOUT = 120.0
 """Seconds the server waits at exit for ``--record``'s last recordings to be written
-(less when a signal's hard deadline comes sooner: `trio_vstream.last_resort`)."""
+(less when a signal's hard deadline comes sooner: `trio_vstream.server.last_resort`)."""
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The first drains the server, a second stops it at once (`_serve_until_signalled`)."""
 SUPERVISOR_ENV = ("INVOCATION_ID", "KUBERNETES_SERVICE_HOST")
@@ -172,9 +174,9 @@ def _run(args: argparse.Namespace) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # Not at the top: only serve loads the server and the engines (the module docstring).
     from trio_vstream.engines import BUILTIN_ENGINES
-    from trio_vstream.server import ServerConfig
-    from trio_vstream.session import SessionConfig
-    from trio_vstream.watch import WatchConfig
+    from trio_vstream.outputs.watch import WatchConfig
+    from trio_vstream.server.app import ServerConfig
+    from trio_vstream.session.session import SessionConfig
 
     defaults = ServerConfig()
     session = SessionConfig()
@@ -435,7 +437,7 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
 
     ``whole_process``: this call is the process (``python -m trio_vstream``), which exits
     once it returns. A server's stop then keeps its hard deadline armed until the
-    interpreter is gone (`trio_vstream.last_resort`); an in-process caller gets it
+    interpreter is gone (`trio_vstream.server.last_resort`); an in-process caller gets it
     disarmed before this returns.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -552,9 +554,9 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 def run_serve(args: argparse.Namespace) -> int:
     # Not at the top: only serve loads the server and the engines (the module docstring).
     from trio_vstream.engines import EngineConfigError, load_engine
-    from trio_vstream.server import ServerConfig
-    from trio_vstream.session import SessionConfig
-    from trio_vstream.watch import WatchConfig
+    from trio_vstream.outputs.watch import WatchConfig
+    from trio_vstream.server.app import ServerConfig
+    from trio_vstream.session.session import SessionConfig
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -671,7 +673,7 @@ def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) ->
     cannot be made."""
     # Not at the top: only serve loads the engines and the recorder (the module docstring).
     from trio_vstream.engines.interfaces import supports_device
-    from trio_vstream.recording import Recorder
+    from trio_vstream.outputs.recording import Recorder
 
     if args.record is None:
         return None
@@ -737,7 +739,7 @@ async def _serve_until_signalled(
     margin; after a second signal, within a few seconds.
     """
     # Not at the top: only serve loads the server (the module docstring).
-    from trio_vstream.server import VideoServer
+    from trio_vstream.server.app import VideoServer
 
     server = VideoServer(engine, config, taps=recorder)
     if last_resort is None:

@@ -33,7 +33,7 @@ from typing import Any, Final, cast
 import attrs
 
 from bench._soak.settings import BATCHED_MAX_SESSIONS, HOLD_PARAM, HOLD_TOKEN
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     EngineConfigError,
     EngineError,
     GenerationRequest,

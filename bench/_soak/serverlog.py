@@ -142,7 +142,8 @@ WEDGE_ERRORS: Final = (
     "engine wedged: ",
 )
 """The ERROR records a wedge round makes the batched server log, once each: its batcher
-giving up on the held batch (trio_vstream.steps), then the server counting as wedged."""
+giving up on the held batch (trio_vstream.scheduling.batcher), then the server counting
+as wedged."""
 
 
 def wedge_log_problems(records: Sequence[LogRecord], wedges: int) -> list[str]:

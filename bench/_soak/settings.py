@@ -16,7 +16,7 @@ import attrs
 
 from bench._harness import synthetic_server_command
 from trio_vstream.engines.synthetic import BLOCK_SECONDS_MAX
-from trio_vstream.session import SessionConfig
+from trio_vstream.session.session import SessionConfig
 
 KINDS: Final[dict[str, int]] = {
     "normal": 16,

@@ -44,7 +44,7 @@ from bench._server import Endpoint, ServerProcess, cpu_seconds, fetch_stats, min
 from bench._settings import BENCH_DIR, PROMPT, Settings, Target, make_target
 from bench._stats import CATALOGUE, Figures, percentile
 from trio_vstream import protocol
-from trio_vstream.engines.base import Checkpoint
+from trio_vstream.engines.contract import Checkpoint
 
 
 def diffusers_available() -> bool:
@@ -403,7 +403,7 @@ def diffusers_worker(config_json: str) -> int:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from trio_vstream import memory
+    from trio_vstream.server import memory
 
     memory.tune_allocator()  # the same allocator settings as the server's command line
     replies = os.fdopen(os.dup(1), "w", buffering=1)

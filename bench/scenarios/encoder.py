@@ -11,7 +11,7 @@ import trio
 
 from bench._settings import PROMPT, Settings
 from bench._stats import Figures
-from trio_vstream.engines.base import Checkpoint
+from trio_vstream.engines.contract import Checkpoint
 
 ENCODER_SIZES: Final = ((256, 256), (832, 480))
 
@@ -21,9 +21,9 @@ def measure_encoder(
 ) -> dict[str, list[float]]:
     """FragmentedMP4Encoder on the synthetic engine's frames (moving bands: motion for
     x264 to code, unlike a flat colour), timed per ``encode()`` call."""
-    from trio_vstream.encoding import FragmentedMP4Encoder
     from trio_vstream.engines import GenerationRequest
     from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
+    from trio_vstream.media.encoding import FragmentedMP4Encoder
 
     engine = SyntheticEngine(SyntheticSettings(steps=0, chunk_frames=chunk_frames))
     request = GenerationRequest(

@@ -13,15 +13,15 @@ from bench._client import SessionClient, report_failures, run_clients, seconds_b
 from bench._context import RunContext
 from bench._settings import PROMPT, Settings, Target
 from bench._stats import percentile
-from trio_vstream.engines.base import Checkpoint
+from trio_vstream.engines.contract import Checkpoint
 
 
 def calibrate_engine(target: Target, s: Settings) -> dict[str, list[float]]:
     """The engine's own time to its first chunk (here, in a worker thread), and the encode
     of a first chunk with a fresh encoder: TTFC as it would be with a free transport."""
-    from trio_vstream.encoding import FragmentedMP4Encoder
     from trio_vstream.engines import GenerationRequest, load_engine
     from trio_vstream.engines.frames import frames_to_uint8_array
+    from trio_vstream.media.encoding import FragmentedMP4Encoder
 
     assert target.engine is not None
     engine = load_engine(target.engine, dict(target.engine_args), device="auto")

@@ -21,7 +21,7 @@ from av.video.reformatter import VideoReformatter
 
 from bench._bare_encoder import BareJob, encode_bare, encode_chunk
 from bench.scenarios.overhead import OVERHEAD_LIMIT, overhead_figures
-from trio_vstream.encoding import FragmentedMP4Encoder, _to_sample, open_h264
+from trio_vstream.media.encoding import FragmentedMP4Encoder, _to_sample, open_h264
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "bench" / "run.py"

@@ -12,16 +12,17 @@ from bench._fuzz.serverlog import log_causes, log_exceptions, log_excerpt
 def test_log_excerpt_keeps_the_records_frames_and_exception() -> None:
     log = "\n".join(
         [
-            "2026-01-01 00:00:00,000 INFO trio_vstream.session: session r1 started",
-            "2026-01-01 00:00:00,001 ERROR trio_vstream.session: session r1: internal error",
+            "2026-01-01 00:00:00,000 INFO trio_vstream.session.session: session r1 started",
+            "2026-01-01 00:00:00,001 ERROR trio_vstream.session.session: session r1: internal "
+            "error",
             "Traceback (most recent call last):",
             '  File "/x/site-packages/trio/_threads.py", line 1, in run',
             "    noise()",
-            '  File "/x/trio_vstream/encoding.py", line 214, in __init__',
+            '  File "/x/trio_vstream/media/encoding.py", line 214, in __init__',
             "    ctx.time_base = Fraction(1, fps)",
             "    ^^^^^^^^^^^^^",
             "OverflowError: value too large to convert to int",
-            "2026-01-01 00:00:00,002 INFO trio_vstream.session: session r2 started",
+            "2026-01-01 00:00:00,002 INFO trio_vstream.session.session: session r2 started",
         ]
     )
     excerpt = log_excerpt(log, "r1")
@@ -43,7 +44,8 @@ def test_log_causes_tell_two_internal_errors_apart() -> None:
             "2026-01-01 00:00:00,002 ERROR x: session video_stream-bb: internal error",
             "Traceback (most recent call last):",
             "OverflowError: value too large to convert to int",
-            "2026-01-01 00:00:00,003 INFO trio_vstream.session: session video_stream-cc ended",
+            "2026-01-01 00:00:00,003 INFO trio_vstream.session.session: session video_stream-cc "
+            "ended",
         ]
     )
     assert log_causes(log) == {

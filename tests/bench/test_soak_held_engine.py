@@ -22,7 +22,7 @@ from bench._soak.held_engine import (
     create_engine,
     hold_token,
 )
-from trio_vstream.engines.base import EngineConfigError, GenerationRequest, InvalidRequestError
+from trio_vstream.engines.contract import EngineConfigError, GenerationRequest, InvalidRequestError
 from trio_vstream.engines.testing import check_engine
 
 

@@ -11,19 +11,21 @@ from bench._soak.serverlog import WEDGE_ERRORS, log_problems, log_summary, wedge
 
 _ID = "video_stream-" + "a" * 32
 _OTHER = "video_stream-" + "b" * 32
+_SESSION = "trio_vstream.session.session"
+"""The session's logger, as a server's log names it."""
 LOG = f"""trio_vstream serving ws://127.0.0.1:1/v1/realtime/video (engine: synthetic)
-2026-01-01 10:00:00,000 INFO trio_vstream.session: session {_ID} started
-2026-01-01 10:00:00,100 ERROR trio_vstream.session: session {_ID}: engine failed while generating
+2026-01-01 10:00:00,000 INFO {_SESSION}: session {_ID} started
+2026-01-01 10:00:00,100 ERROR {_SESSION}: session {_ID}: engine failed while generating
 Traceback (most recent call last):
   File "x.py", line 1, in f
-trio_vstream.engines.base.EngineError: synthetic engine failure at chunk 1 (fail_at_chunk)
-2026-01-01 10:00:00,200 ERROR trio_vstream.session: session {_OTHER}: internal error
+trio_vstream.engines.contract.EngineError: synthetic engine failure at chunk 1 (fail_at_chunk)
+2026-01-01 10:00:00,200 ERROR {_SESSION}: session {_OTHER}: internal error
 Traceback (most recent call last):
 trio_websocket._impl.ConnectionClosed: CloseReason<code=1006>
-2026-01-01 10:00:00,300 INFO trio_vstream.server: something
+2026-01-01 10:00:00,300 INFO trio_vstream.server.app: something
 Traceback (most recent call last):
 ValueError: printed, not logged
-2026-01-01 10:00:00,400 WARNING trio_vstream.session: session {_ID}: stall timeout for 1.5 s
+2026-01-01 10:00:00,400 WARNING {_SESSION}: session {_ID}: stall timeout for 1.5 s
 """
 
 
@@ -33,8 +35,8 @@ def test_log_errors_other_than_injected_failures_are_flagged() -> None:
     assert len(records[2].lines) == 4  # the traceback belongs to its record
     bad = log_problems(records, expected_ids={_ID})
     assert [r.lines[0][24:] for r in bad] == [
-        f"ERROR trio_vstream.session: session {_OTHER}: internal error",
-        "INFO trio_vstream.server: something",
+        f"ERROR trio_vstream.session.session: session {_OTHER}: internal error",
+        "INFO trio_vstream.server.app: something",
     ]
     assert len(log_problems(records, expected_ids=set())) == 3
     summary = log_summary(records)
@@ -43,14 +45,14 @@ def test_log_errors_other_than_injected_failures_are_flagged() -> None:
 
 def test_errors_and_complaints_at_exit_are_flagged() -> None:
     text = "2026-01-01 10:00:00,000 INFO trio_vstream: SIGTERM: shutting down gracefully\n"
-    text += "2026-01-01 10:00:01,000 ERROR trio_vstream.steps: batch failed\n"
-    text += "2026-01-01 10:00:01,100 INFO trio_vstream.server: x\n"
+    text += "2026-01-01 10:00:01,000 ERROR trio_vstream.scheduling.batcher: batch failed\n"
+    text += "2026-01-01 10:00:01,100 INFO trio_vstream.server.app: x\n"
     text += "Exception ignored in: <function Thread.__del__>\n"
-    text += "2026-01-01 10:00:01,200 INFO trio_vstream.server: y\n"
+    text += "2026-01-01 10:00:01,200 INFO trio_vstream.server.app: y\n"
     text += "Fatal Python error: _enter_buffered_busy\n"
     bad = log_problems(parse_log(text), expected_ids=set())
     assert [record.lines[-1] for record in bad] == [
-        "2026-01-01 10:00:01,000 ERROR trio_vstream.steps: batch failed",
+        "2026-01-01 10:00:01,000 ERROR trio_vstream.scheduling.batcher: batch failed",
         "Exception ignored in: <function Thread.__del__>",
         "Fatal Python error: _enter_buffered_busy",
     ]
@@ -60,12 +62,16 @@ def _wedge_log(*extra: str) -> list[LogRecord]:
     """A batched server's log with one wedge: the batcher's ERROR, the server's, the
     recovery (warnings), and ``extra`` lines."""
     lines = [
-        "2026-01-01 10:00:00,000 ERROR trio_vstream.steps: the batched step _call_batch hangs: "
+        "2026-01-01 10:00:00,000 ERROR trio_vstream.scheduling.batcher: the batched step "
+        "_call_batch hangs: "
         "its session was abandoned; rows fail at once until it returns",
-        "2026-01-01 10:00:00,001 ERROR trio_vstream.server: engine wedged: 1 engine call(s) stuck "
+        "2026-01-01 10:00:00,001 ERROR trio_vstream.server.app: engine wedged: 1 engine call(s) "
+        "stuck "
         "after their sessions ended (_call_batch); /health answers 503",
-        "2026-01-01 10:00:02,000 WARNING trio_vstream.steps: the engine's hung step returned",
-        "2026-01-01 10:00:02,001 WARNING trio_vstream.server: engine recovered: 0 engine call(s)",
+        "2026-01-01 10:00:02,000 WARNING trio_vstream.scheduling.batcher: the engine's hung step "
+        "returned",
+        "2026-01-01 10:00:02,001 WARNING trio_vstream.server.app: engine recovered: 0 engine "
+        "call(s)",
         *extra,
     ]
     return parse_log("\n".join(lines) + "\n")
@@ -81,12 +87,12 @@ def test_a_wedge_rounds_errors_are_expected_once_per_wedge_and_no_others() -> No
     assert len(missing) == 2 and all("expected 2 (one per wedge)" in p for p in missing)
     assert len(wedge_log_problems(parse_log(""), wedges=1)) == 2
     # Any other error is still flagged, and so is an expected one with a traceback.
-    other = _wedge_log("2026-01-01 10:00:03,000 ERROR trio_vstream.session: internal error")
+    other = _wedge_log("2026-01-01 10:00:03,000 ERROR trio_vstream.session.session: internal error")
     assert [r.lines[0][24:] for r in log_problems(other, set(), WEDGE_ERRORS)] == [
-        "ERROR trio_vstream.session: internal error"
+        "ERROR trio_vstream.session.session: internal error"
     ]
     traced = parse_log(
-        "2026-01-01 10:00:00,000 ERROR trio_vstream.server: engine wedged: 1 engine call(s)\n"
+        "2026-01-01 10:00:00,000 ERROR trio_vstream.server.app: engine wedged: 1 engine call(s)\n"
         "Traceback (most recent call last):\nValueError: boom\n"
     )
     assert len(log_problems(traced, set(), WEDGE_ERRORS)) == 1

@@ -33,7 +33,6 @@ from tests.fake_reference import (
 )
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream import protocol
-from trio_vstream.access import AccessPolicy
 from trio_vstream.client import (
     API_KEY_ENV,
     MAX_MESSAGE_SIZE,
@@ -46,9 +45,10 @@ from trio_vstream.client import (
     stream_video,
 )
 from trio_vstream.client._cli import _connect_error_line, _finish
-from trio_vstream.encoding import FragmentedMP4Encoder
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.media.encoding import FragmentedMP4Encoder
+from trio_vstream.server.access import AccessPolicy
 
 START = {"prompt": "a red circle moving left", "size": "64x48", "fps": 8}
 
@@ -707,7 +707,7 @@ async def test_interactions_after_a_stop_are_reported_as_not_sent(nursery: trio.
 
 
 def test_a_scheduled_interaction_needs_a_prompt_or_a_camera() -> None:
-    from trio_vstream.video import Camera
+    from trio_vstream.values import Camera
 
     with pytest.raises(ValueError, match="a prompt, a camera, or both"):
         ScheduledInteraction(at=1.0)

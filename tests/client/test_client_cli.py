@@ -41,11 +41,11 @@ from tests.fake_reference import (
     start_peer,
 )
 from trio_vstream import cli
-from trio_vstream.access import AccessPolicy
 from trio_vstream.client import (
     API_KEY_ENV,
 )
 from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.server.access import AccessPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRESS = r"streaming: [1-9]\d* chunks, [1-9]\d* frames, \d+\.\d fps, \d+\.\d s\x1b\[K"
@@ -451,7 +451,7 @@ def test_param_values_are_json_when_they_parse() -> None:
 
 def test_camera_flag_parses_mode_translation_and_rotation() -> None:
     from trio_vstream.client._cli import _camera
-    from trio_vstream.video import Camera
+    from trio_vstream.values import Camera
 
     assert _camera("2:velocity:0,0,0.05") == (
         2.0,
@@ -514,7 +514,7 @@ def test_camera_usage_errors_exit_2_and_name_the_problem(
 async def test_cli_sends_cameras_at_their_media_time(start_server: Any, tmp_path: Path) -> None:
     from tests.server.test_server_camera import CameraEngine
     from trio_vstream.protocol import key_velocity
-    from trio_vstream.video import Camera
+    from trio_vstream.values import Camera
 
     running = await start_server(
         SyntheticSettings(step_delay=0.02, steps=2, chunk_frames=2), engine_class=CameraEngine

@@ -23,11 +23,11 @@ from tests.client.test_client_cli import run_cli
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.fake_reference import Peer, send_reference_chunk, start_peer
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from trio_vstream.access import AccessPolicy
 from trio_vstream.client import StreamOutcome, watch_link_url, watch_video
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.watch import WATCH_PREFIX, WatchConfig, WatchHub
+from trio_vstream.outputs.watch import WATCH_PREFIX, WatchConfig, WatchHub
+from trio_vstream.server.access import AccessPolicy
 
 CHUNK_FRAMES = 4
 CHUNKS = 8

@@ -20,8 +20,8 @@ import trio
 from tests.diffusers_engine.support import Summaries
 from trio_vstream.engines import load_engine
 from trio_vstream.engines.diffusers import DiffusersEngine
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig
 
 
 @pytest.fixture(scope="module", autouse=True)

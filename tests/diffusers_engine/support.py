@@ -36,7 +36,7 @@ from trio_vstream.engines import (
     SamplingSettings,
     checkpoint_calling,
 )
-from trio_vstream.session import SessionSummary
+from trio_vstream.session.session import SessionSummary
 
 START = {
     "type": "session.start",

@@ -23,12 +23,13 @@ from tests.diffusers_engine.support import START, no_stop, request, run_session
 from tests.instrumented import FirstStepMeeting, StoppingCheckpoint
 from tests.server.test_wedged import HungForward, wedged_by_a_hung_batch
 from trio_vstream.engines import Engine, load_engine
-from trio_vstream.engines.base import EngineConfigError, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import EngineConfigError, GenerationRequest, PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers.loops import forcing
 from trio_vstream.engines.interfaces import max_batch
 from trio_vstream.engines.testing import check_engine
-from trio_vstream.steps import EngineProgress, StepBatcher
+from trio_vstream.scheduling.batcher import StepBatcher
+from trio_vstream.scheduling.progress import EngineProgress
 
 GUIDED = {"guidance_scale": 6.0, "negative_prompt": "blurry"}
 

@@ -29,7 +29,7 @@ from tests.diffusers_engine.test_batching import (
     run_batched,
 )
 from trio_vstream.engines import Engine, load_engine
-from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.contract import PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers._lock import SegmentLock
 from trio_vstream.engines.diffusers.loops import _calls, history, segments

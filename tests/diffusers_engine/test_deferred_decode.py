@@ -15,7 +15,7 @@ import pytest
 from tests.diffusers_engine.support import no_stop
 from tests.diffusers_engine.test_batching import df_request
 from trio_vstream.engines import Engine, load_engine
-from trio_vstream.engines.base import Chunk, EngineError, release_frames
+from trio_vstream.engines.contract import Chunk, EngineError, release_frames
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers._settings import parse_settings
 from trio_vstream.engines.diffusers.loops.forcing import ForcingFrames

@@ -26,7 +26,7 @@ from tests.diffusers_engine.support import (
     take_turns,
 )
 from trio_vstream.engines import InvalidRequestError
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.diffusers.loops import far
 

@@ -27,7 +27,7 @@ from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
     far_request,
 )
 from trio_vstream.engines import Engine, load_engine
-from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.contract import PromptChange
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.engines.diffusers.loops import far
 from trio_vstream.engines.testing import check_engine

@@ -34,13 +34,13 @@ from tests.diffusers_engine.support import (
 )
 from tests.diffusers_engine.support import record_calls as support_record_calls
 from trio_vstream.client._mp4 import decode_audio
-from trio_vstream.encoding import FragmentedMP4Encoder
 from trio_vstream.engines import Engine, InvalidRequestError, load_engine
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.diffusers.loops.ltx2 import LOOP, segment_audio
 from trio_vstream.engines.testing import check_engine
-from trio_vstream.video import audio_samples_through
+from trio_vstream.media.encoding import FragmentedMP4Encoder
+from trio_vstream.values import audio_samples_through
 
 RATE = 24000
 """The tiny vocoder's sample rate (the released LTX2Vocoder's)."""

@@ -32,11 +32,11 @@ from tests.diffusers_engine.support import (
 )
 from tests.server.test_http import http_get_with_headers
 from trio_vstream.engines import Engine, InvalidRequestError, PromptChange, load_engine
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.testing import check_engine
 from trio_vstream.protocol import key_velocity
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

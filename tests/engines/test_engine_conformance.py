@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from trio_vstream.engines import Engine, load_engine
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.testing import check_engine
 
 REQUEST = GenerationRequest(

@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from trio_vstream.engines import Engine, EngineConfigError, load_engine
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.interfaces import (
     DEFAULT_INTERACTION_KINDS,
     AudioFormat,
@@ -31,7 +31,7 @@ from trio_vstream.engines.interfaces import (
 )
 from trio_vstream.engines.shapes import create_engine as create_shapes
 from trio_vstream.engines.synthetic import create_engine as create_synthetic
-from trio_vstream.video import VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 REQUEST = GenerationRequest(request_id="r", prompt="red", width=32, height=32, fps=8, num_frames=8)
 

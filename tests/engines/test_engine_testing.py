@@ -12,10 +12,10 @@ import attrs
 import numpy as np
 import pytest
 
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.testing import RULES, EngineContractError, check_engine
 from trio_vstream.engines.transitions import PromptSchedule
-from trio_vstream.video import VideoDefaults, audio_samples_through
+from trio_vstream.values import VideoDefaults, audio_samples_through
 
 REQUEST = GenerationRequest(request_id="toy", prompt="red", width=8, height=4, fps=8, num_frames=6)
 """Three chunks of two frames."""

@@ -13,7 +13,7 @@ import trio
 
 from tests.conftest import Transcript, receive_into
 from tests.instrumented import FirstStepMeeting, StoppingCheckpoint, meeting_streams
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     EngineConfigError,
     GenerationRequest,
@@ -22,9 +22,10 @@ from trio_vstream.engines.base import (
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
-from trio_vstream.steps import EngineProgress, StepBatcher
+from trio_vstream.scheduling.batcher import StepBatcher
+from trio_vstream.scheduling.progress import EngineProgress
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig
 
 REQUESTS = [
     ("a red circle moving left on a black background", 1),

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     DeferredFrames,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trio_vstream.engines import BUILTIN_ENGINES, EngineConfigError, load_engine
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     GenerationRequest,

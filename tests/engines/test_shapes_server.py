@@ -13,8 +13,8 @@ import trio
 from tests.conftest import Transcript, decode_video, receive_into, receive_until
 from trio_vstream.engines.shapes import ShapesEngine, create_engine
 from trio_vstream.models.shapes import evaluate
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig
 
 PROMPTS = [
     ("a red circle moving left on a black background", "red", "black"),

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from tests.engines.test_shapes_engine import frames_of, request, run
-from trio_vstream.engines.base import EngineError, InvalidRequestError, PromptChange
+from trio_vstream.engines.contract import EngineError, InvalidRequestError, PromptChange
 from trio_vstream.engines.shapes import ShapesEngine, camera_motion, create_engine
 from trio_vstream.models.shapes import evaluate
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 IDENTITY = (0.0, 0.0, 0.0, 1.0)
 

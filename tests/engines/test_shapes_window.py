@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.engines.test_shapes_engine import frames_of, request, run
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.shapes import (
     ShapesEngine,
     WindowChange,
@@ -23,7 +23,7 @@ from trio_vstream.engines.shapes import (
     window_shares,
 )
 from trio_vstream.models.shapes import evaluate
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 IDENTITY = (0.0, 0.0, 0.0, 1.0)
 STILL, RIGHT, LEFT = "still|p", "right|p", "left|p"

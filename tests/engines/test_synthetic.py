@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trio_vstream.engines import synthetic
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     EngineConfigError,
     EngineError,
@@ -25,7 +25,7 @@ from trio_vstream.engines.synthetic import (
     parse_settings,
     session_settings,
 )
-from trio_vstream.video import audio_samples_through
+from trio_vstream.values import audio_samples_through
 
 
 def request(**overrides: object) -> GenerationRequest:

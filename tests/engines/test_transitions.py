@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.contract import PromptChange
 from trio_vstream.engines.transitions import PromptSchedule
 
 

@@ -1,4 +1,4 @@
-"""Tests for trio_vstream.encoding: the fMP4 bytes must be playable chunk by chunk.
+"""Tests for trio_vstream.media.encoding: the fMP4 bytes must be playable chunk by chunk.
 
 Every check decodes with PyAV (FFmpeg) rather than trusting the box writer, because the
 point of the module is what a player can do with the bytes it has received so far.
@@ -16,7 +16,7 @@ import pytest
 from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
-from trio_vstream.encoding import (
+from trio_vstream.media.encoding import (
     EncodingAbandoned,
     EncodingError,
     FragmentedMP4Encoder,

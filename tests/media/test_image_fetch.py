@@ -27,7 +27,7 @@ import trio
 import trustme
 
 from tests.conftest import Transcript, receive_into
-from trio_vstream.image_fetch import (
+from trio_vstream.media.image_fetch import (
     DISABLED_REASON,
     ImageFetchConfig,
     ImageFetchError,

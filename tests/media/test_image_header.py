@@ -1,4 +1,4 @@
-"""`trio_vstream.image_header`: the size of a PNG, JPEG or WebP from its bytes alone.
+"""`trio_vstream.media.image_header`: the size of a PNG, JPEG or WebP from its bytes alone.
 
 Real files from PyAV's encoders (and Pillow's, where installed) give the right size and
 extent; every truncation of them, every malformed header in the table below, and random
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_vstream.encoding import decode_image
-from trio_vstream.image_header import (
+from trio_vstream.media.encoding import decode_image
+from trio_vstream.media.image_header import (
     MAX_PARTS,
     ImageHeader,
     ImageHeaderError,

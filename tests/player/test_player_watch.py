@@ -25,7 +25,7 @@ from tests.player.test_player import (
     wait_playing,
 )
 from trio_vstream.engines.synthetic import prompt_colour
-from trio_vstream.watch import WATCH_PREFIX
+from trio_vstream.outputs.watch import WATCH_PREFIX
 
 pytestmark = [
     pytest.mark.skipif(

@@ -754,7 +754,7 @@ def test_only_data_urls_are_accepted(url: str) -> None:
 
 
 def test_an_https_url_is_parsed_not_fetched() -> None:
-    """Whether it is fetched is the server's choice (trio_vstream.image_fetch)."""
+    """Whether it is fetched is the server's choice (trio_vstream.media.image_fetch)."""
     url = "https://Images.Example.org.:8443/cats/1.png?size=big#top"
     result = start_ok(start(image_reference={"image_url": url}))
     assert result.image == ImageURL(

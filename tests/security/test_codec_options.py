@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.conftest import decode_video
 from trio_vstream import cli, protocol
 from trio_vstream.client import ReplayError, load_recording
-from trio_vstream.encoding import (
+from trio_vstream.media.encoding import (
     EncodingError,
     FragmentedMP4Encoder,
     fragment_starts_with_keyframe,

@@ -20,8 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.security.raw_http import request, upgrade
 from trio_vstream import cli
-from trio_vstream.access import AccessPolicy, is_loopback, normalise_allowed_hosts, parse_host
-from trio_vstream.server import ServerConfig
+from trio_vstream.server.access import (
+    AccessPolicy,
+    is_loopback,
+    normalise_allowed_hosts,
+    parse_host,
+)
+from trio_vstream.server.app import ServerConfig
 
 ATTACKER = "rebind.attacker.example"
 
@@ -41,7 +46,7 @@ def host_refusals(metrics: bytes) -> float:
 async def test_a_rebound_page_reads_nothing_and_opens_no_session(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="trio_vstream.server")
+    caplog.set_level(logging.WARNING, logger="trio_vstream.server.app")
     running = await start_server()  # no key: the default, most exposed server
     port = running.server.port
     for path in ("/stats", "/metrics", "/v1/models", "/health", "/", "/static/player.js"):

@@ -28,9 +28,9 @@ from tests.session.test_session_edges import (
     session_in_background,
 )
 from trio_vstream import protocol
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
-from trio_vstream.session import Outcome
+from trio_vstream.session.session import Outcome
 
 MiB = 1024 * 1024
 

@@ -17,8 +17,8 @@ import trio
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.watch_record.test_watch import watch
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from tests.outputs.test_watch import watch
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 SECRET = "/secret/path/model.bin missing"

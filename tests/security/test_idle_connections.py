@@ -25,9 +25,9 @@ import trio.testing
 from trio_websocket import ConnectionRejected
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
-from trio_vstream import connections
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.server import connections
+from trio_vstream.server.app import ServerConfig, VideoServer
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
 

@@ -26,11 +26,11 @@ import pytest
 import trio
 import trio.testing
 
-import trio_vstream.session_prepare
-from trio_vstream import encoding, image_header
-from trio_vstream.encoding import EncodingError, decode_image
-from trio_vstream.image_header import ImageHeader
-from trio_vstream.session import IMAGE_DECODES_AT_ONCE
+import trio_vstream.session.prepare
+from trio_vstream.media import encoding, image_header
+from trio_vstream.media.encoding import EncodingError, decode_image
+from trio_vstream.media.image_header import ImageHeader
+from trio_vstream.session.session import IMAGE_DECODES_AT_ONCE
 
 REPO = Path(__file__).resolve().parents[2]
 START = {"type": "session.start", "prompt": "a red circle", "size": "64x48", "num_frames": 2}
@@ -95,7 +95,7 @@ def test_the_bomb_is_refused_before_anything_decodes(monkeypatch: pytest.MonkeyP
 
 _MEASURE = """
 import resource, sys
-from trio_vstream.encoding import EncodingError, decode_image
+from trio_vstream.media.encoding import EncodingError, decode_image
 bomb = open(sys.argv[1], "rb").read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -278,7 +278,7 @@ async def test_a_server_decodes_a_bounded_number_of_images_at_once(
             with lock:
                 running_now[0] -= 1
 
-    monkeypatch.setattr(trio_vstream.session_prepare, "decode_image", held_decode)
+    monkeypatch.setattr(trio_vstream.session.prepare, "decode_image", held_decode)
     running = await start_server()
     limiter = running.server._resources.image_limiter
     start = {**START, "image_reference": {"image_url": data_url(png_bomb(200, 100))}}

@@ -32,7 +32,7 @@ from tests.media.test_image_fetch import (
     serve_image_host,
     trusting,
 )
-from trio_vstream.image_fetch import ImageFetchConfig, allowed_authority, fetch_image
+from trio_vstream.media.image_fetch import ImageFetchConfig, allowed_authority, fetch_image
 from trio_vstream.protocol import ImageURL
 
 

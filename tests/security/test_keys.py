@@ -13,8 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.security.raw_http import request, upgrade
-from trio_vstream import access, cli
-from trio_vstream.access import AccessPolicy, Need, RateLimitedLog, Refusal, key_subprotocol
+from trio_vstream import cli
+from trio_vstream.server import access
+from trio_vstream.server.access import AccessPolicy, Need, RateLimitedLog, Refusal, key_subprotocol
 
 KEY = "s3cret-key_0123456789"
 ADMIN = "admin-key_0123456789"

@@ -23,11 +23,11 @@ from trio_websocket import open_websocket_url
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine
 from trio_vstream import logsafe
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "a red circle", "size": "32x32", "fps": 8}
-FORGED = "FORGED ERROR trio_vstream.server: connection handler failed"
+FORGED = "FORGED ERROR trio_vstream.server.app: connection handler failed"
 """What an attacker wants a reader of the log to see on a line of its own."""
 HOSTILE = [
     f"x\n{FORGED}",

@@ -18,8 +18,8 @@ import trio.testing
 from trio_websocket import ConnectionRejected
 
 from tests.security.test_idle_connections import get, parse_response, read_to_close, until
-from trio_vstream import connections
-from trio_vstream.http import SECURITY_HEADERS
+from trio_vstream.server import connections
+from trio_vstream.server.http import SECURITY_HEADERS
 
 
 async def request_from(local: str, port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:

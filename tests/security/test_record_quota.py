@@ -27,13 +27,13 @@ import trio.testing
 
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from tests.watch_record.test_recording import PNG, SLOW, SYNTHETIC, interaction, read_record
+from tests.outputs.test_recording import PNG, SLOW, SYNTHETIC, interaction, read_record
 from trio_vstream import cli, protocol
 from trio_vstream.client._replay import load_recording
-from trio_vstream.engines.base import Chunk, GenerationRequest
+from trio_vstream.engines.contract import Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.recording import Recorder
-from trio_vstream.server import ServerConfig, VideoServer
+from trio_vstream.outputs.recording import Recorder
+from trio_vstream.server.app import ServerConfig, VideoServer
 
 
 def recording_counts(server: VideoServer) -> dict[str, float | None]:
@@ -74,7 +74,7 @@ class PausingEngine(InstrumentedEngine):
 async def test_a_recording_that_reaches_the_limit_stops_and_says_so(
     start_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="trio_vstream.recording")
+    caplog.set_level(logging.INFO, logger="trio_vstream.outputs.recording")
     recorder = Recorder(tmp_path, engine="synthetic", model="synthetic")
     running = await start_server(SLOW, taps=recorder, engine_class=PausingEngine)
     engine: PausingEngine = running.engine
@@ -124,7 +124,7 @@ async def test_a_recording_that_reaches_the_limit_stops_and_says_so(
 async def test_sessions_past_the_limit_are_not_recorded_counted_and_logged_once(
     start_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="trio_vstream.recording")
+    caplog.set_level(logging.INFO, logger="trio_vstream.outputs.recording")
     recorder = Recorder(tmp_path, engine="synthetic", model="synthetic", max_bytes=4096)
     running = await start_server(SLOW, taps=recorder)
     for _ in range(3):

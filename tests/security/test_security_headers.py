@@ -17,8 +17,8 @@ from playwright.sync_api import ConsoleMessage
 
 from tests.player.test_player import CHROMIUM, WAIT_MS, launch_chromium, serve, start, wait_playing
 from tests.security.raw_http import UPGRADE_HEADERS, request, upgrade
-from trio_vstream.access import AccessPolicy, key_subprotocol
-from trio_vstream.http import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
+from trio_vstream.server.access import AccessPolicy, key_subprotocol
+from trio_vstream.server.http import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
 
 KEY = "headers-key_0123456789"
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.security.raw_http import request, upgrade
 from trio_vstream import cli
-from trio_vstream.access import AccessPolicy
+from trio_vstream.server.access import AccessPolicy
 
 KEY = "client-key_0123456789"
 ADMIN = "operator-key_0123456789"

@@ -17,7 +17,7 @@ import trustme
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.conftest import Transcript, receive_into
-from trio_vstream.access import AccessPolicy, key_subprotocol, normalise_origin
+from trio_vstream.server.access import AccessPolicy, key_subprotocol, normalise_origin
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
 KEY = "s3cret-key_0123456789"

@@ -212,7 +212,7 @@ def test_bad_arguments_fail_with_a_clear_message(args: list[str], message: str) 
 
 def test_image_urls_are_off_unless_hosts_are_listed() -> None:
     from trio_vstream.cli import build_parser, image_url_config
-    from trio_vstream.image_fetch import ImageFetchConfig, public_addresses_only
+    from trio_vstream.media.image_fetch import ImageFetchConfig, public_addresses_only
 
     default = image_url_config(build_parser().parse_args(["serve"]))
     assert default == ImageFetchConfig() and not default.enabled
@@ -331,7 +331,7 @@ def test_encode_concurrency_defaults_to_one_encode_per_core(
 ) -> None:
     """One chunk encoding per core (measured: 1.5x the fps of cores - 1 on 2 cores, the
     control-plane targets kept); at least one where the count is unknown."""
-    from trio_vstream.server import ServerConfig
+    from trio_vstream.server.app import ServerConfig
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert ServerConfig().encode_concurrency == 2

@@ -70,7 +70,7 @@ def among(modules: set[str], names: list[str]) -> list[str]:
 
 def test_the_contract_names_what_serving_loads() -> None:
     forbidden = client_may_not_load()
-    for name in ("torch", "prometheus_client", "diffusers", "trio_vstream.server"):
+    for name in ("torch", "prometheus_client", "diffusers", "trio_vstream.server.app"):
         assert name in forbidden
     assert {"trio_vstream.session", "trio_vstream.engines"} <= set(forbidden)
 
@@ -88,7 +88,11 @@ def test_serving_loads_the_server_and_no_client(tmp_path: Path) -> None:
     server, the session and the engines, and not the client."""
     modules, printed = loaded_by(tmp_path, "serve", "--help")
     assert "--max-sessions" in printed
-    assert {"trio_vstream.server", "trio_vstream.session", "trio_vstream.engines"} <= modules
+    assert {
+        "trio_vstream.server.app",
+        "trio_vstream.session.session",
+        "trio_vstream.engines",
+    } <= modules
     assert "prometheus_client" in modules
     assert among(modules, ["trio_vstream.client"]) == []
 

@@ -44,10 +44,10 @@ import pytest
 import trio
 
 from bench import run as bench
-from trio_vstream.access import key_subprotocol
 from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult, stream_video
-from trio_vstream.server import VIDEO_PATH
-from trio_vstream.session import SessionConfig
+from trio_vstream.server.access import key_subprotocol
+from trio_vstream.server.app import VIDEO_PATH
+from trio_vstream.session.session import SessionConfig
 
 REPO: Final = Path(__file__).resolve().parents[2]
 NGINX_CONF: Final = REPO / "deploy" / "nginx.conf"

@@ -15,7 +15,7 @@ from trio_websocket import ConnectionRejected
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings, SyntheticStream
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
@@ -190,7 +190,8 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
     """On a clock that moves only when the test moves it, so the second session starts
     inside the idle while however loaded the machine (on the wall clock, connecting it
     could take the whole while, and a trim come between the sessions)."""
-    from trio_vstream import memory, server
+    from trio_vstream.server import app as server
+    from trio_vstream.server import memory
 
     trims: list[float] = []
     trimmed = trio.Event()

@@ -29,9 +29,9 @@ import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.server.test_cli import URL_LINE, http_status, read_to_terminal
-from trio_vstream import last_resort
-from trio_vstream.last_resort import LastResort
-from trio_vstream.server import WEDGED_EXIT_STATUS
+from trio_vstream.server import last_resort
+from trio_vstream.server.app import WEDGED_EXIT_STATUS
+from trio_vstream.server.last_resort import LastResort
 
 CLOSE_TIMEOUT = 5.0
 GRACE = 0.5

@@ -30,7 +30,7 @@ from tests.instrumented import (
     InstrumentedStream,
 )
 from trio_vstream.engines import SamplingSettings
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "a red circle moving left", "size": "64x48", "fps": 8}
@@ -634,7 +634,7 @@ async def test_steps_of_concurrent_sessions_take_turns(start_server: Any) -> Non
 async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     start_server: Any, monkeypatch: pytest.MonkeyPatch, slots: int
 ) -> None:
-    from trio_vstream import session as session_module
+    from trio_vstream.session import session as session_module
 
     sessions = 4
     running = await start_server(SyntheticSettings(chunk_frames=4), encode_concurrency=slots)

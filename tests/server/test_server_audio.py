@@ -12,10 +12,10 @@ import pytest
 from tests.conftest import decode_video
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream.client._mp4 import decode_audio
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineConfigError, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineConfigError, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.video import audio_samples_through
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.values import audio_samples_through
 
 START = {"type": "session.start", "prompt": "a tone", "size": "32x32", "fps": 7, "num_frames": 17}
 SOUND = SyntheticSettings(chunk_frames=3, audio_tone=440.0, audio_sample_rate=44100)

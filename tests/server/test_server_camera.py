@@ -10,9 +10,9 @@ import attrs
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
-from trio_vstream.engines.base import GenerationRequest, PromptChange
+from trio_vstream.engines.contract import GenerationRequest, PromptChange
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 START = {"type": "session.start", "prompt": "a red circle", "size": "64x48", "fps": 8}
 CAMERA = {"mode": "velocity", "data": {"translation": [0, 0, 1], "rotation": [0, 0, 0, 1]}}

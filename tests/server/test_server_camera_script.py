@@ -10,10 +10,10 @@ from typing import Any
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedStream
 from tests.server.test_server_camera import CameraEngine, CameraStream, interaction
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.protocol import key_velocity
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 START = {"type": "session.start", "prompt": "a red circle", "size": "64x48", "fps": 8}
 #: vllm-omni's recipe example: forward for a chunk, a left pulse, then still.

@@ -20,7 +20,7 @@ import trio
 from tests.conftest import Transcript, decode_video, is_type, receive_into, receive_until
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from trio_vstream.client._mp4 import decode_audio
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"type": "session.start", "prompt": "a red circle moving left", "size": "64x48", "fps": 8}

@@ -32,13 +32,13 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError
 
-from trio_vstream._websocket_compat import (
+from trio_vstream.engines.synthetic import SyntheticEngine
+from trio_vstream.server._websocket_compat import (
     has_ping_during_close_bug,
     patch_ping_during_close,
 )
-from trio_vstream.engines.synthetic import SyntheticEngine
-from trio_vstream.server import VIDEO_PATH, ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
+from trio_vstream.server.app import VIDEO_PATH, ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig
 
 DEADLOCK_GUARD = 60.0
 """Virtual seconds (autojump clock): a hang fails at once, not at pytest's timeout."""
@@ -161,7 +161,7 @@ async def test_server_start_timeout_close_survives_client_ping(
     server = VideoServer(SyntheticEngine(), ServerConfig(session=SessionConfig(start_timeout=2.0)))
     client_stream, server_stream = trio.testing.memory_stream_pair()
     client = RawClient(client_stream)
-    caplog.set_level(logging.ERROR, logger="trio_vstream.server")
+    caplog.set_level(logging.ERROR, logger="trio_vstream.server.app")
 
     async def client_side() -> tuple[list[Event], CloseConnection | None]:
         await client.open(VIDEO_PATH)

@@ -19,7 +19,8 @@ import trio
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.conftest import EndedSessions, Transcript, is_type, receive_into, receive_until
-from tests.engines.test_engine_calls import (
+from tests.instrumented import InstrumentedEngine
+from tests.scheduling.test_engine_calls import (
     START,
     assert_stalled,
     blocked_at,
@@ -27,12 +28,11 @@ from tests.engines.test_engine_calls import (
     releasing,
     until_blocked,
 )
-from tests.instrumented import InstrumentedEngine
 from tests.server.test_http import http_get
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
-from trio_vstream.server import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
-from trio_vstream.session import Outcome, SessionConfig
+from trio_vstream.server.app import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
+from trio_vstream.session.session import Outcome, SessionConfig
 
 SETTINGS = SyntheticSettings(chunk_frames=4)
 UNAVAILABLE = b"engine_unavailable: Engine unavailable: "

@@ -28,8 +28,8 @@ from trio_websocket import (
 
 from tests.instrumented import InstrumentedEngine
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig, SessionSummary
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig, SessionSummary
 
 FPS = 8
 CHUNK_FRAMES = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from trio_vstream import protocol
-from trio_vstream.early_messages import EARLY_MESSAGES, EarlyMessages
+from trio_vstream.session.early_messages import EARLY_MESSAGES, EarlyMessages
 
 PING = json.dumps({"type": "session.ping"})  # 24 bytes
 LIMITS = protocol.Limits(max_control_bytes=100)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from trio_vstream import protocol
-from trio_vstream.engines.base import EngineError
-from trio_vstream.outcomes import Ending, Outcome, describe, engine_failure
+from trio_vstream.engines.contract import EngineError
 from trio_vstream.protocol import ErrorCode
+from trio_vstream.session.endings import Ending, Outcome, describe, engine_failure
 
 STALL = (ErrorCode.STALL_TIMEOUT, "Stall timeout: no generation progress")
 SHUTDOWN = (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")

@@ -17,8 +17,8 @@ from tests.instrumented import CameraEngine, InstrumentedEngine
 from tests.session.playback_harness import CHUNK_FRAMES, Client, Harness, harness, settle
 from trio_vstream import protocol
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.outcomes import Outcome
-from trio_vstream.taps import SessionTaps
+from trio_vstream.outputs.taps import SessionTaps
+from trio_vstream.session.endings import Outcome
 
 LIMIT = protocol.MAX_PENDING_INTERACTIONS
 
@@ -29,7 +29,8 @@ def started(client: Client) -> list[list[str]]:
 
 
 class InteractionTap:
-    """A session tap (`trio_vstream.taps.SessionTap`) that keeps what it hears of interactions."""
+    """A session tap (`trio_vstream.outputs.taps.SessionTap`) that keeps what it hears of
+    interactions."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []

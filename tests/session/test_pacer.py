@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from trio_vstream import protocol
-from trio_vstream.pacing import Pacer
+from trio_vstream.session.pacing import Pacer
 
 PACING = protocol.Pacing(lead_seconds=0.5, max_lag_seconds=2.0)
 

@@ -19,9 +19,9 @@ import trio.testing
 
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from tests.session.playback_harness import CHUNK_FRAMES, START, harness, settle
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
-from trio_vstream.outcomes import Outcome
+from trio_vstream.session.endings import Outcome
 
 STALL = 60.0  # the session's stall timeout (SessionConfig's default)
 

@@ -12,9 +12,9 @@ import trio
 import trio.testing
 
 from trio_vstream import protocol
-from trio_vstream.engines.base import PromptChange
-from trio_vstream.interaction_queue import InteractionQueue
-from trio_vstream.pacing import PlaybackGate
+from trio_vstream.engines.contract import PromptChange
+from trio_vstream.session.interaction_queue import InteractionQueue
+from trio_vstream.session.pacing import PlaybackGate
 
 FPS = 100  # so that a chunk of 0.5 s is 50 frames
 

@@ -22,9 +22,9 @@ from tests.session.test_session_edges import (
     make_session,
     session_in_background,
 )
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
-from trio_vstream.outcomes import Outcome
+from trio_vstream.session.endings import Outcome
 
 STALL = 10.0
 """The sessions' stall timeout: far beyond what a test takes, short enough that a failing

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from trio_vstream import protocol
-from trio_vstream.scripts import ScriptRefused, Scripts, kinds_refusal
+from trio_vstream.session.scripts import ScriptRefused, Scripts, kinds_refusal
 
 CAMERA = {"mode": "velocity", "data": {"translation": [0.05, 0, 0], "rotation": [0, 0, 0, 1]}}
 BOTH = frozenset({"prompt", "camera"})

@@ -13,7 +13,7 @@ import trio.testing
 from trio_websocket import CloseReason, ConnectionClosed
 
 from trio_vstream import protocol
-from trio_vstream.sending import REPLIES_WAITING, Sender, SocketBroken
+from trio_vstream.session.sending import REPLIES_WAITING, Sender, SocketBroken
 
 
 class Peer:

@@ -16,12 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from trio_vstream.engine_calls import EngineCall
-from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
 from trio_vstream.engines.synthetic import SyntheticEngine
-from trio_vstream.session_calls import SessionCalls
-from trio_vstream.session_resources import ServerCounters, ServerResources, SessionConfig
-from trio_vstream.steps import EngineProgress, SessionCheckpoint
+from trio_vstream.scheduling.checkpoint import SessionCheckpoint
+from trio_vstream.scheduling.engine_calls import EngineCall
+from trio_vstream.scheduling.progress import EngineProgress
+from trio_vstream.session.calls import SessionCalls
+from trio_vstream.session.resources import ServerCounters, ServerResources, SessionConfig
 
 REQUEST = GenerationRequest(request_id="r1", prompt="p", width=8, height=8, fps=8, num_frames=4)
 WAIT = 10.0  # seconds a thread waits for the test before failing it

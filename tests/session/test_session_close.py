@@ -28,9 +28,9 @@ from tests.session.test_session_edges import (
     session_in_background,
 )
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.http import ReplayStream
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import Outcome, SessionSummary
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.server.http import ReplayStream
+from trio_vstream.session.session import Outcome, SessionSummary
 
 CLOSE_OPCODE = 0x88
 """First byte of a Close frame (FIN and opcode 8)."""

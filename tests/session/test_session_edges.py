@@ -30,11 +30,11 @@ from trio_websocket import (
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.instrumented import TakingTurnsEngine
 from trio_vstream import protocol
-from trio_vstream.encoding import EncodingError, FragmentedMP4Encoder
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import (
+from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import (
     Outcome,
     ServerCounters,
     ServerResources,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from trio_vstream import protocol
-from trio_vstream.engines.base import EngineError, PromptChange
-from trio_vstream.interaction_queue import InteractionQueue
+from trio_vstream.engines.contract import EngineError, PromptChange
 from trio_vstream.protocol import ErrorCode
-from trio_vstream.scripts import Scripts
-from trio_vstream.session_interactions import VIDEO_ENDED, Interactions
-from trio_vstream.video import Camera
+from trio_vstream.session.interaction_queue import InteractionQueue
+from trio_vstream.session.interactions import VIDEO_ENDED, Interactions
+from trio_vstream.session.scripts import Scripts
+from trio_vstream.values import Camera
 
 CAMERA = Camera("velocity", (0.1, 0.0, 0.0), (0.0, 0.0, 0.0, 1.0))
 

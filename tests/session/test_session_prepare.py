@@ -17,20 +17,20 @@ import trio.testing
 from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
-from trio_vstream.encoding import FragmentedMP4Encoder
-from trio_vstream.engines.base import GenerationRequest
+from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine
-from trio_vstream.outcomes import Ending, Outcome
+from trio_vstream.media.encoding import FragmentedMP4Encoder
 from trio_vstream.protocol import ErrorCode
-from trio_vstream.session_calls import SessionCalls
-from trio_vstream.session_prepare import (
+from trio_vstream.session.calls import SessionCalls
+from trio_vstream.session.endings import Ending, Outcome
+from trio_vstream.session.prepare import (
     STALLED_OPENING,
     StartFailure,
     first_failure,
     prepare,
     receive_start,
 )
-from trio_vstream.session_resources import ServerCounters, ServerResources, SessionConfig
+from trio_vstream.session.resources import ServerCounters, ServerResources, SessionConfig
 
 START = {"type": "session.start", "prompt": "a lighthouse", "width": 64, "height": 64}
 

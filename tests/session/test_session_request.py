@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from trio_vstream import protocol
-from trio_vstream.engines.base import GenerationRequest, SamplingSettings
-from trio_vstream.session_request import (
+from trio_vstream.engines.contract import GenerationRequest, SamplingSettings
+from trio_vstream.session.request import (
     SERVER_PARAMS,
     config_echo,
     engine_extra_params,
     generation_request,
 )
-from trio_vstream.video import VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 # Every setting a client may give the engine, none at its default.
 EVERYTHING = {

@@ -9,8 +9,8 @@ import trio.testing
 from trio_websocket import ConnectionClosed, wrap_client_stream, wrap_server_stream
 
 from trio_vstream.engines.synthetic import SyntheticEngine
-from trio_vstream.server import ServerConfig, VideoServer
-from trio_vstream.session import SessionConfig
+from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.session.session import SessionConfig
 
 
 async def test_default_start_timeout_is_ten_seconds(autojump_clock: trio.testing.MockClock) -> None:

@@ -28,7 +28,6 @@ from trio_vstream.client._cli import (
     add_client_arguments,
     run_client,
 )
-from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
 from trio_vstream.client._replay import (
     EXIT_MISMATCH,
     ReplayError,
@@ -56,6 +55,7 @@ from trio_vstream.client._stream import (
 )
 from trio_vstream.client._viewer import PlaybackViewer, ViewerFigures, check_startup
 from trio_vstream.client._watch import add_watch_arguments, run_watch, watch_link_url
+from trio_vstream.media.remux import RemuxError, remux_to_mp4
 
 __all__ = [
     "API_KEY_ENV",

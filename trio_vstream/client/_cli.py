@@ -27,7 +27,6 @@ import attrs
 import trio
 
 from trio_vstream import protocol
-from trio_vstream.client._mp4 import RemuxError, remux_to_mp4
 from trio_vstream.client._results import (
     ScheduledInteraction,
     StreamConnectError,
@@ -36,7 +35,8 @@ from trio_vstream.client._results import (
 )
 from trio_vstream.client._stream import bearer, seconds_text, stream_video
 from trio_vstream.client._viewer import check_startup
-from trio_vstream.video import CAMERA_MODES, Camera
+from trio_vstream.media.remux import RemuxError, remux_to_mp4
+from trio_vstream.values import CAMERA_MODES, Camera
 
 __all__ = ["API_KEY_ENV", "DEFAULT_URL", "add_client_arguments", "run_client"]
 

@@ -1,27 +1,25 @@
 """Reading and rewriting the received fragmented MP4.
 
-`remux_to_mp4` turns the stream into a plain progressive MP4 (desktop players and
-editors cope badly with fragmented files: no duration, slow seeking), by copying its
-packets without re-encoding. `StreamTiming` reads the frame rate written in the stream
-itself, which the client needs to turn frames into media time.
+`decode_audio` gives back a stream's sound as PCM (remuxing into a progressive MP4 is
+`trio_vstream.media.remux`, shared with the recorder). `StreamTiming` reads the frame
+rate written in the stream itself, which the client needs to turn frames into media
+time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
 import struct
 from collections.abc import Iterable
 from fractions import Fraction
-from pathlib import Path
-from typing import Any
 
 import av
 import av.error
 import numpy as np
 
-__all__ = ["RemuxError", "StreamTiming", "decode_audio", "remux_to_mp4"]
+__all__ = ["StreamTiming", "decode_audio"]
+
+from trio_vstream.media.remux import RemuxError
 
 
 class StreamTiming:
@@ -111,67 +109,6 @@ def _mp4_boxes(data: bytes) -> Iterable[tuple[bytes, bytes]]:
 
 def _mp4_child(payload: bytes, kind: bytes) -> bytes | None:
     return next((body for k, body in _mp4_boxes(payload) if k == kind), None)
-
-
-class RemuxError(Exception):
-    """The received bytes hold no video that could be written."""
-
-
-def remux_to_mp4(fmp4: bytes, path: str | os.PathLike[str]) -> int:
-    """Copy the packets of a fragmented MP4 into a progressive one; returns frames written.
-
-    No re-encoding, so it is fast and lossless. ``faststart`` puts the ``moov`` first so
-    the file also streams over HTTP. A stream cut short (no trailer, or damaged at the end)
-    keeps every packet that demuxes; the file is written to a temporary name and renamed,
-    so ``path`` is never left half-written.
-    """
-    target = Path(path)
-    try:
-        source = av.open(io.BytesIO(fmp4), mode="r")
-    except (av.error.FFmpegError, ValueError, OSError) as exc:
-        raise RemuxError(f"the received data is not a readable MP4 stream: {exc}") from exc
-    # Not mkstemp: its 0600 mode would survive the rename; this name honours the umask.
-    temp_name = str(target.with_name(f".{target.name}.{os.getpid()}.part"))
-    frames = 0
-    try:
-        with source:
-            if not source.streams.video:
-                raise RemuxError("the received data holds no video stream")
-            in_stream = source.streams.video[0]
-            # The sound too, when the stream has it (its edit list, cutting the AAC
-            # priming, is carried over by the muxer from the packets' timestamps).
-            in_streams = [in_stream, *source.streams.audio[:1]]
-            with av.open(
-                temp_name, mode="w", format="mp4", options={"movflags": "+faststart"}
-            ) as output:
-                out_streams = {s.index: _add_stream_like(output, s) for s in in_streams}
-                try:
-                    for packet in source.demux(in_streams):
-                        if packet.dts is None:  # the demuxer's end-of-stream marker
-                            continue
-                        is_video = packet.stream.index == in_stream.index
-                        packet.stream = out_streams[packet.stream.index]
-                        output.mux(packet)
-                        frames += is_video
-                except av.error.FFmpegError as exc:
-                    if frames == 0:
-                        raise RemuxError(f"the received video is unreadable: {exc}") from exc
-                    # Damaged tail: keep what came before it.
-                if frames == 0:
-                    raise RemuxError("the received data holds no video frames")
-        os.replace(temp_name, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp_name)
-        raise
-    return frames
-
-
-def _add_stream_like(output: Any, template: Any) -> Any:
-    # PyAV >= 13 has add_stream_from_template; older versions took template= instead.
-    if hasattr(output, "add_stream_from_template"):
-        return output.add_stream_from_template(template)
-    return output.add_stream(template=template)  # pragma: no cover
 
 
 def decode_audio(fmp4: bytes) -> tuple[int, np.ndarray] | None:

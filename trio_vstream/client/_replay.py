@@ -1,6 +1,6 @@
 """``python -m trio_vstream replay FILE.json``: a recorded session, again, at the same chunks.
 
-A recording (``--record DIR`` on the server, `trio_vstream.recording`) holds the request
+A recording (``--record DIR`` on the server, `trio_vstream.outputs.recording`) holds the request
 as validated, the seed the engine used, and every interaction with the generation chunk
 where it started. Replaying sends the same ``session.start`` with that seed, and the
 interactions not over the network at their old times (a client racing a fast engine
@@ -57,10 +57,10 @@ from trio_vstream.client._cli import (
     _image_data_url,
     _UsageError,
 )
-from trio_vstream.client._mp4 import RemuxError, decode_audio, remux_to_mp4
+from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.client._results import ReceivedChunk, StreamConnectError, StreamResult
 from trio_vstream.client._stream import stream_video
-from trio_vstream.recording import FORMAT, READABLE_VERSIONS
+from trio_vstream.media.remux import RemuxError, remux_to_mp4
 
 __all__ = [
     "EXIT_MISMATCH",
@@ -142,11 +142,11 @@ def load_recording(
         record = json.loads(text)
     except ValueError as exc:
         raise ReplayError(f"{path} is not a recording: invalid JSON ({exc})") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ReplayError(f'{path} is not a recording: no "format": "{FORMAT}"')
+    if not isinstance(record, dict) or record.get("format") != protocol.RECORDING_FORMAT:
+        raise ReplayError(f'{path} is not a recording: no "format": "{protocol.RECORDING_FORMAT}"')
     version = record.get("version")
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+    if isinstance(version, bool) or version not in protocol.RECORDING_READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in protocol.RECORDING_READABLE_VERSIONS)
         raise ReplayError(
             f"{path}: recording version {version!r}; this trio_vstream reads versions {readable}"
         )

@@ -15,7 +15,7 @@ import attrs
 
 from trio_vstream import protocol
 from trio_vstream.client._viewer import PlaybackViewer
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 __all__ = [
     "InteractionRecord",

@@ -2,7 +2,7 @@
 
 ``load_engine("synthetic", {...})`` builds a built-in engine by name;
 ``load_engine("package.module:factory", {...})`` builds a lab's own. See
-``trio_vstream.engines.base`` for the contract an engine keeps,
+``trio_vstream.engines.contract`` for the contract an engine keeps,
 ``trio_vstream.engines.interfaces`` for what it may declare beyond it, and
 ``trio_vstream.engines.testing.check_engine`` to prove that it keeps the rules.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     DeferredFrames,

@@ -1,6 +1,6 @@
 """Parsing ``--engine-arg KEY=VALUE`` options, for engine factories.
 
-Not part of the engine contract (`trio_vstream.engines.base`, where a factory receives
+Not part of the engine contract (`trio_vstream.engines.contract`, where a factory receives
 its engine args as strings): helpers the built-in engines share, and a lab's engine
 may use, so that a bad option fails at start-up with the same kind of message.
 """
@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 
 __all__ = ["parse_bool_arg", "parse_number_arg", "reject_unknown_args"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 
 
 def resolve_device(engine: str, spec: str, *, allow_mps: bool = False) -> torch.device:

@@ -1,6 +1,6 @@
 """An engine's frames, brought to what the encoder takes.
 
-Not part of the engine contract (`trio_vstream.engines.base`): the server runs this on
+Not part of the engine contract (`trio_vstream.engines.contract`): the server runs this on
 every chunk an engine returns, and the benchmarks and tests that drive an engine
 directly run it too, so that they check frames as the server does.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trio_vstream.engines.base import DeferredFrames, EngineError
+from trio_vstream.engines.contract import DeferredFrames, EngineError
 
 __all__ = ["audio_to_float32_array", "frame_count", "frames_to_uint8_array"]
 
@@ -65,7 +65,7 @@ def audio_to_float32_array(audio: Any, *, channels: int, samples: int) -> np.nda
 
     Runs in the encode's worker thread, like `frames_to_uint8_array` (a GPU tensor is
     copied here). ``samples`` is what the chunk's frames need
-    (`trio_vstream.video.audio_samples_through`): any other count is the engine's bug, and
+    (`trio_vstream.values.audio_samples_through`): any other count is the engine's bug, and
     an error here rather than sound that slides off the picture. Mono may come as
     ``(samples,)``. Values are clipped to [-1, 1]; a NaN or an infinity is refused (the
     encoder would turn it into noise at full scale).

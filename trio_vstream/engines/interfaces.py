@@ -1,6 +1,6 @@
 """What an engine may do beyond the contract: its optional capabilities, as Protocols.
 
-`trio_vstream.engines.base.Engine` and ``EngineStream`` are what every engine must
+`trio_vstream.engines.contract.Engine` and ``EngineStream`` are what every engine must
 provide. An engine may also declare more, each a small ``runtime_checkable`` Protocol
 here, checked with its ``supports_*`` function (as vLLM's ``interfaces.py`` does for
 its models) rather than with ``getattr`` and a default scattered through the server:
@@ -14,7 +14,7 @@ its models) rather than with ``getattr`` and a default scattered through the ser
 * `SupportsLiveSettings`: the sampling settings it suggests for live (paced,
   steered) sessions, where a chunk's time is a person's wait; read with `live_settings`.
 * `SupportsAudio`: it makes sound, at this sample rate and channel count; every chunk then
-  carries its ``audio`` (`trio_vstream.engines.base.Chunk`); read with `audio_format`.
+  carries its ``audio`` (`trio_vstream.engines.contract.Chunk`); read with `audio_format`.
 
 Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
 capability existed (before cameras, before batching) still satisfies
@@ -33,8 +33,8 @@ from typing import Protocol, TypeGuard, runtime_checkable
 
 import attrs
 
-from trio_vstream.engines.base import Engine, EngineConfigError
-from trio_vstream.video import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES
+from trio_vstream.engines.contract import Engine, EngineConfigError
+from trio_vstream.values import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES
 
 __all__ = [
     "DEFAULT_INTERACTION_KINDS",
@@ -87,7 +87,7 @@ class SupportsBatching(Protocol):
     """An engine that runs the steps of several sessions as one batch.
 
     Its streams step inside ``with checkpoint.batched(run_batch) as step:`` (see
-    `trio_vstream.engines.base.Checkpoint.batched`); ``max_batch`` > 1 asks the server to
+    `trio_vstream.engines.contract.Checkpoint.batched`); ``max_batch`` > 1 asks the server to
     batch them, at most that many rows a call, and 1 makes it step each session alone
     (``max_concurrent_steps`` then applies). ``run_batch`` is handed over with each row,
     so it is no member here: an engine may batch more than one kind of step.
@@ -137,7 +137,7 @@ class SupportsAudio(Protocol):
     """
 
     audio_sample_rate: int | None
-    """Samples per second, one of `trio_vstream.video.AUDIO_SAMPLE_RATES`; ``None`` for an
+    """Samples per second, one of `trio_vstream.values.AUDIO_SAMPLE_RATES`; ``None`` for an
     engine that declares the attribute but makes no sound (as configured)."""
     audio_channels: int
     """1 (mono) or 2 (stereo)."""

@@ -41,7 +41,7 @@ import torch
 from torch.nn import functional as F
 
 from trio_vstream.engines.args import parse_bool_arg, parse_number_arg, reject_unknown_args
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     DeferredFrames,
@@ -70,7 +70,7 @@ from trio_vstream.models.shapes.vocab import (
     fill_slots,
     parse_prompt,
 )
-from trio_vstream.video import Camera, VideoDefaults
+from trio_vstream.values import Camera, VideoDefaults
 
 logger = get_logger(__name__)
 
@@ -595,7 +595,7 @@ def camera_motion(camera: Camera) -> str:
 def _turn(rotation: tuple[float, float, float, float]) -> tuple[float, float]:
     """(yaw, pitch) of a unit quaternion as a steer: yaw right positive, pitch up positive.
 
-    In vllm-omni's sense (`trio_vstream.video.Camera`): a positive turn about +Y looks
+    In vllm-omni's sense (`trio_vstream.values.Camera`): a positive turn about +Y looks
     right, a positive turn about +X looks up.
     """
     qx, qy, qz, qw = rotation

@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 
 from trio_vstream.engines.args import parse_number_arg, reject_unknown_args
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     EngineConfigError,
@@ -46,7 +46,7 @@ from trio_vstream.engines.base import (
 )
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.logsafe import get_logger
-from trio_vstream.video import AUDIO_SAMPLE_RATES, VideoDefaults, audio_samples_through
+from trio_vstream.values import AUDIO_SAMPLE_RATES, VideoDefaults, audio_samples_through
 
 logger = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from trio_vstream.engines.base import Chunk, PromptChange
+from trio_vstream.engines.contract import Chunk, PromptChange
 
 DEFAULT_TRANSITION_CHUNKS = 3
 

@@ -80,6 +80,11 @@ from trio_vstream.protocol._messages import (
     playback_message,
     start_message,
 )
+from trio_vstream.protocol._recording import (
+    RECORDING_FORMAT,
+    RECORDING_FORMAT_VERSION,
+    RECORDING_READABLE_VERSIONS,
+)
 from trio_vstream.protocol._start import (
     DEFAULT_VIDEO_DEFAULTS,
     INTERACTION_SCRIPT_PARAM,
@@ -97,7 +102,7 @@ from trio_vstream.protocol._start import (
     parse_start,
 )
 from trio_vstream.protocol._wire import safe_text
-from trio_vstream.video import Camera, VideoDefaults
+from trio_vstream.values import Camera, VideoDefaults
 
 __all__ = [
     "AUDIO_CODEC",
@@ -116,6 +121,9 @@ __all__ = [
     "MAX_STREAMING_BUFFER_SECONDS",
     "PACING_PARAMS",
     "PING_MESSAGE",
+    "RECORDING_FORMAT",
+    "RECORDING_FORMAT_VERSION",
+    "RECORDING_READABLE_VERSIONS",
     "STOP_MESSAGE",
     "Camera",
     "ChunkAnnounced",

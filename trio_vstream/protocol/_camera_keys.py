@@ -20,7 +20,7 @@ import math
 from collections.abc import Collection, Sequence
 from typing import Final
 
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 __all__ = ["CAMERA_KEYS", "KEY_PITCH_DEGREES", "KEY_STEP", "KEY_YAW_DEGREES", "key_velocity"]
 

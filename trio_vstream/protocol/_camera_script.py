@@ -28,7 +28,7 @@ import attrs
 
 from trio_vstream.protocol._camera_keys import CAMERA_KEYS, key_velocity
 from trio_vstream.protocol._wire import quote, show
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 __all__ = ["CAMERA_SCRIPT_PARAM", "FRAMES_PER_SCRIPT_CHUNK", "ScriptedCamera", "camera_script_of"]
 

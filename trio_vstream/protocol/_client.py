@@ -70,7 +70,7 @@ from trio_vstream.protocol._messages import (
     playback_message,
     start_message,
 )
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 __all__ = [
     "CONTROL_ERROR_CODES",

@@ -37,7 +37,7 @@ class ErrorCode(enum.StrEnum):
     """The engine has calls stuck after their sessions ended, as many as the server
     tolerates (``--max-stuck-calls``): new sessions are refused (an HTTP 503 before the
     upgrade, this code after it) so that a client tries another server."""
-    # This project's extensions, for viewers of a watch link (trio_vstream.watch):
+    # This project's extensions, for viewers of a watch link (trio_vstream.outputs.watch):
     READ_ONLY = "read_only"
     """A viewer sent a control message only the session's owner may send."""
     WATCH_NOT_FOUND = "watch_not_found"

@@ -31,7 +31,7 @@ from trio_vstream.protocol._wire import (
     show,
     validation_problems,
 )
-from trio_vstream.video import CAMERA_MODES, Camera
+from trio_vstream.values import CAMERA_MODES, Camera
 
 __all__ = [
     "AUDIO_CODEC",
@@ -113,7 +113,7 @@ class Playback(_Message):
 
     vllm-omni's playback feedback, for a session that set ``streaming_buffer_seconds``:
     generation waits at chunk boundaries while the media made is that far ahead of the
-    last position reported (`trio_vstream.pacing.PlaybackGate`). A finite number >= 0;
+    last position reported (`trio_vstream.session.pacing.PlaybackGate`). A finite number >= 0;
     the parser refuses anything else. A session that did not ask for the buffer ignores
     it.
     """
@@ -437,7 +437,7 @@ class WatchStart(_Message):
     """This project's extension: the first message a viewer of a watch link gets.
 
     The session's ``request_id`` and ``format``, and its ``config`` as ``video.start``
-    echoed it, less what is not the viewers' business (see `trio_vstream.watch`). Then
+    echoed it, less what is not the viewers' business (see `trio_vstream.outputs.watch`). Then
     come the same chunks and terminal message as the owner's, from where the viewer
     joined.
     """

@@ -40,7 +40,7 @@ from trio_vstream.protocol._wire import (
     show,
     validation_problems,
 )
-from trio_vstream.video import Camera, VideoDefaults
+from trio_vstream.values import Camera, VideoDefaults
 
 # --------------------------------------------------------------------------------------
 # Configuration
@@ -126,7 +126,7 @@ class VideoRequest:
     )
     """vllm-omni's playback pacing: generation stays at most this many seconds of media
     ahead of the playhead the client reports with ``session.playback`` (see
-    `trio_vstream.pacing.PlaybackGate`). None: unpaced, as before."""
+    `trio_vstream.session.pacing.PlaybackGate`). None: unpaced, as before."""
 
 
 _REQUEST_FIELDS: Final = frozenset(f.name for f in attrs.fields(VideoRequest))
@@ -163,7 +163,7 @@ class ImageURL:
     """An ``https://`` image URL, checked for form but not fetched.
 
     Whether to fetch it (from which hosts, within which limits) is the server's decision,
-    made in ``trio_vstream.image_fetch``; the protocol stays free of I/O. ``host`` is
+    made in ``trio_vstream.media.image_fetch``; the protocol stays free of I/O. ``host`` is
     lower-case, without the brackets of an IPv6 literal or a trailing dot, ready to be
     compared with an allow list; ``target`` is the HTTP request target (path and query,
     never the fragment).

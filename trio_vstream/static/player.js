@@ -139,7 +139,7 @@ let session = null;
 // forgets it, and other tabs and later visits never see it.
 const KEY_STORAGE = "trio_vstream.api_key";
 // The protocol name the server selects, and the prefix of the entry that carries the key
-// (trio_vstream.access): browsers cannot set an Authorization header on a WebSocket.
+// (trio_vstream.server.access): browsers cannot set an Authorization header on a WebSocket.
 const SUBPROTOCOL = "trio-vstream";
 const KEY_SUBPROTOCOL_PREFIX = "trio-vstream.key.";
 let memoryKey = null; // where sessionStorage is unavailable (some privacy modes)

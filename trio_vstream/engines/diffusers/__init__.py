@@ -58,7 +58,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from trio_vstream.engines.base import GenerationRequest, InvalidRequestError
+from trio_vstream.engines.contract import GenerationRequest, InvalidRequestError
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.diffusers._extra import check_extra_params, schedule_steps
 from trio_vstream.engines.diffusers._loading import (

@@ -26,7 +26,7 @@ import torch
 
 from trio_vstream.engines.diffusers._settings import DTYPES, DiffusersSettings, config_error
 from trio_vstream.logsafe import get_logger
-from trio_vstream.video import VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 

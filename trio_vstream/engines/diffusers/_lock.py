@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from trio_vstream.engines.base import Checkpoint
+from trio_vstream.engines.contract import Checkpoint
 from trio_vstream.logsafe import get_logger
 
 logger = get_logger(__package__)  # the engine's one logger, whichever module logs

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from trio_vstream.engines.base import EngineError
+from trio_vstream.engines.contract import EngineError
 from trio_vstream.engines.diffusers._loading import PipelineInfo
 from trio_vstream.engines.diffusers._lock import SegmentLock
 from trio_vstream.engines.diffusers._messages import shown

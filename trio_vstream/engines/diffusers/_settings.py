@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from trio_vstream.engines.args import parse_bool_arg, parse_number_arg
-from trio_vstream.engines.base import EngineConfigError
+from trio_vstream.engines.contract import EngineConfigError
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import (
+from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
     DeferredFrames,

@@ -2,7 +2,7 @@
 
 What ``trio.testing.check_two_way_stream`` is for a Trio stream, this is for an engine:
 give it a factory, and it drives the engine through the rules of
-`trio_vstream.engines.base` as the server would, then reports every rule broken, each by
+`trio_vstream.engines.contract` as the server would, then reports every rule broken, each by
 its name in `RULES`, in one `EngineContractError`::
 
     from trio_vstream.engines.testing import check_engine
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trio_vstream.engines.base import Engine, GenerationRequest
+from trio_vstream.engines.contract import Engine, GenerationRequest
 from trio_vstream.engines.testing._batching import check_batching
 from trio_vstream.engines.testing._chunks import check_full_run
 from trio_vstream.engines.testing._deferred import check_deferred
@@ -41,7 +41,7 @@ from trio_vstream.engines.testing._kit import Kit, Skip
 from trio_vstream.engines.testing._probe import CheckpointStopped, StepFailed
 from trio_vstream.engines.testing._report import RULES, EngineContractError, Violation
 from trio_vstream.engines.testing._stop import check_close_unstepped, check_stops
-from trio_vstream.video import VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 __all__ = [
     "RULES",

@@ -7,11 +7,11 @@ declared format itself is read, and checked, by the interface rule (`_interface`
 
 from __future__ import annotations
 
-from trio_vstream.engines.base import EngineError
+from trio_vstream.engines.contract import EngineError
 from trio_vstream.engines.frames import audio_to_float32_array
 from trio_vstream.engines.interfaces import AudioFormat
 from trio_vstream.engines.testing._kit import Kit, Run
-from trio_vstream.video import audio_samples_through
+from trio_vstream.values import audio_samples_through
 
 
 def check_audio(kit: Kit, run: Run, sound: AudioFormat) -> None:

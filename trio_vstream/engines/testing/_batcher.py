@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from trio_vstream.engines.base import EngineError, RunBatch, batch_result
+from trio_vstream.engines.contract import EngineError, RunBatch, batch_result
 
 
 @attrs.define(eq=False)

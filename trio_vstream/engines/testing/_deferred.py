@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trio_vstream.engines.base import Chunk, DeferredFrames, release_frames
+from trio_vstream.engines.contract import Chunk, DeferredFrames, release_frames
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.testing._kit import Hung, Kit, Run, Skip, in_thread, max_difference
 from trio_vstream.engines.testing._probe import Probe

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import threading
 
-from trio_vstream.engines.base import PromptChange
+from trio_vstream.engines.contract import PromptChange
 from trio_vstream.engines.interfaces import interaction_kinds
 from trio_vstream.engines.testing._kit import Hung, Kit, Run, Skip, in_thread
 from trio_vstream.engines.testing._probe import Probe
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 
 def interaction(kit: Kit, event_id: str, window_offset: float = 0.0) -> PromptChange | None:
@@ -34,7 +34,7 @@ def check_interact(kit: Kit, full: Run) -> None:
 
     Listing it in chunk 1's ``started_event_ids`` is what the server counts on: an
     interaction is pending until a chunk lists it there, and a session may have at
-    most `protocol.MAX_PENDING_INTERACTIONS` pending (`trio_vstream.interaction_queue`),
+    most `protocol.MAX_PENDING_INTERACTIONS` pending (`trio_vstream.session.interaction_queue`),
     so an engine that never lists them ends its sessions' video requests after 64."""
     change = interaction(kit, "check-engine-1")
     if change is None:

@@ -7,7 +7,7 @@ engine's sound, read here, is what the audio rule (`_audio`) checks each chunk a
 
 from __future__ import annotations
 
-from trio_vstream.engines.base import Engine, EngineError
+from trio_vstream.engines.contract import Engine, EngineError
 from trio_vstream.engines.interfaces import (
     INTERACTION_KINDS,
     audio_format,
@@ -16,7 +16,7 @@ from trio_vstream.engines.interfaces import (
     missing_members,
 )
 from trio_vstream.engines.testing._kit import Kit, Skip
-from trio_vstream.video import VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 
 def check_interface(kit: Kit) -> None:

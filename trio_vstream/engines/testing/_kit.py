@@ -17,7 +17,13 @@ from typing import Any, TypeVar, cast
 import attrs
 import numpy as np
 
-from trio_vstream.engines.base import Chunk, Engine, EngineError, EngineStream, GenerationRequest
+from trio_vstream.engines.contract import (
+    Chunk,
+    Engine,
+    EngineError,
+    EngineStream,
+    GenerationRequest,
+)
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.interfaces import (
     AudioFormat,

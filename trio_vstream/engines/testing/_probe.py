@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import cast
 
-from trio_vstream.engines.base import Checkpoint, In, Out, RunBatch
+from trio_vstream.engines.contract import Checkpoint, In, Out, RunBatch
 from trio_vstream.engines.testing._batcher import Batcher
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from trio_vstream.engines.base import Checkpoint, EngineError
+from trio_vstream.engines.contract import Checkpoint, EngineError
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine

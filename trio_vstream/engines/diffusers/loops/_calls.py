@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from trio_vstream.engines.base import Checkpoint, EngineError
+from trio_vstream.engines.contract import Checkpoint, EngineError
 from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS
 
 if TYPE_CHECKING:

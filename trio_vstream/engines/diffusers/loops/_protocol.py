@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import attrs
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.base import Checkpoint, Chunk, GenerationRequest, PromptChange
+    from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
     from trio_vstream.engines.diffusers._extra import ExtraParams
     from trio_vstream.engines.diffusers._loading import PipelineInfo
     from trio_vstream.engines.diffusers._stream import DiffusersStream
@@ -134,7 +134,7 @@ class SoundLoop(Protocol):
 
     The engine then declares the sound (``audio_sample_rate``, ``audio_channels``) and
     the family's run puts each chunk's PCM in ``Chunk.audio``, exactly the samples of its
-    frames (`trio_vstream.video.audio_samples_through`)."""
+    frames (`trio_vstream.values.audio_samples_through`)."""
 
     def audio_format(self, model: PipelineInfo, i2v: PipelineInfo | None) -> AudioFormat | None:
         """The sound the pipelines make (the same for ``model`` and ``i2v``, which

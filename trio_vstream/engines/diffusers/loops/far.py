@@ -43,7 +43,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk
+from trio_vstream.engines.contract import Checkpoint, Chunk
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas, timesteps
 from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown

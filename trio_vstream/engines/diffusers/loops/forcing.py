@@ -39,7 +39,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams, by_plan
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown

@@ -62,7 +62,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas
 from trio_vstream.engines.diffusers._messages import quoted, shown
 from trio_vstream.engines.diffusers._settings import config_error

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trio_vstream.engines.base import Checkpoint, EngineError
+from trio_vstream.engines.contract import Checkpoint, EngineError
 from trio_vstream.engines.diffusers._extra import (
     COMMON,
     MAX_STEPS,

@@ -13,7 +13,7 @@ own frames.
 
 How a segment's waveform becomes its chunk's audio (`segment_audio`). A chunk must carry
 exactly ``audio_samples_through(end) - audio_samples_through(start)`` samples
-(`trio_vstream.video`); the vocoder's waveform is close to the call's length but never
+(`trio_vstream.values`); the vocoder's waveform is close to the call's length but never
 exactly it: the pipeline sizes its audio latents as ``round(seconds * latents per
 second)``, and the causal audio VAE decodes ``L`` latents into ``4L - 3`` mel frames, so
 the waveform comes out a little short, about 30 to 45 ms for the released model. The
@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from trio_vstream.engines.base import Chunk, EngineError
+from trio_vstream.engines.contract import Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import (
     COMMON,
     ExtraParams,
@@ -68,7 +68,7 @@ from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers.loops._protocol import Loop, SoundLoop
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun, Segments
 from trio_vstream.engines.interfaces import AudioFormat
-from trio_vstream.video import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES, audio_samples_through
+from trio_vstream.values import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES, audio_samples_through
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo

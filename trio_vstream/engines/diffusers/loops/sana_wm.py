@@ -15,7 +15,7 @@ those arguments: ``image`` is a PIL image built here, ``c2w`` and ``intrinsics``
 and ``action`` (a string the pipeline parses) is never passed; a request may set none of
 them (``engine_set``).
 
-The camera. A session's camera is in vllm-omni's form (`trio_vstream.video.Camera`,
+The camera. A session's camera is in vllm-omni's form (`trio_vstream.values.Camera`,
 Unity's axes: +X right, +Y up, +Z forward), relative to the first frame's camera (the
 identity pose):
 
@@ -59,12 +59,12 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import numpy as np
 
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineError, PromptChange
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError, PromptChange
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams
 from trio_vstream.engines.diffusers._stream import to_pil
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop, Run
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun, Segments
-from trio_vstream.video import Camera
+from trio_vstream.values import Camera
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -284,7 +284,7 @@ def unity_turn(q: Sequence[float]) -> tuple[float, float, float, float]:
     The wire's rotations have vllm-omni's sense, not Unity's handedness: vllm-omni applies
     a camera's quaternion as it is to its world models' OpenCV poses (its example client's
     ``i``, +4 degrees about X, is LingBot's look-up), where +X turns the view up and +Y to
-    the right (`trio_vstream.video.Camera`). Unity's axes are OpenCV's mirrored in Y, so
+    the right (`trio_vstream.values.Camera`). Unity's axes are OpenCV's mirrored in Y, so
     the same turn here is the quaternion mirrored in Y: ``(-qx, qy, -qz, qw)``. `to_opencv`
     mirrors it back: SANA-WM gets the rotation as vllm-omni would hand LingBot.
     """

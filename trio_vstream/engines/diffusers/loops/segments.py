@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._settings import config_error

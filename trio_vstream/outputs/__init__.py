@@ -1,0 +1,6 @@
+"""Who else gets a session's bytes: its taps, watch links and recordings.
+
+``taps`` is the contract (a session tells its taps what it sent, never waiting for
+them); ``watch`` serves read-only viewers of a running session; ``recording`` keeps
+each session on disk. None of them can slow the session they follow.
+"""

@@ -1,0 +1,755 @@
+"""One client session: a nursery of a receive loop, a generation loop and a stall guard.
+
+The session owns one WebSocket from the first message to the close. Its
+structure is the whole design:
+
+* the **receive loop** reads control messages (stop, ping, interaction) for
+  the whole session, so pings are answered and stops take effect even while
+  the engine is busy;
+* the **generation loop** is two tasks joined by a one-slot channel: a
+  producer that runs the engine's blocking ``next_chunk`` in a worker thread,
+  and a deliverer that encodes each chunk in a worker thread and sends it. At
+  most three chunks exist at once (being generated, waiting, being
+  delivered), so a client that stops reading stalls the engine instead of
+  filling memory;
+* the **stall guard** is a ``trio.move_on_after`` that every sign of
+  progress (a denoising step, a chunk generated or sent, a client ping)
+  pushes back; when it expires the session is aborted. A session queued
+  behind others (for a step slot, or inside the engine's
+  ``checkpoint.waiting()``) is pushed back by every step the engine takes for
+  any session: waiting behind sessions that progress is not a stall, while an
+  engine that makes no progress at all is caught within the stall timeout.
+
+How a session ends decides what is cancelled. A stop, an engine failure or a
+graceful shutdown cancels only the producer (the engine sees it at its next
+checkpoint, within one step); the deliverer finishes the chunk it is sending,
+so the socket stays usable for the terminal message. A
+disconnect or a stall aborts everything, including a send stuck on a client
+that does not read, and stops waiting for an engine call stuck outside a
+checkpoint (it is left to finish in its thread: `session_calls`). Sends are
+otherwise shielded: a cancelled half-written WebSocket frame would corrupt the
+stream, so a send is only ever interrupted on purpose, and then the socket is
+marked broken and left alone (`sending`).
+
+The outcome is decided when it happens, and the first reason wins: once the
+engine has produced the last chunk the video is complete, and a stop or a
+shutdown after that changes nothing; a client that goes away is a disconnect
+whichever task notices it first (the rules: `outcomes`).
+
+Every session the client did not abandon ends with exactly one terminal
+message (``session.done`` or ``error``) and a normal close.
+
+This module keeps the nursery and the outcome: the tasks of a session share that
+state (the outcome, the cancel scopes, the counts), and how a session ends reads best
+in one place. The parts that need none of it live beside it as ``session_*`` modules
+and the session's units (``outcomes``, ``sending``, ``pacing``, ``interaction_queue``,
+...), each tested alone; the layout map in docs/architecture.md says what each holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+import uuid
+from typing import Literal
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from trio_vstream import protocol
+from trio_vstream.engines.contract import Chunk, EngineStream
+from trio_vstream.engines.frames import frame_count
+from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
+from trio_vstream.logsafe import get_logger
+from trio_vstream.media.encoding import EncodingAbandoned, EncodingError, FragmentedMP4Encoder
+from trio_vstream.outputs.taps import TapSet, open_taps
+from trio_vstream.protocol import ErrorCode
+from trio_vstream.scheduling.checkpoint import SessionCheckpoint
+from trio_vstream.scheduling.engine_calls import EngineCall
+from trio_vstream.session.calls import (
+    SessionCalls,
+    close_quietly,
+    encode_chunk,
+    release_chunk,
+)
+from trio_vstream.session.early_messages import EarlyMessages
+from trio_vstream.session.endings import (
+    Ending,
+    Outcome,
+    SessionError,
+    SessionSummary,
+    describe,
+    engine_failure,
+)
+from trio_vstream.session.interactions import Interactions
+from trio_vstream.session.pacing import Pacer, PlaybackGate, sleep_until_keeping_alive
+from trio_vstream.session.prepare import StartFailure, first_failure, prepare, receive_start
+from trio_vstream.session.request import config_echo
+from trio_vstream.session.resources import (
+    IMAGE_DECODES_AT_ONCE,
+    ServerCounters,
+    ServerResources,
+    SessionConfig,
+)
+from trio_vstream.session.sending import Sender, SocketBroken
+
+__all__ = [  # what the server and its tests use, whichever module holds it
+    "IMAGE_DECODES_AT_ONCE",
+    "Outcome",
+    "ServerCounters",
+    "ServerResources",
+    "Session",
+    "SessionConfig",
+    "SessionSummary",
+]
+
+logger = get_logger(__name__)
+
+_ROUTINE_CLOSE_ERRORS = (
+    ConnectionClosed,
+    trio.BrokenResourceError,
+    trio.BusyResourceError,
+    trio.ClosedResourceError,
+)
+"""What closing a WebSocket may raise when the client closed or went at the same time:
+the end of a session, not a failure of the server (``http.ReplayStream`` removes the
+cause of ``BusyResourceError``; this keeps any other path to it a one-line matter)."""
+
+
+class Session:
+    """One WebSocket connection's session. ``await Session(...).run()``, once."""
+
+    def __init__(self, ws: WebSocketConnection, resources: ServerResources) -> None:
+        self._ws = ws
+        self._res = resources
+        self._config = resources.config
+        self.request_id: str | None = None
+        self._ending = Ending()
+        """How the session ends (`trio_vstream.session.endings`): decided when it happens."""
+        self._sender = Sender(
+            ws,
+            timeout=self._config.stall_timeout,
+            on_closed=self._disconnected,
+            on_stuck=self._client_stopped_reading,
+        )
+        """Every write to the socket (`trio_vstream.session.sending`)."""
+        self._disconnect_logged = False
+        self._session_scope = trio.CancelScope()
+        self._streaming = False
+        self.admitted = False
+        """True from the ``session.start`` that took a session slot: an upgrade still
+        waiting for its ``session.start`` never counts against the server's limit."""
+        self.finishing = False
+        """True once the session only has its last message and the close left to do:
+        it no longer counts against the server's session limit."""
+        self._producer_scope = trio.CancelScope()
+        self._encode_wait = trio.CancelScope()
+        self._stopping = threading.Event()
+        """Set when the session stops or aborts: read by the encoder's thread between frames."""
+        self._last_progress = 0.0
+        """When the session last made progress (`_touch`): the stall guard's clock."""
+        self._calls = SessionCalls(resources)
+        """Its worker-thread calls and its engine stream (`trio_vstream.session.calls`)."""
+        self._encoder: FragmentedMP4Encoder | None = None
+        self._audio: tuple[int, int] | None = None
+        """The stream's sound: (sample rate, channels); None for a stream without it."""
+        self._checkpoint = SessionCheckpoint(
+            resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
+        )
+        self._chunks_sent = 0
+        self._frames_generated = 0
+        self._started_at = time.monotonic()
+        self._size = (0, 0)
+        self._fps = 1
+        self._metrics = resources.metrics
+        self._start_received_at = 0.0
+        self._stop_requested_at: float | None = None
+        self._pacer: Pacer | None = None
+        """Set when the client asked for pacing (`trio_vstream.session.pacing`)."""
+        self._gate: PlaybackGate | None = None
+        """Set when the client asked for ``streaming_buffer_seconds`` (`pacing` too)."""
+        self._taps = TapSet("", ())
+        self._init_segment = b""
+        """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
+        self._interactions = Interactions(interaction_kinds(resources.engine))
+        """Its live interactions and scripts (`trio_vstream.session.interactions`)."""
+
+    # ----------------------------------------------------------------- entry
+
+    async def run(self) -> SessionSummary:
+        """Serve the session to its end. Raises only on outer cancellation."""
+        stats = self._res.stats
+        stats.sessions_active += 1
+        stats.sessions_total += 1
+        self._metrics.session_started()
+        try:
+            with self._session_scope:
+                try:
+                    await self._run()
+                # Several tasks may fail at once (a close noticed by two of them, while a
+                # third is cancelled): every part of a group is handled, and whatever
+                # cancellation is left is this scope's to absorb, or the caller's.
+                except* ConnectionClosed:
+                    self._disconnected()
+                except* StartFailure as failures:  # a failure before streaming began
+                    failure = first_failure(failures)
+                    self._ending.end(Outcome.FAILED, (failure.code, failure.message))
+                except* Exception as errors:
+                    logger.error("session %s: internal error", self.request_id, exc_info=errors)
+                    self._ending.end(
+                        Outcome.FAILED, (ErrorCode.INTERNAL_ERROR, "Internal server error")
+                    )
+            # Closed already, unless the producer never ran: then the close goes on while
+            # the terminal message is sent (a stuck close must not hold it), and the
+            # session's end waits for it like for any call it left running.
+            self._calls.close_stream_soon()
+            await self._finish()
+            # A close timeout for the calls the session stopped waiting for to return, so
+            # that their streams are closed before it ends. Not shielded: a server that
+            # stops now (the end of a drain) does not wait.
+            with trio.move_on_after(self._config.close_timeout):
+                await self._calls.wait_detached()
+        finally:
+            self._calls.close_stream_soon()
+            encoder, self._encoder = self._encoder, None
+            if encoder is not None:  # shielded, within a close timeout
+                await self._calls.close_encoder(encoder, self._config.close_timeout)
+            # Cancelled here, past the session's own scope, only by the server stopping
+            # (a second signal, a drain's end): then nothing waited for the calls.
+            self._calls.abandon_detached(at_stop=trio.current_effective_deadline() == -math.inf)
+            stats.sessions_active -= 1
+            self._metrics.session_ended((self._ending.outcome or Outcome.FAILED).value)
+        return self.summary()
+
+    def summary(self) -> SessionSummary:
+        outcome = self._ending.outcome or Outcome.FAILED
+        error = self._ending.error
+        return SessionSummary(
+            request_id=self.request_id,
+            outcome=outcome,
+            chunks_sent=self._chunks_sent,
+            frames_generated=self._frames_generated,
+            error_code=error[0].value if error else None,
+            error_message=error[1] if error else None,
+            started_at=self._started_at,
+            stream_closed_at=self._calls.stream_closed_at,
+            ended_at=time.monotonic(),
+        )
+
+    def stop(self, outcome: Outcome = Outcome.STOPPED, error: SessionError | None = None) -> None:
+        """End the session gracefully: the engine stops at its next checkpoint, the
+        chunk being sent is finished, and the stream is closed properly.
+
+        Once the engine has made the last chunk, the video is complete: a stop or a
+        shutdown then changes nothing, and the chunks still on their way are sent.
+        """
+        if self._ending.stop(outcome, error):
+            self._producer_scope.cancel()
+            self._encode_wait.cancel()
+            self._stopping.set()
+
+    def abort(self, outcome: Outcome, error: SessionError | None = None) -> None:
+        """End the session now, interrupting even a send stuck on the socket."""
+        self._ending.end(outcome, error)
+        self._stopping.set()
+        self._producer_scope.cancel()
+        self._session_scope.cancel()
+        self._sender.interrupt()
+
+    def shutdown(self) -> None:
+        """The server is going away: streaming sessions wind down, others end at once.
+
+        Even those are not cut mid-send: a session that is sending its ``video.start``
+        finishes that message, then says ``server_shutdown``.
+        """
+        error = (ErrorCode.SERVER_SHUTDOWN, "Server is shutting down")
+        if self._streaming:
+            self.stop(Outcome.SHUTDOWN, error)
+        elif self._ending.end(Outcome.SHUTDOWN, error):
+            self._producer_scope.cancel()
+            self._session_scope.cancel()
+
+    def _disconnected(self) -> None:
+        """The client closed the connection: whichever task noticed, one line, no traceback.
+
+        Its slot is free from here: what is left (one engine step, a close) is cleanup.
+        """
+        self.finishing = True
+        if not self._disconnect_logged:
+            self._disconnect_logged = True
+            logger.info("session %s: client disconnected", self.request_id)
+        self.abort(Outcome.DISCONNECTED)
+
+    def _client_stopped_reading(self) -> None:
+        """A send ran out of time: the client stopped reading. A no-op for the outcome
+        when the session already ended some other way."""
+        self.abort(
+            Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, "Stall timeout: the client stopped reading")
+        )
+
+    # ----------------------------------------------------------- the session
+
+    async def _run(self) -> None:
+        received = await receive_start(self._ws, self._res, self._ending)
+        if received is None:
+            return
+        start, self._start_received_at = received
+        # The session slot is taken here, not at the upgrade; no checkpoint between the
+        # server's count and this flag, so two starts can never take one slot.
+        refusal = self._res.admit() if self._res.admit is not None else None
+        if refusal is not None:
+            self._ending.end(Outcome.REJECTED, refusal)
+            return
+        self.admitted = True
+        self.request_id = self._calls.request_id = f"video_stream-{uuid.uuid4().hex}"
+        self._interactions.request_id = self.request_id
+        # Preparing may take a while (an image fetch, the engine opening its stream): a
+        # client that goes away meanwhile ends it at once, and what it sends is kept.
+        early = EarlyMessages(self._config.limits)
+        async with trio.open_nursery() as preparing:
+            preparing.start_soon(self._hold_early_messages, early)
+            prepared = await prepare(
+                start, self.request_id, self._res, self._calls, self._ending, self._keep_encoder
+            )
+            preparing.cancel_scope.cancel()
+        request, self._pacer, self._gate = prepared.request, prepared.pacer, prepared.gate
+        self._interactions.prepared(prepared.scripts, prepared.queue)
+        self._size, self._fps = (start.video.width, start.video.height), start.video.fps
+        # From here a shutdown lets the session say goodbye properly, rather than
+        # cutting the video.start about to be sent.
+        self._streaming = True
+        taps = open_taps(self._res.taps, self.request_id, start)
+        stream = self._calls.stream
+        video_start = protocol.VideoStart(
+            self.request_id,
+            start.format,
+            config_echo(start, stream.seed if supports_seed(stream) else None, audio=self._audio),
+            **taps.video_start_fields,
+        )
+        await self._sender.send(video_start)
+        self._taps = TapSet(self.request_id, taps.taps)
+        self._taps.call("started", video_start, start)
+        self._metrics.video_started(trio.current_time() - self._start_received_at)
+        self._touch()
+        logger.info(
+            "session %s started: %dx%d, %d frames at %d fps",
+            self.request_id,
+            request.width,
+            request.height,
+            request.num_frames,
+            request.fps,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_loop, early)
+            nursery.start_soon(self._stall_guard)
+            nursery.start_soon(self._sender.send_replies)  # the receive loop's replies
+            await self._generate()
+            nursery.cancel_scope.cancel()
+        if self._ending.outcome is None:
+            self._ending.end(Outcome.COMPLETED)
+
+    def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
+        self._encoder = encoder
+        rate = encoder.audio_sample_rate
+        self._audio = (rate, encoder.audio_channels) if rate else None
+
+    # --------------------------------------------------------- receive loop
+
+    async def _hold_early_messages(self, early: EarlyMessages) -> None:
+        """Read while the session prepares: a close is a disconnect now, not after the
+        preparation; messages wait for the receive loop, in order, as many as
+        `EarlyMessages` keeps (a few, and few bytes)."""
+        while not early.full:
+            try:
+                raw = await self._ws.get_message()
+            except ConnectionClosed:
+                self._disconnected()
+                return
+            early.keep(raw)
+
+    async def _receive_loop(self, early: EarlyMessages) -> None:
+        while True:
+            try:
+                raw = early.pop() if early else await self._ws.get_message()
+            except ConnectionClosed:
+                self._disconnected()
+                return
+            try:
+                if isinstance(raw, protocol.ProtocolError):
+                    raise raw  # refused while the session prepared
+                message = protocol.parse_control(raw, limits=self._config.limits)
+            except protocol.ProtocolError as exc:
+                await self._sender.reply(protocol.Error.from_protocol_error(exc, self.request_id))
+                continue
+            if isinstance(message, protocol.Stop):
+                logger.info("session %s: stop requested", self.request_id)
+                if self._stop_requested_at is None:
+                    self._stop_requested_at = trio.current_time()
+                self.stop()
+                # Keep reading: a client may still ping while the stream winds down.
+            elif isinstance(message, protocol.Ping):
+                self._touch()
+                await self._sender.reply(protocol.Pong())  # queued: a stop behind it is read now
+            elif isinstance(message, protocol.Playback):
+                if self._gate is not None:  # ignored unless the client asked for a buffer
+                    self._gate.report(message.position_seconds)
+            else:
+                await self._interact(message)
+
+    async def _interact(self, message: protocol.Interaction) -> None:
+        assert self.request_id is not None
+        # The protocol stays pure: an id the client left out is minted here.
+        event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
+        refusal = self._interactions.accept(
+            event_id, message, self._calls.stream, trio.current_time()
+        )
+        if refusal is not None and refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL:
+            if self._ending.outcome is None:
+                # As in vllm-omni: never dropped in silence; the video request ends with
+                # it (the terminal error says so), and later ones get a control error.
+                logger.warning("session %s: %s", self.request_id, refusal[1])
+                error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
+                self._taps.call("interaction", event_id, message, error)
+                self.stop(Outcome.FAILED, refusal)
+                return
+            refusal = ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {refusal[1]}"
+        if refusal is None:
+            self._taps.call("interaction", event_id, message, None)
+            await self._sender.reply(protocol.InteractionQueued(self.request_id, event_id))
+            return
+        error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
+        self._taps.call("interaction", event_id, message, error)
+        await self._sender.reply(error)
+
+    # ---------------------------------------------------------- stall guard
+
+    def _touch(self) -> None:
+        """Progress happened: restart the stall clock.
+
+        A time stamp, not an event the guard waits on: progress comes at every engine
+        step, every chunk made and every chunk sent (about seven times a chunk), and
+        waking the guard each time cost the event loop a task switch and a cancel
+        scope's deadline, a sixth of its CPU under load. The guard reads the stamp
+        once per timeout instead.
+        """
+        self._last_progress = trio.current_time()
+
+    async def _stall_guard(self) -> None:
+        timeout = self._config.stall_timeout
+        self._touch()  # the clock starts with the guard
+        # Polling on purpose (see `_touch`): it wakes once per timeout, not per step.
+        while (deadline := self._last_progress + timeout) > trio.current_time():  # noqa: ASYNC110
+            await trio.sleep_until(deadline)
+        if self._sender.sending:
+            # Nothing moved because a send is stuck: the engine waits for the channel.
+            reason = "Stall timeout: the client stopped reading"
+        else:
+            reason = "Stall timeout: no generation progress"  # the reference's words
+        logger.warning(
+            "session %s: %s for %.1f s, aborting", self.request_id, reason.lower(), timeout
+        )
+        self.abort(Outcome.STALLED, (ErrorCode.STALL_TIMEOUT, reason))
+        return
+
+    # ------------------------------------------------------ generation loop
+
+    async def _generate(self) -> None:
+        send_chunks, receive_chunks = trio.open_memory_channel[Chunk](1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._produce, send_chunks)
+            await self._deliver(receive_chunks)
+
+    async def _produce(self, send_chunks: trio.MemorySendChannel[Chunk]) -> None:
+        stream = self._calls.stream
+        assert stream is not None
+        async with send_chunks:
+            try:
+                with self._producer_scope:
+                    await self._generate_chunks(stream, send_chunks)
+                await self._video_ended()
+                # After a stop, the engine's call sees it at its next checkpoint, within
+                # a step, and closes the stream as it returns: wait for that, so the
+                # stream is closed before the terminal message. An engine stuck outside a
+                # checkpoint is not waited for past the stall guard's abort.
+                await self._calls.wait_detached()
+            finally:
+                # The engine is done with this session: free the model's memory now,
+                # not after the last chunk has been encoded and sent.
+                await self._calls.close_stream()
+
+    async def _video_ended(self) -> None:
+        """No chunk will start any more (the last one made, a stop, an engine failure):
+        the interactions held for one get their error, before the terminal message.
+        (An aborted session skips this: its client is gone, or gets its error.)"""
+        for event_id, refusal in self._interactions.end():
+            error = protocol.Error(*refusal, self.request_id, event_id)
+            self._taps.call("interaction_refused", event_id, error)
+            await self._sender.reply(error)
+
+    async def _generate_chunks(
+        self, stream: EngineStream, send_chunks: trio.MemorySendChannel[Chunk]
+    ) -> None:
+        index = 0  # of the chunk about to be generated
+        while True:
+            await self._before_chunk(stream)
+            began = trio.current_time()
+            try:
+                # The scripts' entries for this chunk, queued at its boundary.
+                for change in self._interactions.scripts.before_chunk(index):
+                    stream.interact(change)
+                chunk = await self._calls.next_chunk(stream, self._checkpoint)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                logger.exception("session %s: engine failed while generating", self.request_id)
+                # The chunks the engine made before it failed are the user's video so far:
+                # they are still sent (at most the one waiting and the one being sent),
+                # then the error. The producer ends here, so nothing needs cancelling.
+                self._ending.engine_failed(engine_failure(exc, "generating", self.request_id))
+                return
+            if chunk is None:
+                # The video is complete: what is left is delivery, which a stop or a
+                # shutdown no longer interrupts.
+                self._ending.generated_all = True
+                return
+            index += 1
+            frames = frame_count(chunk.frames)
+            self._interactions.chunk_generated(
+                chunk.started_event_ids, began, frames / self._fps, 1 / self._fps
+            )
+            if self._gate is not None:
+                self._gate.generated(frames)
+            waited = self._checkpoint.take_waited()
+            self._metrics.chunk_generated(trio.current_time() - began - waited, waited)
+            self._touch()
+            try:
+                await send_chunks.send(chunk)
+            except BaseException:  # cancelled, or the deliverer is gone: never sent
+                release_chunk(chunk, self.request_id)
+                raise
+
+    async def _before_chunk(self, stream: EngineStream) -> None:
+        """A paced session's waits at a chunk boundary, then the live changes due.
+
+        First the end of the last chunk's action window (a paced camera session's; a
+        deliberate wait of at most a chunk's media time, so progress for the stall guard
+        however long a chunk is), then the playback gate: not progress, and nothing of
+        the engine's is held meanwhile (a step slot or a batch row only inside
+        ``next_chunk``). A stop ends either wait. Then the interactions
+        held for this chunk, handed over: one the engine refuses gets its error now."""
+        gate = self._gate
+        if gate is not None:
+            if gate.finished:  # the engine's next call ends the video: nothing to wait for
+                return
+            deadline = self._interactions.deadline
+            if deadline is not None:  # a deliberate wait: progress, like a paced send
+                await sleep_until_keeping_alive(
+                    deadline, self._touch, self._config.stall_timeout / 2
+                )
+            await gate.wait()
+        for event_id, refusal in self._interactions.take_due(stream):
+            error = protocol.Error(*refusal, self.request_id, event_id)
+            self._taps.call("interaction_refused", event_id, error)
+            await self._sender.reply(error)  # out before the chunk it would have been in
+
+    async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
+        assert self.request_id is not None and self._encoder is not None
+        encoder = self._encoder
+        width, height = self._size
+        async with receive_chunks:
+            try:
+                async for chunk in receive_chunks:
+                    await self._deliver_chunk(chunk, encoder, width, height)
+            finally:
+                # The session ended with a chunk still waiting (a disconnect, a stall): it
+                # is dropped, and what its deferred decode holds is freed now.
+                while True:
+                    try:
+                        release_chunk(receive_chunks.receive_nowait(), self.request_id)
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+
+    async def _deliver_chunk(
+        self, chunk: Chunk, encoder: FragmentedMP4Encoder, width: int, height: int
+    ) -> None:
+        """Encode one chunk and send it, or drop it if the session ended.
+
+        Its `DeferredFrames` are decoded in the encode's thread, just before the encode
+        (`encode_chunk`, which releases them whatever happens); a chunk dropped before
+        its encode call started is released here, and never decoded.
+        """
+        encoding: EngineCall[tuple[int, int | None, bytes]] | None = None
+        try:
+            waiting_since = trio.current_time()
+            if not await self._take_encode_slot(self._frames_generated):
+                logger.info(
+                    "session %s: dropping generated chunk %d after %s",
+                    self.request_id,
+                    chunk.index,
+                    self._ending.outcome.value if self._ending.outcome else "the end",
+                )
+                return
+            encoding_since = trio.current_time()
+            # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
+            # left behind, the call keeps the encoder and closes it when it returns.
+            encoding = EngineCall(
+                encode_chunk, encoder, chunk, width, height, self._stopping.is_set
+            )
+            try:
+                frames, audio_samples, data = await self._calls.call(
+                    encoding, lambda _result: close_quietly(encoder)
+                )
+            except EncodingAbandoned:
+                logger.info(
+                    "session %s: dropped chunk %d mid-encode after %s",
+                    self.request_id,
+                    chunk.index,
+                    self._ending.outcome.value if self._ending.outcome else "the end",
+                )
+                return
+            except Exception as exc:
+                logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
+                if isinstance(exc, EncodingError):
+                    error = (ErrorCode.ENCODING_FAILED, describe(exc))
+                else:
+                    error = engine_failure(exc, "converting its frames", self.request_id)
+                self.stop(Outcome.FAILED, error)
+                return
+            finally:
+                if encoding.detached:
+                    self._encoder = None  # the call's now
+                # Even for a call left behind: blocked on a device, it uses no CPU.
+                self._res.encode_limiter.release_on_behalf_of(self)
+        finally:
+            if encoding is None or not encoding.started:
+                release_chunk(chunk, self.request_id)
+        now = trio.current_time()
+        self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
+        self._frames_generated += frames
+        await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
+        self._touch()
+
+    async def _take_encode_slot(self, first_frame: int) -> bool:
+        """Wait for a turn to encode; False, holding nothing, if the session ended meanwhile.
+
+        Encoders share the CPU through a server-wide limiter: unbounded, every session's
+        x264 would fight for the cores, and the event loop with them. A paced session
+        first waits for its chunk's media time. A stop ends either wait, so a chunk
+        whose encoding has not started is dropped at once.
+        """
+        if self._ending.drops_chunks:
+            return False
+        limiter = self._res.encode_limiter
+        with trio.CancelScope() as self._encode_wait:
+            if self._pacer is not None:  # its wait is progress for the stall guard
+                await self._pacer.wait(
+                    first_frame / self._fps, self._touch, self._config.stall_timeout / 2
+                )
+            await limiter.acquire_on_behalf_of(self)
+        if self._encode_wait.cancelled_caught:
+            return False
+        if self._ending.drops_chunks:  # stopped just as the slot came
+            limiter.release_on_behalf_of(self)
+            return False
+        return True
+
+    async def _send_chunk(
+        self,
+        kind: Literal["media", "trailer"],
+        frames: int,
+        data: bytes,
+        chunk: Chunk | None,
+        *,
+        deadline: float | None = None,
+        audio_samples: int | None = None,
+    ) -> None:
+        assert self.request_id is not None
+        metadata = protocol.ChunkMetadata(
+            request_id=self.request_id,
+            kind=kind,
+            num_frames=frames,
+            byte_length=len(data),
+            generation_chunk_index=chunk.index if chunk is not None else None,
+            started_event_ids=chunk.started_event_ids if chunk is not None else (),
+            active_event_ids=chunk.active_event_ids if chunk is not None else (),
+            completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
+            transport_chunk_index=self._chunks_sent,
+            # With sound: the samples of this chunk's frames (the container may carry some
+            # in the next chunk; a trailer covers none, though it carries the last ones).
+            num_audio_samples=(audio_samples or 0) if self._audio else None,
+            audio_sample_rate=self._audio[0] if self._audio else None,
+        )
+        await self._sender.send(metadata, data, deadline=deadline)
+        if self._taps:
+            if not self._init_segment and self._encoder is not None:
+                self._init_segment = self._encoder.init_segment or b""
+            self._taps.call("chunk", metadata, data, self._init_segment)
+        if kind == "media" and self._chunks_sent == 0:
+            self._metrics.first_chunk_sent(trio.current_time() - self._start_received_at)
+        self._metrics.chunk_sent(frames, len(data))
+        self._chunks_sent += 1
+        self._res.stats.chunks_sent += 1
+
+    # --------------------------------------------------------------- ending
+
+    async def _finish(self) -> None:
+        """Send the one terminal message, then close the WebSocket normally.
+
+        Both within ``close_timeout``: a client that stops reading at the end holds
+        its session slot that long, not a stall timeout. After a half-written frame
+        the socket is left alone: a close frame would only add to the garbage.
+        """
+        self.finishing = True
+        trailer: bytes | None = b""
+        if self._ending.settle() is Outcome.COMPLETED:
+            # Like the reference, only a completed stream gets the encoder's trailer: after
+            # a stop it would be an extra message, and it carries no frames (an index box).
+            trailer = await self._close_encoder()  # None: the video is broken, a failure
+        outcome = self._ending.settle()
+        if self._ending.says_goodbye and not self._sender.broken:
+            deadline = trio.current_time() + self._config.close_timeout
+            with contextlib.suppress(ConnectionClosed, SocketBroken):
+                if outcome is Outcome.COMPLETED and trailer:
+                    await self._send_chunk("trailer", 0, trailer, None, deadline=deadline)
+                await self._send_terminal(outcome, deadline)
+            if self._sender.broken:
+                logger.warning("session %s: client did not take the last message", self.request_id)
+        self._taps.call("ended", outcome.value, self._terminal())
+        if not self._sender.broken:
+            with trio.move_on_after(self._config.close_timeout):
+                try:
+                    await self._ws.aclose()
+                except _ROUTINE_CLOSE_ERRORS as exc:
+                    # The peer went or closed first: the close is done all the same. A
+                    # client can cause this at will, so it is a line, never a traceback.
+                    logger.debug("session %s: close: %r", self.request_id, exc)
+        error = self._ending.error
+        logger.info(
+            "session %s ended: %s, %d chunks sent%s",
+            self.request_id,
+            outcome.value,
+            self._chunks_sent,
+            f" ({error[0].value}: {error[1]})" if error else "",
+        )
+
+    def _terminal(self) -> protocol.SessionDone | protocol.Error:
+        return self._ending.terminal(self.request_id, self._chunks_sent)
+
+    async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
+        await self._sender.send(self._terminal(), deadline=deadline)
+        if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
+            self._metrics.stopped(trio.current_time() - self._stop_requested_at)
+
+    async def _close_encoder(self) -> bytes | None:
+        """The encoder's final bytes, or None if it fails: the session then failed."""
+        encoder, self._encoder = self._encoder, None
+        if encoder is None:
+            return b""
+        try:
+            return await self._calls.in_thread(encoder.close)
+        except Exception as exc:
+            logger.exception("session %s: encoder failed to finish", self.request_id)
+            self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
+            return None
