@@ -41,7 +41,7 @@ Why every chunk begins with an IDR frame: a viewer who joins a running session (
 at; its bytes decode on their own only if that chunk's first frame depends on nothing
 before it. Forcing the first frame of each ``encode()`` to be an IDR makes every chunk a
 join point (and a skip point for a viewer that falls behind), at a measured cost of a few
-percent of the bitrate at the usual chunk lengths (docs/benchmarks.md, "Keyframes").
+percent of the bitrate at the usual chunk lengths (docs/performance.md, "Keyframes").
 ``keyframe_interval`` (chunks from one forced IDR to the next; 0 leaves keyframes to
 x264, every 250 frames and at scene cuts) exists for that measurement. A caller's ``g``
 (or ``keyint``) only adds keyframes between those: it cannot remove the forced ones.

@@ -100,7 +100,7 @@ class ServerConfig:
     max_sessions: int = 16
     encode_concurrency: int = attrs.field(factory=lambda: max(1, os.cpu_count() or 1))
     """Chunks encoded at once, server-wide; by default one per core. Measured on 2 cores
-    (docs/benchmarks.md, "Server overhead"): 1.5x the aggregate fps of cores - 1 with 8
+    (docs/benchmarks-history.md, "Server overhead"): 1.5x the aggregate fps of cores - 1 with 8
     and 16 sessions, ping and stop -> done p99 within their targets; unbounded, 8 x264
     encoders starved the event loop (ping p99 55 ms, stop -> done p99 466 ms)."""
     shutdown_grace: float = 30.0
