@@ -3,10 +3,9 @@ from them by the rules of form every session keeps.
 
 A client records everything (``Transcript``); whether that is right is decided
 afterwards, from the transcript alone, by pure checks (``checks`` for the sessions,
-``shutdown_checks`` for the shutdown rounds' clients). This module is what both read: the
+``shutdown_checks`` for the shutdown rounds' clients). This module is what they read: the
 record itself and ``read_messages``, the one reading of a server's messages (JSON objects
-of known types, each chunk's metadata followed by its binary message) that the checks
-share.
+of known types, each chunk's metadata followed by its binary message) that they share.
 """
 
 from __future__ import annotations
