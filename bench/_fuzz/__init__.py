@@ -4,7 +4,9 @@ Modules, lowest first (each imports only those above it):
 
 * ``settings``: the server it starts, timeouts, the progress line;
 * ``wire``: inputs as sent (``Raw`` JSON, byte sizes, padded inputs);
-* ``strategies``: the Hypothesis strategies and drawing the inputs;
+* ``values``: hostile text, boundary numbers, any JSON value, deep nesting, ``weighted``;
+* ``objects``: ``session.start``, ``session.interaction`` and other control objects;
+* ``strategies``: the messages as sent (text, broken, binary, sized) and drawing them;
 * ``oracle``: pure judgement of what the server sent back;
 * ``client``: start connections, the control session, ``GET /health``;
 * ``shrinker``: greedy shrinking of a failing input;

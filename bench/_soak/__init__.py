@@ -6,7 +6,10 @@ Modules, lowest first (each imports only those above it):
 * ``held_engine``: the batched part's engine (shapes, whose batched step the soak can
   hold), loaded by that server, not by the soak;
 * ``plans``: each session's kind, request and random choices, drawn from the seed;
-* ``checks``: transcripts and the pure checks on them and on the server's records;
+* ``transcript``: what a client saw and did, and the server's messages read from it;
+* ``checks``: the pure checks on a session's transcript and on the server's record of it;
+* ``health_checks``: the checks on ``GET /health``'s answers and on the wedge rounds;
+* ``shutdown_checks``: the checks on a server's end: its SIGTERM, the shutdown rounds;
 * ``serverlog``: the checks on the server's log;
 * ``resources``: /proc and /stats snapshots, the leak checks, the socket watch;
 * ``client``: one connection and the per-kind drivers;

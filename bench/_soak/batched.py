@@ -41,7 +41,7 @@ import trio
 from bench._harness import parse_log, read_log
 from bench._output import now, progress
 from bench._server import Endpoint, ServerProcess
-from bench._soak.checks import WedgeRecord, check_wedge_round, sigterm_problems
+from bench._soak.health_checks import WedgeRecord, check_wedge_round
 from bench._soak.plans import hold_token, make_held_plan, make_plan
 from bench._soak.report import Violation, judge_sessions
 from bench._soak.resources import Snapshot, idle_problems, resource_problems
@@ -57,6 +57,7 @@ from bench._soak.settings import (
     Settings,
     batched_server_command,
 )
+from bench._soak.shutdown_checks import sigterm_problems
 
 
 def server_env() -> dict[str, str]:

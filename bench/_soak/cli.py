@@ -25,7 +25,7 @@ from bench._harness import parse_log, read_log
 from bench._output import now, progress, read_file
 from bench._server import Endpoint, ServerProcess
 from bench._soak.batched import run_batched
-from bench._soak.checks import sigterm_problems, wedge_problems
+from bench._soak.health_checks import wedge_problems
 from bench._soak.plans import (
     make_plans,
 )
@@ -72,6 +72,7 @@ from bench._soak.settings import (
     stuck_calls_bound,
 )
 from bench._soak.shutdown import run_rounds
+from bench._soak.shutdown_checks import sigterm_problems
 from trio_vstream.server.app import IDLE_BEFORE_TRIM
 
 

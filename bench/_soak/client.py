@@ -21,16 +21,16 @@ from trio_websocket import (
 )
 
 from bench._output import now
-from bench._soak.checks import (
-    REPLY_TYPES,
-    Event,
-    Transcript,
-)
 from bench._soak.plans import (
     Plan,
     padded_start,
 )
 from bench._soak.settings import Timing
+from bench._soak.transcript import (
+    REPLY_TYPES,
+    Event,
+    Transcript,
+)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -16,18 +16,16 @@ import attrs
 from bench._harness import REQUEST_ID, LogRecord
 from bench._output import now
 from bench._soak.checks import (
-    Transcript,
     Verdict,
-    check_health,
     check_server_record,
     check_server_records,
     check_transcript,
-    peak_stuck_calls,
-    read_messages,
 )
+from bench._soak.health_checks import check_health, peak_stuck_calls
 from bench._soak.runner import SessionResult, Soak
 from bench._soak.serverlog import log_excerpt, log_problems
 from bench._soak.settings import KINDS, Timing
+from bench._soak.transcript import Transcript, read_messages
 from bench._stats import summarize
 
 

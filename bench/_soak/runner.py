@@ -30,8 +30,6 @@ from bench._client import RECEIVE_BUFFER
 from bench._output import now, progress
 from bench._server import Endpoint, ServerProcess, fetch_stats, http_get
 from bench._soak.checks import (
-    HealthSample,
-    Transcript,
     Verdict,
     check_transcript,
 )
@@ -42,6 +40,7 @@ from bench._soak.client import (
     describe_error,
     rejected_upgrade,
 )
+from bench._soak.health_checks import HealthSample
 from bench._soak.plans import (
     Plan,
 )
@@ -62,6 +61,7 @@ from bench._soak.settings import (
     SETTLE_EXTRA_S,
     Settings,
 )
+from bench._soak.transcript import Transcript
 from trio_vstream.server.app import IDLE_BEFORE_TRIM
 
 
@@ -96,7 +96,7 @@ class Soak:
         self.by_id: dict[str, dict[str, Any]] = {}
         self.metrics_failures = 0
         self.health: list[HealthSample] = []
-        """Every ``GET /health`` answer, polled with /stats (see ``checks.check_health``)."""
+        """Every ``GET /health`` answer, polled with /stats (see ``health_checks.check_health``)."""
         self.settled_health: HealthSample | None = None
         """The last answer while settling: 200 ok once no engine call is stuck."""
         self.metrics_lock = trio.Lock()

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Final
 
 from bench._harness import REQUEST_ID, LogRecord
-from bench._soak.checks import (
+from bench._soak.plans import ShutdownPlan, stuck_at
+from bench._soak.transcript import (
     Transcript,
 )
-from bench._soak.plans import ShutdownPlan, stuck_at
 
 AT_EXIT_TROUBLE: Final = ("Fatal Python error", "Exception ignored in")
 """What Python prints, outside logging, when something fails as the process ends (a

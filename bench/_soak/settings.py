@@ -112,7 +112,7 @@ def stuck_calls_bound(sessions_at_once: int, stuck_plans: int) -> int:
     The server counts as wedged at that many (``/health`` 503, new sessions refused),
     and the soak's mix is not there to test that (the batched part's wedge rounds are):
     below the bound ``/health`` says ``200 degraded`` while calls are stuck, and a 503
-    during the sessions is a violation (`checks.wedge_problems`)."""
+    during the sessions is a violation (`health_checks.wedge_problems`)."""
     return CALLS_LEFT_PER_SESSION * sessions_at_once + stuck_plans + 1
 
 

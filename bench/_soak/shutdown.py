@@ -14,7 +14,7 @@ the process must still exit within its bound (issue 20, item 10), and its log mu
 the calls left running (the threads were stuck when it went).
 
 Every choice is in the round's plan (``plans.make_shutdown_plan``); the round records
-what it saw (``checks.RoundRecord``) and is judged afterwards by pure checks.
+what it saw (``shutdown_checks.RoundRecord``) and is judged afterwards by pure checks.
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ from bench._client import CLIENT_MAX_MESSAGE, RECEIVE_BUFFER
 from bench._harness import log_size, parse_log, read_log
 from bench._output import now, progress
 from bench._server import Endpoint, ServerProcess
-from bench._soak.checks import (
-    RoundRecord,
-    Transcript,
-    check_round_client,
-    check_round_process,
-    exit_bound,
-    round_ending,
-)
 from bench._soak.client import Conn, describe_error, rejected_upgrade
 from bench._soak.plans import ShutdownPlan, make_shutdown_plans, stuck_at
 from bench._soak.report import Violation
@@ -55,6 +47,14 @@ from bench._soak.settings import (
     Timing,
     round_server_command,
 )
+from bench._soak.shutdown_checks import (
+    RoundRecord,
+    check_round_client,
+    check_round_process,
+    exit_bound,
+    round_ending,
+)
+from bench._soak.transcript import Transcript
 
 
 async def run_round(

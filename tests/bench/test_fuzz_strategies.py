@@ -1,5 +1,6 @@
-"""The fuzz's inputs (``bench/_fuzz/strategies.py``, ``bench/_fuzz/wire.py``): sendable,
-varied, reproducible from the seed, reaching the engine often enough.
+"""The fuzz's inputs (``bench/_fuzz/strategies.py`` and the ``values.py`` and ``objects.py``
+they are made of, ``bench/_fuzz/wire.py``): sendable, varied, reproducible from the seed,
+reaching the engine often enough.
 """
 
 from __future__ import annotations

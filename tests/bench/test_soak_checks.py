@@ -1,7 +1,8 @@
-"""The soak's transcript and server-record checks (``bench/_soak/checks.py``), fed fake
-transcripts: good sessions pass, and each broken rule (two terminal messages, an error
-without a code, a wrong close, lost frames, a late timeout, ...) is flagged; so are a
-wedge round's broken rules (no 503, an upgrade accepted while wedged, no recovery).
+"""The soak's transcript and server-record checks (``bench/_soak/checks.py``,
+``health_checks.py``, ``shutdown_checks.py``'s SIGTERM check), fed fake transcripts: good
+sessions pass, and each broken rule (two terminal messages, an error without a code, a
+wrong close, lost frames, a late timeout, ...) is flagged; so are a wedge round's broken
+rules (no 503, an upgrade accepted while wedged, no recovery).
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ import attrs
 from trio_websocket import ConnectionRejected
 
 from bench._soak.checks import (
-    Event,
-    HealthSample,
-    Transcript,
-    WedgeRecord,
-    check_health,
     check_server_record,
     check_server_records,
     check_transcript,
-    check_wedge_round,
-    peak_stuck_calls,
-    sigterm_problems,
-    wedge_problems,
 )
 from bench._soak.client import describe_error, rejected_upgrade
+from bench._soak.health_checks import (
+    HealthSample,
+    WedgeRecord,
+    check_health,
+    check_wedge_round,
+    peak_stuck_calls,
+    wedge_problems,
+)
 from bench._soak.plans import Plan, make_held_plan, make_plan
 from bench._soak.settings import Timing
+from bench._soak.shutdown_checks import sigterm_problems
+from bench._soak.transcript import Event, Transcript
 
 TIMING = Timing()
 

@@ -1,8 +1,8 @@
 """The soak's shutdown rounds (``bench/_soak/shutdown.py``): their plans, the checks on
-what a round saw, fed made-up records (a good round passes; each broken rule, a server
-that hangs or exits with a status, a client left open or told the wrong thing, a log
-without the second signal or with an error, is flagged), and the round itself against
-a fake server that ignores signals and against a real one.
+what a round saw (``bench/_soak/shutdown_checks.py``), fed made-up records (a good round
+passes; each broken rule, a server that hangs or exits with a status, a client left open
+or told the wrong thing, a log without the second signal or with an error, is flagged),
+and the round itself against a fake server that ignores signals and against a real one.
 """
 
 from __future__ import annotations
@@ -19,14 +19,6 @@ import pytest
 
 from bench._harness import parse_log
 from bench._soak import shutdown
-from bench._soak.checks import (
-    Event,
-    RoundRecord,
-    Transcript,
-    check_round_client,
-    check_round_process,
-    round_ending,
-)
 from bench._soak.plans import (
     ShutdownPlan,
     SignalStep,
@@ -47,6 +39,13 @@ from bench._soak.settings import (
     STUCK_SESSIONS,
     Timing,
 )
+from bench._soak.shutdown_checks import (
+    RoundRecord,
+    check_round_client,
+    check_round_process,
+    round_ending,
+)
+from bench._soak.transcript import Event, Transcript
 
 TIMING = Timing()
 
