@@ -48,8 +48,12 @@ from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, 
 from trio_vstream.engines.diffusers._loading import valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
-from trio_vstream.engines.diffusers._stream import logger
-from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS, ModelGroup, required_negative
+from trio_vstream.engines.diffusers.loops._batch import (
+    BatchedPass,
+    ModelGroup,
+    batched_chunk,
+    required_negative,
+)
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing, onload
 
@@ -503,81 +507,74 @@ class FarLoop:
         self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
     ) -> Chunk:
         """The next chunk, its cache pass and flow-map steps batched with other sessions'
-        (`CachePassGroup`, `ChunkGroup`), as SkyReels-V2 DF windows are
-        (``forcing.ForcingLoop._batched_chunk``).
+        (`CachePassGroup`, `ChunkGroup`), in the order every batched family keeps
+        (`batched_chunk`). Under the lock: the prompt's encoding and the first chunk's
+        preparation (the noise, the cache's allocation, the image's encoding). The
+        session's scheduler, generator, latents and decoder cache never leave its thread;
+        a row carries the forward's inputs and a reference to the session's KV cache,
+        which a step only reads and a cache pass writes, both while the session's thread
+        waits for its row's result."""
+        return batched_chunk(
+            stream,
+            checkpoint,
+            remaining,
+            what=f"chunk of {self.plan.chunks}",
+            default_guidance=1.0,
+            prepare=self._batched_start,
+            steps=self._batched_chunk_steps,
+            decode=lambda pass_, latents: self._finish(pass_.checkpoint, pass_.pipe, latents),
+        )
 
-        The lock is taken for what touches the shared pipeline outside a forward (the
-        prompt's encoding, the first chunk's preparation: the noise, the cache's
-        allocation, the image's encoding) and, inside ``run_batch``, for each batched
-        forward; never while the session waits for a batch. The decode takes the engine's
-        ``decode_lock`` instead. The session's scheduler, generator, latents and decoder
-        cache never leave its thread; a row carries the forward's inputs and a reference
-        to the session's KV cache, which a step only reads and a cache pass writes, both
-        while the session's thread waits for its row's result."""
-        engine, request = stream.engine, stream.request
-        info, index = stream.plan.first, stream.index
-        conditioning = stream.next_conditioning()
-        pass_ = stream.driven_pass(info, 1.0)
-        attention_kwargs = pass_.kwargs.get("attention_kwargs")
-        pipe = info.pipe
-        device = pipe._execution_device
-        dtype = pipe.transformer.dtype
-        scheduler = stream.fresh_scheduler(info)
-        plan, chunk = self.plan, self.chunks_done
-        logger.debug("request %s: %d, batched chunk of %d", request.request_id, index, plan.chunks)
-        with torch.no_grad():
-            with engine.lock.held(checkpoint):
-                stream.activate_lora(info)
-                embeds, negative = stream.embeds_and_negative(
-                    info, conditioning.mix, pass_.guidance
-                )
-                embeds, negative = self._catch_up(
-                    checkpoint,
-                    pipe,
-                    prompt_embeds=embeds,
-                    negative_prompt_embeds=negative,
-                    guidance_scale=pass_.guidance,
-                    height=request.height,
-                    width=request.width,
-                    image=_first_frame(stream),
-                    attention_kwargs=attention_kwargs,
-                    cache_passes=False,
-                )
-            self._batched_cache_passes(
-                stream,
-                checkpoint,
-                embeds=embeds,
-                negative=negative,
-                attention_kwargs=attention_kwargs,
-            )
-            noise, output, cache = self._noise, self._output, self._kv_cache
-            assert noise is not None and output is not None and cache is not None
-            start, end = plan.bounds(chunk)
-            if chunk < self._context_chunks:
-                latents = output[:, start:end]  # the image's chunk: context, not denoised
-            else:
-                latents = self._batched_steps(
-                    stream,
-                    checkpoint,
-                    scheduler,
-                    noise[:, start:end],
-                    embeds=embeds,
-                    negative=negative,
-                    guidance=pass_.guidance,
-                    steps=pass_.steps,
-                    attention_kwargs=attention_kwargs,
-                    cache=cache,
-                    device=device,
-                    dtype=dtype,
-                )
-            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
-                video = self._finish(checkpoint, pipe, latents)
-        return stream.finish_driven(video, remaining, conditioning, index)
+    def _batched_start(self, pass_: BatchedPass) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Under the lock: the prompt's embeddings, and `_catch_up` without its cache
+        passes (which `_batched_chunk_steps` runs batched)."""
+        stream, info = pass_.stream, pass_.info
+        request, guidance = stream.request, pass_.driven.guidance
+        embeds, negative = stream.embeds_and_negative(info, pass_.conditioning.mix, guidance)
+        return self._catch_up(
+            pass_.checkpoint,
+            pass_.pipe,
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative,
+            guidance_scale=guidance,
+            height=request.height,
+            width=request.width,
+            image=_first_frame(stream),
+            attention_kwargs=pass_.attention_kwargs,
+            cache_passes=False,
+        )
+
+    def _batched_chunk_steps(
+        self, pass_: BatchedPass, prompts: tuple[torch.Tensor, torch.Tensor | None]
+    ) -> torch.Tensor:
+        """The cache passes of the chunks made since the last one, then the chunk's steps
+        (or, for the image's chunk, its latents: context, not denoised)."""
+        embeds, negative = prompts
+        attention_kwargs = pass_.attention_kwargs
+        self._batched_cache_passes(
+            pass_, embeds=embeds, negative=negative, attention_kwargs=attention_kwargs
+        )
+        noise, output, cache = self._noise, self._output, self._kv_cache
+        assert noise is not None and output is not None and cache is not None
+        chunk = self.chunks_done
+        start, end = self.plan.bounds(chunk)
+        if chunk < self._context_chunks:
+            return output[:, start:end]  # the image's chunk: context, not denoised
+        pipe = pass_.pipe
+        return self._batched_steps(
+            pass_,
+            noise[:, start:end],
+            embeds=embeds,
+            negative=negative,
+            attention_kwargs=attention_kwargs,
+            cache=cache,
+            device=pipe._execution_device,
+            dtype=pipe.transformer.dtype,
+        )
 
     def _batched_cache_passes(
         self,
-        stream: DiffusersStream,
-        checkpoint: Checkpoint,
+        pass_: BatchedPass,
         *,
         embeds: torch.Tensor,
         negative: torch.Tensor | None,
@@ -586,10 +583,10 @@ class FarLoop:
         """The cache passes `_catch_up` leaves to the caller when batching, each one a
         row of a batch (`CachePassGroup`): the same forward as ``encode_kv_cache``'s over
         the video so far, whose keys and values then go into the session's own cache."""
-        engine, info, plan = stream.engine, stream.plan.first, self.plan
+        engine, info, plan = pass_.stream.engine, pass_.info, self.plan
         output, cache, flag = self._output, self._kv_cache, self._kv_flag
         assert output is not None and cache is not None and flag is not None
-        lora = stream.lora
+        lora = pass_.stream.lora
         while self._cached_chunks < self.chunks_done:
             done = self._cached_chunks
             assert flag["num_cached_chunks"] == done
@@ -601,15 +598,15 @@ class FarLoop:
                 embeds_shape=tuple(embeds.shape),
                 guided=negative is not None,
                 dtype=str(latents.dtype),
-                lora=None if lora is None else (lora[0].adapter, lora[1]),
+                lora=pass_.lora_key,
                 alone=None if attention_kwargs is None else object(),
                 cache_pass=True,
             )
-            group = engine.batch_group(
+            group = pass_.group(
                 ("far", key),
                 functools.partial(CachePassGroup, engine, info, key, lora, attention_kwargs),
             )
-            with checkpoint.batched(group) as step:
+            with pass_.checkpoint.batched(group) as step:
                 step(CacheRow(latents=latents, embeds=embeds, negative=negative, cache=cache))
             del group
             flag["num_cached_chunks"] += 1  # as encode_kv_cache counts it
@@ -617,15 +614,11 @@ class FarLoop:
 
     def _batched_steps(
         self,
-        stream: DiffusersStream,
-        checkpoint: Checkpoint,
-        scheduler: Any,
+        pass_: BatchedPass,
         latents: torch.Tensor,
         *,
         embeds: torch.Tensor,
         negative: torch.Tensor | None,
-        guidance: float,
-        steps: int,
         attention_kwargs: Any,
         cache: dict[int, dict[str, torch.Tensor]],
         device: torch.device,
@@ -633,28 +626,29 @@ class FarLoop:
     ) -> torch.Tensor:
         """`_denoise`'s steps, each one a row of a batch (`ChunkGroup`), the session's own
         scheduler stepping its latents in its own thread."""
-        engine, info, plan, chunk = stream.engine, stream.plan.first, self.plan, self.chunks_done
+        engine, info, plan, chunk = pass_.stream.engine, pass_.info, self.plan, self.chunks_done
         assert self._kv_flag is not None and self._kv_flag["num_cached_chunks"] == chunk
+        scheduler, guidance = pass_.scheduler, pass_.driven.guidance
         scheduler.set_timesteps(
-            steps,
+            pass_.driven.steps,
             device=device,
             sigmas=list(plan.sigmas) if plan.sigmas is not None else None,
             timesteps=list(plan.timesteps) if plan.timesteps is not None else None,
         )
-        lora = stream.lora
+        lora = pass_.stream.lora
         key = FarKey(
             partition=plan.partition[: chunk + 1],
             input_shape=tuple(latents.shape),
             embeds_shape=tuple(embeds.shape),
             guided=negative is not None,
             dtype=str(dtype),
-            lora=None if lora is None else (lora[0].adapter, lora[1]),
+            lora=pass_.lora_key,
             alone=None if attention_kwargs is None else object(),
         )
-        group = engine.batch_group(
+        group = pass_.group(
             ("far", key), lambda: ChunkGroup(engine, info, key, lora, attention_kwargs)
         )
-        with checkpoint.batched(group) as step:
+        with pass_.checkpoint.batched(group) as step:
             for i, t in enumerate(scheduler.timesteps):
                 r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
                 if t == r:
@@ -769,11 +763,9 @@ class ChunkGroup(ModelGroup[FarKey]):
             timestep.append(row.timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
             r_timestep.append(row.r_timestep.expand(per).unsqueeze(-1).repeat((1, frames)))
             embeds += [required_negative(row.negative), row.embeds] if key.guided else [row.embeds]
-        engine, info, lora = self._engine, self._info, self._lora
         partition = list(key.partition)
-        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            transformer = info.pipe.transformer
+        with self.locked():
+            transformer = self._info.pipe.transformer
             cache = rows[0].cache if len(rows) == 1 else _joined_cache(transformer, key, rows)
             out, _ = transformer(
                 hidden_states=torch.cat(hidden),
@@ -814,12 +806,10 @@ class CachePassGroup(ModelGroup[FarKey]):
         for row in rows:
             hidden += [row.latents] * per
             embeds += [required_negative(row.negative), row.embeds] if key.guided else [row.embeds]
-        engine, info, lora = self._engine, self._info, self._lora
         partition = list(key.partition)
         frames, height, width = key.input_shape[1], key.input_shape[3], key.input_shape[4]
-        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            transformer = info.pipe.transformer
+        with self.locked():
+            transformer = self._info.pipe.transformer
             model_input = torch.cat(hidden).to(transformer.dtype)
             zeros = torch.zeros((model_input.shape[0], frames), device=model_input.device)
             zeros = zeros.to(torch.long)  # encode_kv_cache's torch.tensor([0]), repeated

@@ -44,13 +44,17 @@ from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams
 from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
-from trio_vstream.engines.diffusers._stream import frames_to_uint8, logger
-from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS, ModelGroup, required_negative
+from trio_vstream.engines.diffusers._stream import frames_to_uint8
+from trio_vstream.engines.diffusers.loops._batch import (
+    BatchedPass,
+    ModelGroup,
+    batched_chunk,
+    required_negative,
+)
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
-from trio_vstream.engines.diffusers.loops._vae import decode_continuing
+from trio_vstream.engines.diffusers.loops._vae import decode_continuing, latent_stats
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.diffusers import DiffusersEngine
     from trio_vstream.engines.diffusers._loading import PipelineInfo
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
 
@@ -269,6 +273,17 @@ class _Window:
     dtype: torch.dtype
 
 
+@attrs.frozen(eq=False)
+class _BatchedWindow:
+    """A batched window as its steps begin: the window, the prompt's embeddings (the
+    negative prompt's with guidance) and the causal block size its key holds."""
+
+    window: _Window
+    embeds: torch.Tensor
+    negative: torch.Tensor | None
+    block: int
+
+
 class ForcingLoop:
     """One session's place in the window loop: what the next window starts from."""
 
@@ -482,95 +497,78 @@ class ForcingLoop:
     def _batched_chunk(
         self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
     ) -> Chunk:
-        """The next window, its steps batched with other sessions' (`ForwardGroup`).
-
-        The lock is taken for what touches the shared pipeline outside a forward (the
-        prompt's encoding, the image's) and, inside ``run_batch``, for each batched
-        forward; never while the session waits for a batch. The decode takes the engine's
-        ``decode_lock`` instead: one decode at a time, beside the batches. The session's
-        own scheduler, generators, history and decoder cache never leave its thread: a row
+        """The next window, its steps batched with other sessions' (`ForwardGroup`), in
+        the order every batched family keeps (`batched_chunk`). The session's own
+        scheduler, generators, history and decoder cache never leave its thread: a row
         carries only the step's inputs, and its result is the step's guided noise
         prediction, which the session's schedulers then apply."""
-        engine, request, plan = stream.engine, stream.request, stream.plan
-        info, index = plan.first, stream.index
-        conditioning = stream.next_conditioning()
-        pass_ = stream.driven_pass(info, 1.0)
-        attention_kwargs = pass_.kwargs.get("attention_kwargs")
-        pipe = info.pipe
-        device = pipe._execution_device
-        transformer = pipe.transformer
-        dtype = transformer.dtype
-        own = int(transformer.config.num_frame_per_block)
-        block = self.plan.causal_block_size or own
-        scheduler = stream.fresh_scheduler(info)
-        logger.debug(
-            "request %s: %d, batched window of %d", request.request_id, index, self.plan.windows
+        return batched_chunk(
+            stream,
+            checkpoint,
+            remaining,
+            what=f"window of {self.plan.windows}",
+            default_guidance=1.0,
+            prepare=self._batched_start,
+            steps=self._batched_steps,
+            decode=lambda pass_, window: self._finish(pass_.checkpoint, pass_.pipe, window),
+            defer=self._deferred,
         )
-        with torch.no_grad():
-            with engine.lock.held(checkpoint):
-                stream.activate_lora(info)
-                embeds, negative = stream.embeds_and_negative(
-                    info, conditioning.mix, pass_.guidance
-                )
-                window = self._start(
-                    checkpoint,
-                    pipe,
-                    scheduler,
-                    steps=pass_.steps,
-                    height=request.height,
-                    width=request.width,
-                    image=stream.image if index == 0 else None,
-                    block=block,
-                )
-            embeds = embeds.to(device, dtype)
-            if negative is not None:
-                negative = negative.to(device, dtype)
-            lora = stream.lora
-            key = BatchKey(
-                input_shape=tuple(window.latents.shape),
-                embeds_shape=tuple(embeds.shape),
-                guided=negative is not None,
-                dtype=str(dtype),
-                block=block,
-                fps=_fps_flag(request.fps),
-                lora=None if lora is None else (lora[0].adapter, lora[1]),
-                alone=None if attention_kwargs is None else id(self),
-            )
-            group = engine.batch_group(
-                ("forcing", key),
-                lambda: ForwardGroup(
-                    engine, info, key, None if lora is None else lora, attention_kwargs
-                ),
-            )
-            with checkpoint.batched(group) as step:
-                for i in range(len(window.matrix)):
-                    model_input, timestep = self._inputs(window, i)
-                    noise_pred = step(
-                        ForwardRow(model_input, timestep, embeds, negative, pass_.guidance)
-                    )
-                    self._update(window, i, noise_pred)
-            del group
-            if engine.settings.defer_decode:
-                # The decode is left to the server's encode thread (`ForcingFrames`): the
-                # next window's steps start at once.
-                frames = self._deferred(engine, pipe, window, remaining, request)
-                del window
-                return stream.deferred_chunk(frames, conditioning, index)
-            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
-                video = self._finish(checkpoint, pipe, window)
-        del window
-        return stream.finish_driven(video, remaining, conditioning, index)
 
-    def _deferred(
-        self,
-        engine: DiffusersEngine,
-        pipe: Any,
-        window: _Window,
-        remaining: int,
-        request: Any,
-    ) -> ForcingFrames:
+    def _batched_start(self, pass_: BatchedPass) -> _BatchedWindow:
+        """Under the lock: the prompt's embeddings and the window's start (the image's
+        encode among them, at the first window)."""
+        stream, info, pipe = pass_.stream, pass_.info, pass_.pipe
+        request, guidance = stream.request, pass_.driven.guidance
+        block = self.plan.causal_block_size or int(pipe.transformer.config.num_frame_per_block)
+        embeds, negative = stream.embeds_and_negative(info, pass_.conditioning.mix, guidance)
+        window = self._start(
+            pass_.checkpoint,
+            pipe,
+            pass_.scheduler,
+            steps=pass_.driven.steps,
+            height=request.height,
+            width=request.width,
+            image=stream.image if stream.index == 0 else None,
+            block=block,
+        )
+        return _BatchedWindow(window, embeds, negative, block)
+
+    def _batched_steps(self, pass_: BatchedPass, start: _BatchedWindow) -> _Window:
+        """The window's steps, each a row of a batch of the windows sharing its
+        `BatchKey`."""
+        engine, info, pipe = pass_.stream.engine, pass_.info, pass_.pipe
+        window, block = start.window, start.block
+        device = pipe._execution_device
+        dtype = pipe.transformer.dtype
+        embeds = start.embeds.to(device, dtype)
+        negative = None if start.negative is None else start.negative.to(device, dtype)
+        lora, attention_kwargs = pass_.stream.lora, pass_.attention_kwargs
+        key = BatchKey(
+            input_shape=tuple(window.latents.shape),
+            embeds_shape=tuple(embeds.shape),
+            guided=negative is not None,
+            dtype=str(dtype),
+            block=block,
+            fps=_fps_flag(pass_.stream.request.fps),
+            lora=pass_.lora_key,
+            alone=None if attention_kwargs is None else id(self),
+        )
+        group = pass_.group(
+            ("forcing", key),
+            lambda: ForwardGroup(engine, info, key, lora, attention_kwargs),
+        )
+        guidance = pass_.driven.guidance
+        with pass_.checkpoint.batched(group) as step:
+            for i in range(len(window.matrix)):
+                model_input, timestep = self._inputs(window, i)
+                noise_pred = step(ForwardRow(model_input, timestep, embeds, negative, guidance))
+                self._update(window, i, noise_pred)
+        return window
+
+    def _deferred(self, pass_: BatchedPass, window: _Window) -> ForcingFrames:
         """`_finish` without its decode: the window becomes the next one's history now,
         and its new latents go with the session's decoder cache into `ForcingFrames`."""
+        engine, pipe, request = pass_.stream.engine, pass_.pipe, pass_.stream.request
         plan, latents = self.plan, window.latents
         first = self.windows_done == 0
         new = latents if first else latents[:, :, plan.overlap :]
@@ -587,7 +585,7 @@ class ForcingLoop:
             pipe,
             new.clone(),
             self._decoder_cache,
-            (min(count, remaining), request.height, request.width, 3),
+            (min(count, pass_.remaining), request.height, request.width, 3),
         )
 
     def _prefix(self, block: int) -> torch.Tensor | None:
@@ -715,11 +713,8 @@ class ForwardGroup(ModelGroup[BatchKey]):
             hidden += hidden
             timestep += timestep
             embeds += [required_negative(row.negative) for row in rows]
-        engine, info = self._engine, self._info
-        lora = self._lora
-        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            transformer = info.pipe.transformer
+        with self.locked():
+            transformer = self._info.pipe.transformer
             with _block_size(transformer, self.key.block):
                 out = _predict(
                     transformer,
@@ -789,7 +784,5 @@ def _image_latents(
     pixels = pixels.to(device, dtype=torch.float32).unsqueeze(2).to(vae.dtype)
     with torch.no_grad():
         latent = vae.encode(pixels).latent_dist.mode().to(torch.float32)
-    z_dim = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, torch.float32)
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-    return (latent - mean) * inv_std.to(device, torch.float32)
+    mean, inv_std = latent_stats(vae, device, torch.float32)
+    return (latent - mean) * inv_std

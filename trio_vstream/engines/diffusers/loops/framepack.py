@@ -66,7 +66,7 @@ from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, by_plan, sigmas
 from trio_vstream.engines.diffusers._messages import quoted, shown
 from trio_vstream.engines.diffusers._settings import config_error
-from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS
+from trio_vstream.engines.diffusers.loops._batch import BatchedPass, ModelGroup, batched_chunk
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import onload
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
@@ -401,7 +401,17 @@ _PER_ROW: tuple[str, ...] = (
     "latents_history_2x",
     "latents_history_4x",
 )
-"""The conditions each row brings of its own (the positions are the key's: one window)."""
+"""The conditions each row brings of its own, joined along the batch."""
+
+_POSITIONS: tuple[str, ...] = (
+    "indices_latents",
+    "indices_latents_clean",
+    "indices_latents_history_2x",
+    "indices_latents_history_4x",
+)
+"""The conditions every row of a key shares: the latents' positions, which follow from
+the window (in the key's input shape). A row brings them too; the batch takes its first
+row's."""
 
 
 @attrs.frozen
@@ -444,31 +454,12 @@ class SectionRow:
     conditions: Mapping[str, torch.Tensor]
 
 
-class SectionGroup:
+class SectionGroup(ModelGroup[SectionKey]):
     """The batched step (``run_batch``) of the sections sharing a `SectionKey`: one
     forward over every row's prompt and, with true CFG, every row's negative prompt
     (2N rows where a lone section makes two forwards of one). A batch of more than one
     row masks each row's padded text where a lone row's forward cuts it off (the
     transformer's own two ways): the same attention, summed in another order."""
-
-    def __init__(
-        self,
-        engine: Any,
-        info: PipelineInfo,
-        key: SectionKey,
-        lora: Any,
-        conditions: Mapping[str, Any],
-    ) -> None:
-        self._engine = engine
-        self._info = info
-        self.key = key
-        self._lora = lora
-        self._shared = {
-            name: value
-            for name, value in conditions.items()
-            if name not in _PER_ROW and name != "return_dict"
-        }
-        """The positions (the same for every row of a key) and ``attention_kwargs``."""
 
     def __call__(self, rows: Sequence[SectionRow]) -> list[torch.Tensor | Exception]:
         count = len(rows)
@@ -478,17 +469,17 @@ class SectionGroup:
             texts += [_negative(row) for row in rows]
             inputs += inputs
         own = {name: torch.cat([row.conditions[name] for row in inputs]) for name in _PER_ROW}
-        engine, info, lora = self._engine, self._info, self._lora
-        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
-            engine.loras.activate(info, lora[0] if lora else None, lora[1] if lora else 1.0)
-            out = info.pipe.transformer(
+        positions = {name: rows[0].conditions[name] for name in _POSITIONS}
+        with self.locked():
+            out = self._info.pipe.transformer(
                 hidden_states=torch.cat([row.hidden for row in inputs]),
                 timestep=torch.cat([row.timestep for row in inputs]),
                 encoder_hidden_states=torch.cat([text.embeds for text in texts]),
                 encoder_attention_mask=torch.cat([text.mask for text in texts]),
                 pooled_projections=torch.cat([text.pooled for text in texts]),
                 **own,
-                **self._shared,
+                **positions,
+                attention_kwargs=self._attention_kwargs,
                 return_dict=False,
             )[0]
         results: list[torch.Tensor | Exception] = []
@@ -711,73 +702,85 @@ class FramepackLoop:
     def _batched_chunk(
         self, stream: DiffusersStream, checkpoint: Checkpoint, remaining: int
     ) -> Chunk:
-        """The next section, its steps batched with other sessions' (`SectionGroup`), as
-        SkyReels-V2 DF windows are (``forcing.ForcingLoop._batched_chunk``): the pipeline's
-        lock for the prompt and image encodes and each batched forward, the engine's
-        decode lock for the decode, the session's own scheduler in its own thread."""
-        engine, request, plan = stream.engine, stream.request, self.plan
-        info = stream.plan.first
-        index = stream.index
-        conditioning = stream.next_conditioning()
-        pass_ = stream.driven_pass(info, 6.0)
-        attention_kwargs = pass_.kwargs.get("attention_kwargs")
-        pipe = info.pipe
+        """The next section, its steps batched with other sessions' (`SectionGroup`), in
+        the order every batched family keeps (`batched_chunk`): the pipeline's lock for
+        the prompt and image encodes and each batched forward, the engine's decode lock
+        for the decode, the session's own scheduler in its own thread."""
+        return batched_chunk(
+            stream,
+            checkpoint,
+            remaining,
+            what=f"section of {self.plan.sections}",
+            default_guidance=6.0,
+            prepare=self._batched_start,
+            steps=self._batched_steps,
+            decode=lambda pass_, latents: self._finish(pass_.checkpoint, pass_.pipe, latents),
+        )
+
+    def _batched_start(self, pass_: BatchedPass) -> tuple[Prompt, Prompt | None, _Section]:
+        """Under the lock: the prompts' encodes (blended, and the negative one for true
+        CFG) and the section's start (the image's encodes among them, at the first)."""
+        stream, info = pass_.stream, pass_.info
+        request = stream.request
+        prompt = self._prompts.mixed(info, pass_.conditioning.mix)
+        negative = None
+        if self.plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
+            negative = self._prompts.get(info, request.negative_prompt)
+        section = self._begin(
+            pass_.checkpoint,
+            pass_.pipe,
+            pass_.scheduler,
+            guidance_scale=pass_.driven.guidance,
+            num_inference_steps=pass_.driven.steps,
+            height=request.height,
+            width=request.width,
+            image=stream.image if stream.index == 0 else None,
+            attention_kwargs=pass_.attention_kwargs,
+        )
+        return prompt, negative, section
+
+    def _batched_steps(
+        self, pass_: BatchedPass, start: tuple[Prompt, Prompt | None, _Section]
+    ) -> torch.Tensor:
+        """The section's steps, each a row of a batch of the sections sharing its
+        `SectionKey`; returns the denoised latents."""
+        engine, info, pipe = pass_.stream.engine, pass_.info, pass_.pipe
         device = pipe._execution_device
         dtype = pipe.transformer.dtype
-        scheduler = stream.fresh_scheduler(info)
-        with torch.no_grad():
-            with engine.lock.held(checkpoint):
-                stream.activate_lora(info)
-                prompt = self._prompts.mixed(info, conditioning.mix)
-                negative = None
-                if plan.true_cfg_scale > 1.0 and request.negative_prompt is not None:
-                    negative = self._prompts.get(info, request.negative_prompt)
-                section = self._begin(
-                    checkpoint,
-                    pipe,
-                    scheduler,
-                    guidance_scale=pass_.guidance,
-                    num_inference_steps=pass_.steps,
-                    height=request.height,
-                    width=request.width,
-                    image=stream.image if index == 0 else None,
-                    attention_kwargs=attention_kwargs,
+        prompt, negative, section = start
+        prompt = prompt.on(device, dtype)
+        negative = None if negative is None else negative.on(device, dtype)
+        lora, attention_kwargs = pass_.stream.lora, pass_.attention_kwargs
+        conditions = section.conditions
+        key = SectionKey(
+            input_shape=tuple(section.latents.shape),
+            embeds_shape=tuple(prompt.embeds.shape),
+            image_shape=tuple(conditions["image_embeds"].shape),
+            guided=negative is not None,
+            dtype=str(dtype),
+            lora=pass_.lora_key,
+            alone=None if attention_kwargs is None else object(),
+        )
+        group = pass_.group(
+            ("framepack", key),
+            lambda: SectionGroup(engine, info, key, lora, attention_kwargs),
+        )
+        latents = section.latents
+        own = {name: conditions[name] for name in (*_PER_ROW, *_POSITIONS)}
+        scheduler = pass_.scheduler
+        with pass_.checkpoint.batched(group) as step:
+            for t in section.timesteps:
+                row = SectionRow(
+                    hidden=latents.to(dtype),
+                    timestep=t.expand(latents.shape[0]),
+                    prompt=prompt,
+                    negative=negative,
+                    true_cfg_scale=self.plan.true_cfg_scale,
+                    conditions=own,
                 )
-            prompt = prompt.on(device, dtype)
-            negative = None if negative is None else negative.on(device, dtype)
-            lora = stream.lora
-            conditions = section.conditions
-            key = SectionKey(
-                input_shape=tuple(section.latents.shape),
-                embeds_shape=tuple(prompt.embeds.shape),
-                image_shape=tuple(conditions["image_embeds"].shape),
-                guided=negative is not None,
-                dtype=str(dtype),
-                lora=None if lora is None else (lora[0].adapter, lora[1]),
-                alone=None if attention_kwargs is None else object(),
-            )
-            group = engine.batch_group(
-                ("framepack", key),
-                lambda: SectionGroup(engine, info, key, lora, conditions),
-            )
-            latents = section.latents
-            own = {name: conditions[name] for name in _PER_ROW}
-            with checkpoint.batched(group) as step:
-                for t in section.timesteps:
-                    row = SectionRow(
-                        hidden=latents.to(dtype),
-                        timestep=t.expand(latents.shape[0]),
-                        prompt=prompt,
-                        negative=negative,
-                        true_cfg_scale=plan.true_cfg_scale,
-                        conditions=own,
-                    )
-                    noise_pred = step(row)
-                    latents = scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
-            del group
-            with engine.decode_lock.held(checkpoint):  # beside the batches, not under `lock`
-                video = self._finish(checkpoint, pipe, latents)
-        return stream.finish_driven(video, remaining, conditioning, index)
+                noise_pred = step(row)
+                latents = scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
+        return latents
 
     def _start(self, pipe: Any, image: Any, *, height: int, width: int, dtype: torch.dtype) -> None:
         """What the call prepares before its loop (steps 4 and 5, vanilla): the image's
