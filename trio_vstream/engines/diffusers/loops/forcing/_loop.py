@@ -1,38 +1,11 @@
-"""Forcing windows: diffusion-forcing pipelines (SkyReels-V2 DF), one window per chunk,
-the window loop driven by the engine (`ForcingLoop`).
-
-``SkyReelsV2DiffusionForcingPipeline`` (and its image-to-video sibling) makes a long video
-in overlapping windows of ``base_num_frames``: each window after the first starts from
-the last ``overlap_history`` frames' latents of the video so far, denoises the rest under
-a per-frame ("diffusion forcing") timestep matrix, and adds its new latents to the
-video. But its ``__call__`` runs every window in one call, keeps the overlap latents to
-itself, and decodes the whole video once at its end; the text-to-video call takes no
-prefix latents and the video-to-video call re-encodes pixels, so no sequence of calls
-continues the loop exactly.
-
-So the engine drives the window loop itself, from the pipeline's public components
-(``transformer``, ``scheduler``, ``vae``, ``video_processor``, ``generate_timestep_matrix``):
-`ForcingLoop.run_window` is one iteration of the call's ``for iter_idx in range(n_iter)``
-loop (diffusers 0.42.1, ``pipeline_skyreels_v2_diffusion_forcing.py``, steps 5 to 7 and
-the accumulation after them), restated here, followed by decoding that window's new
-latent frames with the session's own causal VAE cache. Wan's VAE decodes a video one
-latent frame at a time, each frame seeing the cache the frames before it left
-(``AutoencoderKLWan._decode``); carrying that cache from window to window makes the
-per-window decodes those of the call's single decode. One generator per session draws
-each window's noise in the call's order. So the frames, joined, equal the single call's
-(tested), each window is handed over as soon as it is decoded, and sessions take turns
-on the shared pipeline at every window.
-
-What is kept between windows is bounded, whatever the video's length: the last
-``overlap_history`` latent frames (the next window's prefix), the decoder's cache (two
-frames per causal convolution) and the generator.
-"""
+"""One session's place in the window loop (`ForcingLoop`): the call's window loop
+restated, one window a pass, alone under the lock or with its steps batched across
+sessions (`batched_chunk`, `ForwardGroup`), and a batched window's frames decoded when
+the server asks (`ForcingFrames`)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -40,221 +13,25 @@ import numpy as np
 import torch
 
 from trio_vstream.engines.base import Checkpoint, Chunk, EngineError
-from trio_vstream.engines.diffusers._extra import COMMON, MAX_STEPS, ExtraParams, by_plan
-from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
-from trio_vstream.engines.diffusers._messages import shown
-from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.diffusers.loops._batch import (
     BatchedPass,
-    ModelGroup,
     batched_chunk,
-    required_negative,
 )
-from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
 from trio_vstream.engines.diffusers.loops._vae import decode_continuing, latent_stats
+from trio_vstream.engines.diffusers.loops.forcing._groups import (
+    BatchKey,
+    ForwardGroup,
+    ForwardRow,
+    block_size,
+    fps_flag,
+    predict,
+)
+from trio_vstream.engines.diffusers.loops.forcing._plan import WindowPlan
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers._loading import PipelineInfo
     from trio_vstream.engines.diffusers._stream import DiffusersStream, DrivenPass, Mix
-
-FORCING_ARGS: tuple[str, ...] = (
-    "overlap_history",
-    "base_num_frames",
-    "ar_step",
-    "causal_block_size",
-    "addnoise_condition",
-)
-"""What a diffusion-forcing pipeline's ``__call__`` takes to shape its window loop; the
-engine reads them (from ``extra_params``) and runs the loop itself."""
-
-DEFAULT_OVERLAP_HISTORY = 17
-"""Overlap frames when a request gives none: the call requires one for long videos and
-recommends 17 or 37."""
-
-
-EXTRA_PARAMS = ExtraParams(
-    "SkyReels-V2 diffusion forcing", {**COMMON, **dict.fromkeys(FORCING_ARGS, by_plan)}
-)
-"""The common keys, and the window loop's, which `window_plan` checks against the video."""
-
-
-class ForcingWindows:
-    """Diffusion-forcing pipelines (`Loop`): the window loop, driven by the engine."""
-
-    name = "forcing windows"
-    batches = True
-    """Its windows' steps run batched across sessions when the engine's ``max_batch`` > 1
-    (`ForwardGroup`)."""
-    defers_decode = True
-    """With ``defer_decode`` and ``max_batch`` > 1, its batched windows leave their decode
-    to the server (`ForcingFrames`)."""
-    frame_continued = False
-    image_in_loop = True
-    engine_set: tuple[str, ...] = ()
-
-    def recognises(self, info: PipelineInfo) -> bool:
-        """A ``__call__`` with the window loop's arguments, and the loop's public helper."""
-        return all(name in info.params for name in FORCING_ARGS) and callable(
-            getattr(info.pipe, "generate_timestep_matrix", None)
-        )
-
-    def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
-        """The window's frames (``base_num_frames``): its call's default, 97."""
-        if given is None:
-            return default_segment_frames(model, frame_step, window_arg="base_num_frames")
-        if (given - 1) % frame_step or given <= frame_step:
-            raise config_error(
-                f"segment_frames is {model.class_name}'s window (base_num_frames): "
-                f"{frame_step}*n+1 with n >= 2 (e.g. "
-                f"{valid_frames(max(given, 2 * frame_step + 1), frame_step)}), got {given}"
-            )
-        return given
-
-    def extra_params(self, model: PipelineInfo) -> ExtraParams:
-        return EXTRA_PARAMS
-
-    def plan(self, draft: Draft) -> WindowPlan | None:
-        return window_plan(draft)
-
-    def start(self, stream: DiffusersStream, plan: WindowPlan) -> ForcingLoop:
-        return ForcingLoop(stream, plan)
-
-
-LOOP: Loop[WindowPlan] = ForcingWindows()
-
-
-@attrs.frozen(kw_only=True)
-class WindowPlan:
-    """The window loop's shape, as the call works it out from its arguments (in latent
-    frames: the VAE makes ``temporal`` frames of each but the first)."""
-
-    latent_frames: int
-    """The whole video's."""
-    base: int
-    """Latent frames per window (``base_num_frames``'s)."""
-    overlap: int
-    """Latent frames each window after the first starts from (0: one window)."""
-    causal_block_size: int | None
-    """None: the transformer's own ``num_frame_per_block``."""
-    ar_step: int
-    addnoise_condition: float
-
-    @classmethod
-    def of(
-        cls,
-        *,
-        num_frames: int,
-        base_num_frames: int,
-        overlap_history: int,
-        temporal: int,
-        causal_block_size: int | None,
-        ar_step: int,
-        addnoise_condition: float,
-    ) -> WindowPlan:
-        """The plan of a call with these arguments (``num_frames`` already ``temporal*n+1``)."""
-        latent_frames = (num_frames - 1) // temporal + 1
-        if num_frames > base_num_frames:  # the call's is_long_video
-            base = (base_num_frames - 1) // temporal + 1
-            overlap = (overlap_history - 1) // temporal + 1
-        else:
-            base, overlap = latent_frames, 0
-        return cls(
-            latent_frames=latent_frames,
-            base=base,
-            overlap=overlap,
-            causal_block_size=causal_block_size,
-            ar_step=ar_step,
-            addnoise_condition=addnoise_condition,
-        )
-
-    @property
-    def windows(self) -> int:
-        """How many windows the call runs (its ``n_iter``)."""
-        if self.overlap == 0:
-            return 1
-        return 1 + (self.latent_frames - self.base - 1) // (self.base - self.overlap) + 1
-
-    def window_latent_frames(self, index: int) -> int:
-        """Latent frames in window ``index``, its prefix included (the call's
-        ``prepare_latents``: the last window is what is left)."""
-        if index == 0:
-            return self.base
-        finished = index * (self.base - self.overlap) + self.overlap
-        return min(self.latent_frames - finished + self.overlap, self.base)
-
-
-def window_plan(draft: Draft) -> WindowPlan | None:
-    """The window loop a request asks for: ``base_num_frames`` (the engine's
-    ``segment_frames``), ``overlap_history`` (17, or about half a window for windows of 21
-    frames or fewer), ``ar_step``, ``causal_block_size`` and ``addnoise_condition`` may come
-    in ``extra_params``, as for the call. Appends what is wrong to ``draft.problems`` (then
-    returns None), so a bad request is refused before it runs, not mid-video."""
-    info, extra, problems, temporal = draft.model, draft.extra, draft.problems, draft.frame_step
-    num_frames = valid_frames(draft.request.num_frames, temporal)
-    base_num_frames = draft.segment_frames
-
-    def whole(name: str, default: Any, minimum: int, maximum: int | None = None) -> Any:
-        value = extra.get(name, default)
-        if value is None:
-            return None
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < minimum
-            or (maximum is not None and value > maximum)
-        ):
-            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-            problems.append(f"extra_params.{name} must be an integer {bound}, got {shown(value)}")
-            return default
-        return value
-
-    # base_num_frames, overlap_history and causal_block_size need no upper bound of their
-    # own: a window is never longer than the video (num_frames, which the server bounds),
-    # the overlap is less than the window and a block divides it (both checked below).
-    base = whole("base_num_frames", base_num_frames, 2 * temporal + 1)
-    if (base - 1) % temporal:
-        problems.append(f"extra_params.base_num_frames must be {temporal}*n+1, got {base}")
-        return None
-    half = ((base - 1) // temporal // 2) * temporal + 1
-    overlap = whole("overlap_history", min(DEFAULT_OVERLAP_HISTORY, half), 1)
-    # A lag beyond the schedule's length adds no work (a block waits at most until the
-    # one before it is done), but a number beyond any schedule is a mistake.
-    ar_step = whole("ar_step", 0, 0, MAX_STEPS)
-    block = whole("causal_block_size", None, 1)
-    noise = extra.get("addnoise_condition", 0)
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise <= 1000:
-        problems.append(f"extra_params.addnoise_condition must be in 0..1000, got {shown(noise)}")
-        noise = 0
-    if overlap >= base:
-        problems.append(
-            f"extra_params.overlap_history ({overlap}) must be less than the window "
-            f"(base_num_frames, {base})"
-        )
-        return None
-    plan = WindowPlan.of(
-        num_frames=num_frames,
-        base_num_frames=base,
-        overlap_history=overlap,
-        temporal=temporal,
-        causal_block_size=block,
-        ar_step=ar_step,
-        addnoise_condition=float(noise),
-    )
-    own = getattr(getattr(info.pipe, "transformer", None), "config", None)
-    size = block if block is not None else int(getattr(own, "num_frame_per_block", 1) or 1)
-    uneven = [
-        plan.window_latent_frames(i)
-        for i in range(plan.windows)
-        if plan.window_latent_frames(i) % size
-    ]
-    if uneven:
-        problems.append(
-            f"every window must be a whole number of causal blocks ({size} latent frames); "
-            f"this length makes windows of {uneven[0]}: change num_frames or base_num_frames"
-        )
-        return None
-    return plan
 
 
 @attrs.define(eq=False)
@@ -369,7 +146,7 @@ class ForcingLoop:
         if cfg:
             assert negative_prompt_embeds is not None
             negative_prompt_embeds = negative_prompt_embeds.to(device, dtype)
-        with _block_size(transformer, self.plan.causal_block_size) as block:
+        with block_size(transformer, self.plan.causal_block_size) as block:
             window = self._start(
                 checkpoint,
                 pipe,
@@ -380,15 +157,15 @@ class ForcingLoop:
                 image=image,
                 block=block,
             )
-            fps_embeds = [_fps_flag(fps)]
+            fps_embeds = [fps_flag(fps)]
             for i in range(len(window.matrix)):
                 checkpoint()  # raises when the session is over: no more steps, no decode
                 model_input, timestep = self._inputs(window, i)
-                noise_pred = _predict(
+                noise_pred = predict(
                     transformer, model_input, timestep, prompt_embeds, fps_embeds, attention_kwargs
                 )
                 if cfg:
-                    uncond = _predict(
+                    uncond = predict(
                         transformer,
                         model_input,
                         timestep,
@@ -549,7 +326,7 @@ class ForcingLoop:
             guided=negative is not None,
             dtype=str(dtype),
             block=block,
-            fps=_fps_flag(pass_.stream.request.fps),
+            fps=fps_flag(pass_.stream.request.fps),
             lora=pass_.lora_key,
             alone=None if attention_kwargs is None else id(self),
         )
@@ -650,128 +427,6 @@ class ForcingFrames:
     def release(self) -> None:
         self._latents = self._cache = self._frames = None
         self._pipe = None
-
-
-def _fps_flag(fps: int) -> int:
-    """The fps embedding's index, as the call picks it: 0 for 16 fps, else 1."""
-    return 0 if fps == 16 else 1
-
-
-@attrs.frozen(kw_only=True)
-class BatchKey:
-    """What rows must share to run in one transformer forward (one `ForwardGroup`).
-
-    The input's shape (batch of one, channels, the window's latent frames, latent height
-    and width), the prompt embeddings' (the text's padded length), guidance on or off,
-    the transformer's dtype, the causal block size (the attention mask), the fps
-    embedding and the LoRA (adapter and scale, or none). The history's length is not in
-    it: a window's prefix is part of its latent frames, and its timesteps (zero for a
-    clean prefix) go in per row. Nor are the guidance scale, the step or the timesteps:
-    each row brings its own."""
-
-    input_shape: tuple[int, ...]
-    embeds_shape: tuple[int, ...]
-    guided: bool
-    dtype: str
-    block: int
-    fps: int
-    lora: tuple[str, float] | None
-    alone: object | None
-    """Set (to an object of its own) for a row that must run alone: a request with
-    ``attention_kwargs``, which apply to the whole forward."""
-
-
-@attrs.frozen(eq=False)
-class ForwardRow:
-    """One session's denoising step: everything the forward needs, and nothing of its
-    state (the scheduler step happens in the session's own thread)."""
-
-    hidden: torch.Tensor
-    timestep: torch.Tensor
-    embeds: torch.Tensor
-    negative: torch.Tensor | None
-    guidance: float
-
-
-class ForwardGroup(ModelGroup[BatchKey]):
-    """The batched step (``run_batch``) of every window whose rows share a `BatchKey`.
-
-    The server's batcher gathers rows by this object, so the engine hands the same one
-    to every session of a key (`DiffusersEngine.batch_group`). Called with some rows, it
-    takes the pipeline's lock, puts the key's LoRA and causal block size on the shared
-    transformer, and runs one forward over every row's conditional input and, with
-    guidance, every row's unconditional one (the rows' inputs twice, their prompt then
-    their negative prompt embeddings): 2N rows in one forward where a lone window makes
-    two of one. Each row gets its own guided prediction back, a tensor of its own."""
-
-    def __call__(self, rows: Sequence[ForwardRow]) -> list[torch.Tensor | Exception]:
-        count = len(rows)
-        hidden = [row.hidden for row in rows]
-        timestep = [row.timestep for row in rows]
-        embeds = [row.embeds for row in rows]
-        if self.key.guided:
-            hidden += hidden
-            timestep += timestep
-            embeds += [required_negative(row.negative) for row in rows]
-        with self.locked():
-            transformer = self._info.pipe.transformer
-            with _block_size(transformer, self.key.block):
-                out = _predict(
-                    transformer,
-                    torch.cat(hidden),
-                    torch.cat(timestep),
-                    torch.cat(embeds),
-                    [self.key.fps],  # one, broadcast over the batch: the key's
-                    self._attention_kwargs,
-                    context="batch",
-                )
-            results: list[torch.Tensor | Exception] = []
-            for i, row in enumerate(rows):
-                cond = out[i : i + 1]
-                if self.key.guided:
-                    uncond = out[count + i : count + i + 1]
-                    results.append(uncond + row.guidance * (cond - uncond))
-                else:
-                    results.append(cond.clone())  # not a view keeping the batch's alive
-        return results
-
-
-def _predict(
-    transformer: Any,
-    hidden: torch.Tensor,
-    timestep: torch.Tensor,
-    embeds: torch.Tensor | None,
-    fps: list[int],
-    attention_kwargs: Any,
-    context: str = "cond",
-) -> torch.Tensor:
-    """One transformer call, as the call makes it (diffusion forcing on)."""
-    with transformer.cache_context(context):
-        return transformer(
-            hidden_states=hidden,
-            timestep=timestep,
-            encoder_hidden_states=embeds,
-            enable_diffusion_forcing=True,
-            fps=fps,
-            attention_kwargs=attention_kwargs,
-            return_dict=False,
-        )[0]
-
-
-@contextlib.contextmanager
-def _block_size(transformer: Any, requested: int | None) -> Iterator[int]:
-    """The causal block size for one window. The call sets a requested one on the shared
-    transformer for good (``_set_ar_attention``); here it is put back after the window,
-    so another session's windows see the transformer as loaded."""
-    own = int(transformer.config.num_frame_per_block)
-    if requested is None or requested == own:
-        yield own
-        return
-    transformer.register_to_config(num_frame_per_block=requested)
-    try:
-        yield requested
-    finally:
-        transformer.register_to_config(num_frame_per_block=own)
 
 
 def _image_latents(
