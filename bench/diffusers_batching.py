@@ -112,7 +112,7 @@ class Preset:
         if self.family == "skyreels":
             return Path(diffusers_tiny.build_skyreels_df(root / "skyreels-df", size=size))
         if self.family == "framepack":
-            from trio_vstream.engines.diffusers.tiny import build_framepack
+            from trio_vstream.engines.diffusers.testing import build_framepack
 
             return Path(build_framepack(root / "framepack", **self.size))
         return Path(diffusers_tiny.build_wan_t2v(root / "wan", size=size))

@@ -1,5 +1,5 @@
 """Random Wan pipelines for the bench's ``diffusers`` scenario: the same builders the
-diffusers engine's tests use, which live in ``trio_vstream.engines.diffusers.tiny``.
+diffusers engine's tests use, which live in ``trio_vstream.engines.diffusers.testing``.
 
 This module keeps the names the harness has always taken from here (``WanSize``,
 ``TINY``, ``build_wan_t2v``, ...). They load on first use, so importing this module stays
@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trio_vstream.engines.diffusers.tiny import (
+    from trio_vstream.engines.diffusers.testing import (
         TEXT_DIM,
         TINY,
         WanSize,
@@ -47,5 +47,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("trio_vstream.engines.diffusers.tiny"), name)
+        return getattr(importlib.import_module("trio_vstream.engines.diffusers.testing"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 real-time factor, peak memory, and the audio's sample count (exact, or the step fails).
 
 No LTX-2 weights can be downloaded here, so the pipeline is random, built in code by
-``trio_vstream.engines.diffusers.tiny.build_ltx2`` (text-to-video, and the image-to-video
+``trio_vstream.engines.diffusers.testing.build_ltx2`` (text-to-video, and the image-to-video
 one with the same weights, which continues each segment from the last frame): the
 ``gpu`` size (``LTX2_BENCH``: the released VAE's compression, an 8-layer transformer of
 width 512) measures how the engine streams LTX-2's shapes at 768x512, not the released
@@ -59,7 +59,7 @@ def run(*, tiny: bool, device: str, segments: int, steps: int | None) -> dict[st
     """Build the pipelines, serve one session through the engine, and measure it."""
     import torch
 
-    from trio_vstream.engines.diffusers.tiny import LTX2_BENCH, LTX2_TINY, build_ltx2
+    from trio_vstream.engines.diffusers.testing import LTX2_BENCH, LTX2_TINY, build_ltx2
 
     size = LTX2_TINY if tiny else LTX2_BENCH
     width, height, segment = (32, 32, 9) if tiny else (768, 512, 33)

@@ -3,7 +3,7 @@
     python bench/sana_wm_check.py --preset gpu --device cuda --output out/sana_wm.json
     python bench/sana_wm_check.py --preset tiny --device cpu     # a smoke run, seconds
 
-A random ``SanaWMPipeline`` is built in code (``tiny.build_sana_wm``; nothing is
+A random ``SanaWMPipeline`` is built in code (``testing.build_sana_wm``; nothing is
 downloaded) at the preset's size, saved, and loaded by the engine as ``--engine
 diffusers`` loads a directory. One stream then makes ``--segments`` segments with a
 camera velocity (forward and turning, as a person holding W and L) handed over between
@@ -32,7 +32,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"size": "SANA_WM_TINY", "width": 32, "height": 16, "segment_frames": 5, "steps": 2},
     "gpu": {"size": "SANA_WM_GPU", "width": 1280, "height": 704, "segment_frames": 33, "steps": 20},
 }
-"""Per preset: the random model (a ``tiny`` size), the video's size, frames per segment
+"""Per preset: the random model (a ``testing.sana_wm`` size), the video's size, frames per segment
 (8n+1 for the real VAE's 8x) and denoising steps."""
 
 
@@ -55,13 +55,13 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import torch
 
     from trio_vstream.engines import Checkpoint, GenerationRequest, PromptChange, load_engine
-    from trio_vstream.engines.diffusers import DiffusersEngine, tiny
+    from trio_vstream.engines.diffusers import DiffusersEngine, testing
     from trio_vstream.protocol import key_velocity
 
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
     began = time.perf_counter()
-    path = tiny.build_sana_wm(root / "SANA-WM-random", size=getattr(tiny, preset["size"]))
+    path = testing.build_sana_wm(root / "SANA-WM-random", size=getattr(testing, preset["size"]))
     built = time.perf_counter() - began
     engine_args = {"model": str(path), "segment_frames": str(preset["segment_frames"])}
     engine = load_engine("diffusers", engine_args, device=args.device)

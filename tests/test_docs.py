@@ -196,15 +196,16 @@ def layout_map() -> str:
 def layout_entries() -> dict[str, str]:
     """Each path the map names (``trio_vstream/engines/contract.py``, ``bench/``), with its
     description. An entry is indented two spaces per level; a description that goes on
-    is indented further, past any entry."""
+    is indented further than an entry under it would be."""
     entries: dict[str, str] = {}
     parents: list[str] = []
-    last = ""
+    last, last_indent = "", 0
     for line in layout_map().splitlines():
         indent = len(line) - len(line.lstrip())
-        if indent >= 8:
+        if last and indent > last_indent + 2:
             entries[last] += " " + line.strip()
             continue
+        last_indent = indent
         level = indent // 2
         assert indent % 2 == 0 and level <= len(parents), f"misplaced entry: {line!r}"
         del parents[level:]

@@ -1,6 +1,6 @@
 """Fixtures of the diffusers engine tests: tiny random Wan pipelines, engines, a server.
 
-The pipelines are built in code (``trio_vstream.engines.diffusers.tiny``), saved with
+The pipelines are built in code (``trio_vstream.engines.diffusers.testing``), saved with
 ``save_pretrained`` once per test session, and loaded back by the engine the way
 ``--engine diffusers --engine-arg model=...`` does. Tests that need them skip where the
 ``diffusers`` extra is not installed; the others (the lock's, the CLI's) run anyway.
@@ -48,7 +48,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     ``lora`` (a LoRA for t2v's transformer)."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import build_lora, build_wan_i2v, build_wan_t2v
+    from trio_vstream.engines.diffusers.testing import build_lora, build_wan_i2v, build_wan_t2v
 
     root = tmp_path_factory.mktemp("diffusers_models")
     t2v = build_wan_t2v(root / "Wan-tiny-T2V")
@@ -67,7 +67,7 @@ def helios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pipeline distilled, with HeliosDMDScheduler)."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import HELIOS_VARIANTS, build_helios
+    from trio_vstream.engines.diffusers.testing import HELIOS_VARIANTS, build_helios
 
     root = tmp_path_factory.mktemp("helios_models")
     return {v: build_helios(root / f"Helios-tiny-{v}", variant=v) for v in HELIOS_VARIANTS}
@@ -80,7 +80,7 @@ def skyreels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     the same weights."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import SKYREELS_DF_VARIANTS, build_skyreels_df
+    from trio_vstream.engines.diffusers.testing import SKYREELS_DF_VARIANTS, build_skyreels_df
 
     root = tmp_path_factory.mktemp("skyreels_models")
     return {
@@ -94,7 +94,7 @@ def anyflow_far(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An AnyFlow FAR pipeline directory (AnyFlowFARPipeline, one transformer layer)."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import build_anyflow_far
+    from trio_vstream.engines.diffusers.testing import build_anyflow_far
 
     return build_anyflow_far(tmp_path_factory.mktemp("anyflow_models") / "AnyFlow-FAR-tiny")
 
@@ -105,7 +105,7 @@ def framepack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     SigLIP built in code)."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import build_framepack
+    from trio_vstream.engines.diffusers.testing import build_framepack
 
     return build_framepack(tmp_path_factory.mktemp("framepack_models") / "Framepack-tiny")
 

@@ -436,7 +436,7 @@ async def test_sections_a_stop_and_an_interaction_touch_only_their_own_rows(
 @pytest.fixture(scope="module")
 def df_lora(skyreels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random LoRA for the SkyReels-V2 DF transformer (its attention is Wan's)."""
-    from trio_vstream.engines.diffusers.tiny import build_lora
+    from trio_vstream.engines.diffusers.testing import build_lora
 
     root = tmp_path_factory.mktemp("df_lora")
     return Path(build_lora(skyreels["t2v"], root / "lora")) / "pytorch_lora_weights.safetensors"

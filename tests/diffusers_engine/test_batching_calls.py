@@ -470,7 +470,7 @@ def test_a_group_runs_the_largest_set_of_equal_rows_and_puts_the_others_off() ->
 
     module = Doubling()
     engine = SimpleNamespace(lock=SegmentLock(), loras=SimpleNamespace(activate=lambda *a: None))
-    group = _calls.CallGroup(engine, SimpleNamespace(), None)  # type: ignore[arg-type]
+    group = _calls.CallGroup(engine, SimpleNamespace(), "key", None)  # type: ignore[arg-type]
 
     def row(value: float, width: int = 2, scale: float = 2.0, put_off: int = 0) -> Any:
         kwargs = {"hidden_states": torch.full((1, width), value), "scale": scale}

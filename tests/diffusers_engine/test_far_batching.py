@@ -317,7 +317,7 @@ def test_a_batching_far_engine_keeps_the_contract(anyflow_far: Path) -> None:
 @pytest.fixture(scope="module")
 def far_lora(anyflow_far: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random LoRA for the FAR transformer (its attention names are Wan's)."""
-    from trio_vstream.engines.diffusers.tiny import build_lora
+    from trio_vstream.engines.diffusers.testing import build_lora
 
     root = tmp_path_factory.mktemp("far_lora")
     made = build_lora(anyflow_far, root / "lora", model_class="AnyFlowFARTransformer3DModel")

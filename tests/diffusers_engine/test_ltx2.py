@@ -5,7 +5,7 @@ carrying exactly its frames' samples of the call's waveform (`segment_audio`). W
 reaches the calls, and what they return, is recorded by a wrapper around the
 pipelines' own ``__call__``, which then runs; nothing under test is mocked.
 
-The pipelines are `tiny.build_ltx2`'s: 8x spatial and 2x temporal compression (segments
+The pipelines are `testing.build_ltx2`'s: 8x spatial and 2x temporal compression (segments
 of ``2n+1`` frames), 24 kHz stereo sound. Building them takes seconds, so every test that
 asks for them is ``slow`` (as ``tests/conftest.py`` marks the other pipelines' tests)."""
 
@@ -60,7 +60,7 @@ def ltx2(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """``t2v`` (LTX2Pipeline) and ``i2v`` (LTX2ImageToVideoPipeline), the same weights."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
-    from trio_vstream.engines.diffusers.tiny import build_ltx2, build_ltx2_i2v
+    from trio_vstream.engines.diffusers.testing import build_ltx2, build_ltx2_i2v
 
     root = tmp_path_factory.mktemp("ltx2_models")
     return SimpleNamespace(

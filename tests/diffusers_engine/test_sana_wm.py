@@ -81,7 +81,7 @@ def pitch(degrees: float) -> tuple[float, float, float, float]:
 @pytest.fixture(scope="module")
 def sana_wm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random SANA-WM pipeline directory."""
-    from trio_vstream.engines.diffusers.tiny import build_sana_wm
+    from trio_vstream.engines.diffusers.testing import build_sana_wm
 
     return build_sana_wm(tmp_path_factory.mktemp("sana_wm_models") / "SANA-WM-tiny")
 

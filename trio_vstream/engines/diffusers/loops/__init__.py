@@ -24,31 +24,37 @@ serves it; that one value decides everything the engine does per family. A famil
 module is imported when the registry first asks it (as vLLM's model registry imports a
 model's module only when it is needed): importing this package imports none of them.
 
-Adding a family is one new module here, its name in `FAMILIES`, and its tests:
+Adding a family is one new module (or package) here, its name in `FAMILIES`, and its
+tests:
 
 1. ``loops/<family>.py`` (a name without a leading underscore; ``_``-modules hold what
-   families share, such as `_vae`) defines ``LOOP``, an object implementing `Loop`: its
-   ``name``, ``recognises`` (what the pipeline's ``__call__`` takes and the parts its
-   loop needs), ``segment_frames`` (what the engine arg means for it), ``extra_params``
-   (its allow-list: `ExtraParams` built from the checks in ``_extra``, ``by_plan`` for
-   the keys its plan checks against the video), ``engine_set``, ``plan`` (a request's
-   video, every problem appended, nothing run) and ``start``, whose `Run` makes each
-   chunk (``next_chunk``) and drops its tensors (``close``). A loop the engine drives
-   hands each pass to ``DiffusersStream.driven_chunk`` (the lock, the LoRA, the prompt
-   blend, the host copy); a loop of pipeline calls can build on ``segments.SegmentRun``,
-   as ``history`` does. A family whose steps can run batched across sessions also sets
-   ``batches = True`` (optional, read with a default) and, when the engine's
-   ``max_batch`` > 1, steps inside ``checkpoint.batched`` with one ``run_batch`` per
-   batch key (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and
-   ``far`` do. A family of pipeline calls built on ``SegmentRun`` batches its calls'
-   transformer forwards through ``_calls.BatchedCall`` (``segments``, ``history``); its
-   optional ``batches_for(model, i2v)`` says which pipelines it batches.
+   families share, such as `_vae`), or a package ``loops/<family>/`` when the family is
+   more than one idea (``forcing``, ``far``, ``framepack``: the family and its plan, a
+   session's loop, its batched forwards, each a private module), defines ``LOOP``, an
+   object implementing `Loop`: its ``name``, ``recognises`` (what the pipeline's
+   ``__call__`` takes and the parts its loop needs), ``segment_frames`` (what the engine
+   arg means for it), ``extra_params`` (its allow-list: `ExtraParams` built from the
+   checks in ``_extra``, ``by_plan`` for the keys its plan checks against the video),
+   ``engine_set``, ``plan`` (a request's video, every problem appended, nothing run) and
+   ``start``, whose `Run` makes each chunk (``next_chunk``) and drops its tensors
+   (``close``). A loop the engine drives hands each pass to
+   ``DiffusersStream.driven_chunk`` (the lock, the LoRA, the prompt blend, the host
+   copy); a loop of pipeline calls can build on ``segments.SegmentRun``, as ``history``
+   does. A family whose steps can run batched across sessions also sets ``batches =
+   True`` (optional, read with a default) and, when the engine's ``max_batch`` > 1,
+   steps inside ``checkpoint.batched`` with one ``run_batch`` per batch key
+   (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and ``far`` do: each
+   makes its batched pass with ``_batch.batched_chunk`` and its groups on
+   ``_batch.ModelGroup``. A family of pipeline calls built on ``SegmentRun`` batches its
+   calls' transformer forwards through ``_calls.BatchedCall`` (``segments``,
+   ``history``); its optional ``batches_for(model, i2v)`` says which pipelines it
+   batches.
 2. Its module's name in `FAMILIES`, before the first family that would take its
    pipelines (always before ``segments``, which takes any): the registry asks only the
    families listed there, and ``tests/diffusers_engine/test_loops.py`` fails while a
    module of this package that defines ``LOOP`` is missing from it.
 3. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
-   (a builder in ``tiny``): the streamed frames equal the pipeline's own single call,
+   (a builder in ``testing``): the streamed frames equal the pipeline's own single call,
    sessions take turns, a stop ends within a step and the stopped chunk is not decoded,
    memory stays flat (or says why not), and the ``extra_params`` it refuses.
 """

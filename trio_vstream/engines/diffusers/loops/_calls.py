@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from trio_vstream.engines.contract import Checkpoint, EngineError
-from trio_vstream.engines.diffusers.loops._batch import NEVER_STOPS
+from trio_vstream.engines.diffusers.loops._batch import ModelGroup
 
 if TYPE_CHECKING:
     from trio_vstream.engines.diffusers import DiffusersEngine
@@ -150,23 +150,19 @@ def _frozen(value: Any) -> Any:
     return _ALONE
 
 
-class CallGroup:
+class CallGroup(ModelGroup[Hashable]):
     """The batched forward of the calls of one pipeline and one LoRA (``run_batch``).
 
-    The server's batcher gathers rows by this object (`DiffusersEngine.batch_group`).
-    Called with some rows, it takes the pipeline's lock, puts the group's LoRA on the
-    pipeline, and runs one forward per set of rows with equal keys (`row_key`): usually
-    one, a pass of every session. Where rows differ (a Wan 2.2 session at its other
-    expert, a Helios pyramid session at another stage, another resolution), it runs the
-    largest set and puts the others off for a batch or two (`_running`). Each row gets its
-    own slice of the output; a forward that fails fails its own rows only."""
-
-    def __init__(
-        self, engine: DiffusersEngine, info: PipelineInfo, lora: tuple[LoadedLora, float] | None
-    ) -> None:
-        self._engine = engine
-        self._info = info
-        self._lora = lora
+    The server's batcher gathers rows by this object (`DiffusersEngine.batch_group`);
+    its key is the one the engine keeps it under (the role, the call's shape, the LoRA),
+    and it has no ``attention_kwargs`` of its own: a row's forward arguments are the
+    call's. Called with some rows, it takes the pipeline's lock, puts the group's LoRA on
+    the pipeline (`ModelGroup.locked`), and runs one forward per set of rows with equal
+    keys (`row_key`): usually one, a pass of every session. Where rows differ (a Wan 2.2
+    session at its other expert, a Helios pyramid session at another stage, another
+    resolution), it runs the largest set and puts the others off for a batch or two
+    (`_running`). Each row gets its own slice of the output; a forward that fails fails
+    its own rows only."""
 
     def __call__(self, rows: Sequence[CallRow]) -> list[Any]:
         parts: dict[Any, list[int]] = {}
@@ -175,9 +171,7 @@ class CallGroup:
             parts.setdefault(key, []).append(i)
         results: list[Any] = [DEFERRED] * len(rows)
         running = _running(rows, list(parts.values()))
-        engine, lora = self._engine, self._lora
-        with torch.no_grad(), engine.lock.held(NEVER_STOPS):
-            engine.loras.activate(self._info, lora[0] if lora else None, lora[1] if lora else 1.0)
+        with self.locked():
             for indices in running:
                 members = [rows[i] for i in indices]
                 try:
@@ -353,7 +347,7 @@ class BatchedCall:
             self._shape,
             None if lora is None else (lora[0].adapter, lora[1]),
         )
-        group = engine.batch_group(key, lambda: CallGroup(engine, info, lora))
+        group = engine.batch_group(key, lambda: CallGroup(engine, info, key, lora))
         stack = contextlib.ExitStack()
         self._step = stack.enter_context(self._checkpoint.batched(group))
         self._batch = stack

@@ -3,7 +3,9 @@
 The engine-driven loops (SkyReels-V2 DF windows, AnyFlow FAR chunks, FramePack
 sections) call a pipeline's parts rather than its ``__call__``, so what the call does
 around its VAE is done here: bringing an offloaded VAE to its device (`onload`), and
-decoding a video a piece at a time as one decode of the whole would (`decode_continuing`).
+decoding a video a piece at a time as one decode of the whole would (`decode_continuing`),
+and Wan's latent normalisation (`latent_stats`), which the loops and the Helios history
+apply where the call would.
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ def onload(module: Any) -> None:
         hook.pre_forward(module)
 
 
+def latent_stats(vae: Any, device: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Wan VAE's per-channel latent mean and inverse standard deviation, shaped
+    (1, z_dim, 1, 1, 1), on ``device`` in ``dtype``: a latent is normalised as
+    ``(x - mean) * inv_std`` and back as ``x / inv_std + mean``.
+
+    Written once because the engine applies them where the pipelines' calls would (the
+    first frame's encode, a chunk's decode, Helios' image latents), and its frames must
+    be the call's: so they are made as diffusers' Wan-family calls make them, cast to
+    ``dtype`` first and then inverted (in half precision that order gives other numbers
+    than inverting first)."""
+    z_dim = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, dtype)
+    std = torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(device, dtype)
+    return mean, 1.0 / std
+
+
 def decode_continuing(pipe: Any, latents: torch.Tensor, cache: list[Any]) -> torch.Tensor:
     """Decode ``latents`` (B, C, T, H, W, normalised) with a Wan VAE as one decode of the
     whole video would decode them: frame by frame through ``vae.decoder``, continuing the
@@ -31,11 +49,7 @@ def decode_continuing(pipe: Any, latents: torch.Tensor, cache: list[Any]) -> tor
     vae = pipe.vae
     onload(vae)
     latents = latents.to(vae.dtype)
-    z_dim = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1)
-    mean = mean.to(latents.device, latents.dtype)
-    inv_std = inv_std.to(latents.device, latents.dtype)
+    mean, inv_std = latent_stats(vae, latents.device, latents.dtype)
     latents = latents / inv_std + mean
     first = not cache
     if first:

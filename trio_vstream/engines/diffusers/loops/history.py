@@ -43,6 +43,7 @@ from trio_vstream.engines.diffusers._messages import shown
 from trio_vstream.engines.diffusers._settings import config_error
 from trio_vstream.engines.diffusers.loops._calls import batchable
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
+from trio_vstream.engines.diffusers.loops._vae import latent_stats
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
 
 if TYPE_CHECKING:
@@ -325,11 +326,7 @@ class ChunkHistory:
         pixels = pipe.video_processor.preprocess(image, height=height, width=width)
         vae = pipe.vae
         device = pipe._execution_device
-        z_dim = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(device, vae.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(
-            device, vae.dtype
-        )
+        mean, inv_std = latent_stats(vae, device, vae.dtype)
         with torch.no_grad():
             image_latents, fake = pipe.prepare_image_latents(
                 pixels,
