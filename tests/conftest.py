@@ -36,7 +36,7 @@ bench/ tools' tests, and the player page's, which all drive chromium. A test add
 is left out of ``tox -e quick`` without having to remember the marker."""
 
 PIPELINE_FIXTURES = frozenset({"models", "helios", "skyreels", "anyflow_far", "framepack"})
-"""The tiny diffusers pipelines (tests/diffusers_engine/conftest.py): building them takes
+"""The tiny diffusers pipelines (tests/engines/diffusers/conftest.py): building them takes
 12 s on a loaded 2-core machine, and a test that runs one takes seconds, so a test that
 asks for one is ``slow``, in whichever folder it lives."""
 

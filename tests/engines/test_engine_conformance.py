@@ -1,6 +1,6 @@
 """Every built-in engine keeps the engine contract, as `check_engine` proves it: the
 synthetic and shapes engines here, the diffusers engine in each of its loop families in
-tests/diffusers_engine/test_conformance.py."""
+tests/engines/diffusers/test_conformance.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ else the call (or the loop the engine drives) takes went through unchecked: a
 pyramid of a million steps a stage, a FramePack section of ten thousand latent frames.
 Now each family of pipeline takes an allow-list of keys, each checked for type and
 bounds before the stream opens; anything else is ``invalid_request``, naming the key and
-what the pipeline takes. The tiny pipelines of ``tests/diffusers_engine`` stand in for
+what the pipeline takes. The tiny pipelines of ``tests/engines/diffusers`` stand in for
 the real ones: every refusal here happens before the pipeline runs.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.diffusers_engine.conftest import (  # noqa: F401 (fixtures)
+from tests.engines.diffusers.conftest import (  # noqa: F401 (fixtures)
     anyflow_far,
     framepack,
     helios,
@@ -28,7 +28,7 @@ from tests.diffusers_engine.conftest import (  # noqa: F401 (fixtures)
     serve,
     skyreels,
 )
-from tests.diffusers_engine.support import START, no_stop, request, run_session
+from tests.engines.diffusers.support import START, no_stop, request, run_session
 from trio_vstream.engines import InvalidRequestError
 
 MILLION = 10**6

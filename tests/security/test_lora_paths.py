@@ -6,7 +6,7 @@ bare ``.safetensors`` file name, ``lora.path`` and the file are resolved (links 
 and a client learns nothing about files outside the root from the error it gets.
 
 The first tests check the parsing alone on a directory tree made here (no pipeline);
-the last ones load LoRAs into the tiny Wan pipeline of ``tests/diffusers_engine``.
+the last ones load LoRAs into the tiny Wan pipeline of ``tests/engines/diffusers``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.diffusers_engine.conftest import make_engine, models  # noqa: F401 (fixtures)
-from tests.diffusers_engine.support import no_stop, request
+from tests.engines.diffusers.conftest import make_engine, models  # noqa: F401 (fixtures)
+from tests.engines.diffusers.support import no_stop, request
 from trio_vstream.engines import EngineError, InvalidRequestError
 from trio_vstream.engines.diffusers._lora import NOT_FOUND, parse_lora_spec
 

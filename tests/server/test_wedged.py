@@ -368,7 +368,7 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
 ) -> None:
     """On an engine that batches (synthetic, ``max_batch`` 2); the same on the built-in
     model (tests/engines/test_shapes_wedged.py) and on a diffusers family that batches
-    (tests/diffusers_engine/test_batching.py)."""
+    (tests/engines/diffusers/test_batching.py)."""
     engine = HangingBatches()
     server, ended = await serve_batching(nursery, engine, "synthetic", stall_timeout=1.0)
 

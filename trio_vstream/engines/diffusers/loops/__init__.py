@@ -51,9 +51,9 @@ tests:
    batches.
 2. Its module's name in `FAMILIES`, before the first family that would take its
    pipelines (always before ``segments``, which takes any): the registry asks only the
-   families listed there, and ``tests/diffusers_engine/test_loops.py`` fails while a
+   families listed there, and ``tests/engines/diffusers/test_loops.py`` fails while a
    module of this package that defines ``LOOP`` is missing from it.
-3. ``tests/diffusers_engine/test_<family>.py``, on a tiny random pipeline of the family
+3. ``tests/engines/diffusers/test_<family>.py``, on a tiny random pipeline of the family
    (a builder in ``testing``): the streamed frames equal the pipeline's own single call,
    sessions take turns, a stop ends within a step and the stopped chunk is not decoded,
    memory stays flat (or says why not), and the ``extra_params`` it refuses.

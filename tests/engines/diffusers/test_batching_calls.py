@@ -21,8 +21,8 @@ import pytest
 import torch
 import trio
 
-from tests.diffusers_engine.support import START, no_stop, request, run_session
-from tests.diffusers_engine.test_batching import (
+from tests.engines.diffusers.support import START, no_stop, request, run_session
+from tests.engines.diffusers.test_batching import (
     Session,
     alone,
     assert_same,

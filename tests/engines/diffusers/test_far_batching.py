@@ -20,9 +20,9 @@ import pytest
 import torch
 import trio
 
-from tests.diffusers_engine.support import START, encode, live_tensor_bytes, no_stop, run_session
-from tests.diffusers_engine.test_batching import Session, alone, assert_same, run_batched
-from tests.diffusers_engine.test_far import (  # noqa: F401 (an autouse fixture)
+from tests.engines.diffusers.support import START, encode, live_tensor_bytes, no_stop, run_session
+from tests.engines.diffusers.test_batching import Session, alone, assert_same, run_batched
+from tests.engines.diffusers.test_far import (  # noqa: F401 (an autouse fixture)
     _eager_flex_attention,
     far_request,
 )

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.diffusers_engine.support import no_stop, request, run_all
+from tests.engines.diffusers.support import no_stop, request, run_all
 from trio_vstream.engines import InvalidRequestError
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     START,
     StopAtCall,
     Stopped,

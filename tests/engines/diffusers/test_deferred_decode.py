@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.diffusers_engine.support import no_stop
-from tests.diffusers_engine.test_batching import df_request
+from tests.engines.diffusers.support import no_stop
+from tests.engines.diffusers.test_batching import df_request
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.contract import Chunk, EngineError, release_frames
 from trio_vstream.engines.diffusers import DiffusersEngine

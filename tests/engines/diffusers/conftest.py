@@ -17,7 +17,7 @@ import pytest
 import torch
 import trio
 
-from tests.diffusers_engine.support import Summaries
+from tests.engines.diffusers.support import Summaries
 from trio_vstream.engines import load_engine
 from trio_vstream.engines.diffusers import DiffusersEngine
 from trio_vstream.server.app import ServerConfig, VideoServer

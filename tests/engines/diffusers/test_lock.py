@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     GATE_TIMEOUT,
     Probe,
     Stopped,

@@ -19,7 +19,7 @@ import pytest
 import torch
 import trio
 
-from tests.diffusers_engine.support import START, no_stop, request, run_session
+from tests.engines.diffusers.support import START, no_stop, request, run_session
 from tests.instrumented import FirstStepMeeting, StoppingCheckpoint
 from tests.server.test_wedged import HungForward, wedged_by_a_hung_batch
 from trio_vstream.engines import Engine, load_engine

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.diffusers_engine import support
+from tests.engines.diffusers import support
 from trio_vstream.engines import Engine, load_engine
 from trio_vstream.engines.testing import check_engine
 

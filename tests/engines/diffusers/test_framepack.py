@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     StopAtCall,
     Stopped,
     assert_fox_to_whale,

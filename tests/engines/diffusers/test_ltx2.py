@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import decode_video
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     START,
     StopAtCall,
     Stopped,
@@ -32,7 +32,7 @@ from tests.diffusers_engine.support import (
     run_all,
     run_session,
 )
-from tests.diffusers_engine.support import record_calls as support_record_calls
+from tests.engines.diffusers.support import record_calls as support_record_calls
 from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.engines import Engine, InvalidRequestError, load_engine
 from trio_vstream.engines.contract import EngineConfigError

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import decode_video
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     START,
     Probe,
     StopAtCall,

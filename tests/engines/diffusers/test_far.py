@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.diffusers_engine.support import (
+from tests.engines.diffusers.support import (
     StopAtCall,
     Stopped,
     assert_fox_to_whale,

@@ -20,7 +20,7 @@ from tests.conftest import (
     receive_into,
     record_stops,
 )
-from tests.diffusers_engine.support import START, Probe, request, run_all, run_session
+from tests.engines.diffusers.support import START, Probe, request, run_all, run_session
 from trio_vstream.engines import GenerationRequest, InvalidRequestError
 
 
