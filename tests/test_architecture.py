@@ -167,6 +167,11 @@ FORBIDDEN_IMPORTS = {
         "import trio_vstream.engines.frames",
         {"engines-layers", "acyclic"},
     ),
+    "the shapes engine's steering rules import its streams": (
+        "engines/shapes/steering.py",
+        "import trio_vstream.engines.shapes.engine",
+        {"engines-shapes-layers", "acyclic"},
+    ),
 }
 
 

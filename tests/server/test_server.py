@@ -634,7 +634,7 @@ async def test_steps_of_concurrent_sessions_take_turns(start_server: Any) -> Non
 async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     start_server: Any, monkeypatch: pytest.MonkeyPatch, slots: int
 ) -> None:
-    from trio_vstream.session import session as session_module
+    from trio_vstream.session import delivery as delivery_module
 
     sessions = 4
     running = await start_server(SyntheticSettings(chunk_frames=4), encode_concurrency=slots)
@@ -643,7 +643,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
     busy = 0
     most = 0
     met = False
-    real_encode = session_module.encode_chunk
+    real_encode = delivery_module.encode_chunk
 
     def queued_for_a_slot() -> int:
         return int(trio.from_thread.run_sync(limiter.statistics).tasks_waiting)
@@ -677,7 +677,7 @@ async def test_encoders_share_the_cpu_through_a_server_wide_limit(
             with changed:
                 busy -= 1
 
-    monkeypatch.setattr(session_module, "encode_chunk", counting_encode)
+    monkeypatch.setattr(delivery_module, "encode_chunk", counting_encode)
     results: list[Transcript] = []
 
     async def one() -> None:

@@ -2,5 +2,7 @@
 
 ``taps`` is the contract (a session tells its taps what it sent, never waiting for
 them); ``watch`` serves read-only viewers of a running session; ``recording`` keeps
-each session on disk. None of them can slow the session they follow.
+each session on disk, through ``_record_writer`` (its writer thread: the queue from
+the event loop, the part file, the remux and the JSON record). None of them can slow
+the session they follow.
 """

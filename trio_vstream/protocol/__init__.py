@@ -12,13 +12,22 @@ request that says ``"num_frames": "30"`` or ``"promt": ...`` is a client bug, an
 clear error is cheaper than a video that is not what was asked for.
 
 The public names all live here; the private modules are the seams behind them, one
-concern each. What each holds is in the layout map, ``docs/architecture.md`` (kept there
-only, so that a new module is one edit).
+concern each, and their dependencies point one way, down (the import-linter contracts in
+``pyproject.toml`` keep it so; all imports are at the top of each module):
 
-Dependencies point one way, down: ``_client`` and ``_start`` build on ``_messages``,
-``_camera_script`` and ``_codec_options``, which build on ``_wire`` and ``_camera_keys``,
-which build on ``_errors`` and ``_limits``. All imports are at the top of each module;
-the import-linter contracts in ``pyproject.toml`` keep it so.
+* ``_client``: `ClientProtocol`, a client's side of a session as events;
+* ``_start``: ``session.start``, its request model and its resolution into settings;
+* ``_interaction_script``: ``extra_params.interaction_script``, each entry parsed as a
+  live interaction is;
+* ``_control``: `parse_control`, what a client may send during a session;
+* ``_messages``: every message after ``session.start`` and its wire text (one
+  converter), and `parse_server_message`; beside it ``_camera_script`` (a camera per
+  chunk), ``_codec_options`` (the x264 options a client may set) and
+  ``_image_reference`` (an inline image decoded, an https URL checked);
+* ``_wire`` (strict JSON and the shared converters) and ``_camera_keys`` (keys to
+  camera velocities);
+* at the bottom ``_errors``, ``_limits`` and ``_recording`` (the recording format's
+  version).
 """
 
 from trio_vstream.protocol._camera_keys import CAMERA_KEYS, key_velocity
@@ -48,7 +57,13 @@ from trio_vstream.protocol._codec_options import (
     CodecOptionError,
     check_codec_options,
 )
+from trio_vstream.protocol._control import parse_control
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._image_reference import ImageInput, ImageURL
+from trio_vstream.protocol._interaction_script import (
+    INTERACTION_SCRIPT_PARAM,
+    ScriptedInteraction,
+)
 from trio_vstream.protocol._limits import (
     DEFAULT_LIMITS,
     MAX_PENDING_INTERACTIONS,
@@ -75,7 +90,6 @@ from trio_vstream.protocol._messages import (
     WatchStart,
     audio_config,
     interaction_message,
-    parse_control,
     parse_server_message,
     playback_message,
     start_message,
@@ -87,14 +101,10 @@ from trio_vstream.protocol._recording import (
 )
 from trio_vstream.protocol._start import (
     DEFAULT_VIDEO_DEFAULTS,
-    INTERACTION_SCRIPT_PARAM,
     MAX_FPS,
     PACING_PARAMS,
-    ImageInput,
     ImageReference,
-    ImageURL,
     Pacing,
-    ScriptedInteraction,
     SessionStart,
     VideoParams,
     VideoRequest,

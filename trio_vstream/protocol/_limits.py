@@ -1,9 +1,9 @@
 """`Limits`: the bounds a server puts on what clients send.
 
 A module of its own because both directions of parsing apply them: ``session.start``
-(`_start`) and every later message (`_messages`). Kept apart from either, it lets
-`_start` build on `_messages` (an interaction script entry is parsed as a live
-interaction is) without a cycle. It imports nothing from the package.
+(`_start`) and every later message (`_control`). Kept apart from either, it lets
+`_start` build on `_control` (an interaction script entry is parsed as a live
+interaction is, `_interaction_script`) without a cycle. It imports nothing from the package.
 """
 
 from typing import Final

@@ -2,45 +2,37 @@
 
 `parse_start` is the whole of the server's first-message handling: strict types and
 ranges (through `_wire`'s converter), the reference's ``sampling_params`` lifting,
-the inline image, pacing options, the scripts in ``extra_params``, and the video
-geometry checked against `Limits` (`_limits`). It sits above `_messages`: an
-interaction script's entries are parsed by the very parser live interactions go through.
+pacing options, the codec options and scripts in ``extra_params``, and the video
+geometry checked against `Limits` (`_limits`). Two parts it relies on have modules of
+their own: the image (`_image_reference`, rules of URLs rather than of video) and the
+interaction script (`_interaction_script`, whose entries go through the very parser
+live interactions do).
 """
 
-import base64
-import binascii
-import ipaddress
 import math
-import re
-import urllib.parse
-from typing import Any, Final, Literal, Self
+from typing import Any, Final, Literal
 
 import attrs
 import cattrs
 
-from trio_vstream.protocol._camera_script import (
-    CAMERA_SCRIPT_PARAM,
-    ScriptedCamera,
-    camera_script_of,
-)
+from trio_vstream.protocol._camera_script import ScriptedCamera, camera_script_of
 from trio_vstream.protocol._codec_options import (
     CODEC_OPTIONS_PARAM,
     CodecOptionError,
     check_codec_options,
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
+from trio_vstream.protocol._image_reference import ImageInput, ImageURL, decode_image_url
+from trio_vstream.protocol._interaction_script import ScriptedInteraction, interaction_script_of
 from trio_vstream.protocol._limits import DEFAULT_LIMITS, MAX_STREAMING_BUFFER_SECONDS, Limits
-from trio_vstream.protocol._messages import Interaction, parse_control
 from trio_vstream.protocol._wire import (
     REQUEST_CONVERTER,
-    dump_json,
     field_with_checks,
     load_json,
-    quote,
     show,
     validation_problems,
 )
-from trio_vstream.values import Camera, VideoDefaults
+from trio_vstream.values import VideoDefaults
 
 # --------------------------------------------------------------------------------------
 # Configuration
@@ -143,87 +135,6 @@ class VideoSettings:
 
 
 @attrs.frozen
-class ImageInput:
-    """A decoded ``data:`` URL; turning the bytes into pixels is the engine side's job."""
-
-    mime_type: str
-    data: bytes = attrs.field(repr=lambda data: f"<{len(data)} bytes>")
-
-
-MAX_IMAGE_URL_CHARS: Final = 2048
-"""Longer ``https://`` image URLs are refused (browsers and servers stop near here too)."""
-
-# Dot-separated DNS labels (underscores too: some real hosts have them).
-_LABEL: Final = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
-_HOST_NAME: Final = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}")
-
-
-@attrs.frozen
-class ImageURL:
-    """An ``https://`` image URL, checked for form but not fetched.
-
-    Whether to fetch it (from which hosts, within which limits) is the server's decision,
-    made in ``trio_vstream.media.image_fetch``; the protocol stays free of I/O. ``host`` is
-    lower-case, without the brackets of an IPv6 literal or a trailing dot, ready to be
-    compared with an allow list; ``target`` is the HTTP request target (path and query,
-    never the fragment).
-    """
-
-    url: str
-    host: str
-    port: int
-    target: str
-
-    @property
-    def authority(self) -> str:
-        """The ``Host`` header: the host, with the port when it is not 443."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == 443 else f"{host}:{self.port}"
-
-    @classmethod
-    def parse(cls, text: str) -> Self:
-        """Parse an ``https://`` URL; raises ``ValueError`` saying what is wrong with it.
-
-        Strict on purpose, because the result names a host the server may connect to:
-        credentials, spaces and control characters (which could split an HTTP request
-        line), non-ASCII host names (their ``xn--`` form is accepted) and malformed
-        ports are refused rather than repaired.
-        """
-        if len(text) > MAX_IMAGE_URL_CHARS:
-            raise ValueError(f"is longer than {MAX_IMAGE_URL_CHARS} characters")
-        if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in text):
-            raise ValueError("holds spaces or control characters")
-        if not text.isascii():
-            raise ValueError("holds non-ASCII characters (percent-encode them)")
-        try:
-            parts = urllib.parse.urlsplit(text)
-        except ValueError:  # e.g. brackets around something that is no IPv6 address
-            raise ValueError("is not a valid URL") from None
-        if parts.scheme.lower() != "https":
-            raise ValueError("must be an https:// URL")
-        if "@" in parts.netloc:
-            raise ValueError("must not hold a user name or password")
-        try:
-            port = 443 if parts.port is None else parts.port
-        except ValueError:
-            raise ValueError("has an invalid port") from None
-        if port == 0:
-            raise ValueError("has an invalid port")
-        host = (parts.hostname or "").removesuffix(".")
-        if not host:
-            raise ValueError("has no host")
-        try:
-            host = str(ipaddress.ip_address(host))
-        except ValueError:
-            if parts.netloc.startswith("[") or not _HOST_NAME.fullmatch(host):
-                raise ValueError("has an invalid host name") from None
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        return cls(url=text, host=host, port=port, target=target)
-
-
-@attrs.frozen
 class Pacing:
     """vllm-omni's opt-in pacing: chunks go out at the pace of the video, not faster.
 
@@ -257,7 +168,7 @@ class SessionStart:
     """``extra_params.video_codec_options``, allowed and checked, as libx264 takes them."""
     camera_script: tuple[ScriptedCamera, ...] = ()
     """``extra_params.camera_action_script``, one camera per chunk (see `_camera_script`)."""
-    interaction_script: tuple["ScriptedInteraction", ...] = ()
+    interaction_script: tuple[ScriptedInteraction, ...] = ()
     """``extra_params.interaction_script``: interactions applied before given chunks."""
     sound: bool | None = None
     """``generate_sound`` as the client gave it, as vllm-omni reads it: None when left out
@@ -265,159 +176,6 @@ class SessionStart:
     sound (refused where the engine makes none), False for a video without an audio
     track. (``request.generate_sound`` is False both when left out and when false; the
     ``config`` echo has it only when given.) The session, which knows the engine, decides."""
-
-
-INTERACTION_SCRIPT_PARAM: Final = "interaction_script"
-"""This project's extension: the ``extra_params`` key of an interaction script (the
-server applies it and never passes it to an engine)."""
-
-_SCRIPT_WHERE: Final = f"extra_params.{INTERACTION_SCRIPT_PARAM}"
-_SCRIPT_KEYS: Final = ("chunk_index", "interaction")
-_MAX_SCRIPT_PROBLEMS: Final = 10
-
-
-@attrs.frozen
-class ScriptedInteraction:
-    """One entry of ``extra_params.interaction_script``: an interaction the session hands
-    the engine right before generation chunk ``chunk_index``, exactly as if a client had
-    sent it during the chunk before. What replays a recording at the same chunk indices,
-    which a client racing a fast engine over the network cannot do."""
-
-    chunk_index: int
-    event_id: str
-    prompt: str | None
-    transition_chunks: int | None = None
-    camera: Camera | None = None
-
-
-def interaction_script_of(
-    extra_params: dict[str, Any] | None,
-    num_frames: int | None,
-    camera_scripted: bool,
-    problems: list[str],
-) -> tuple[ScriptedInteraction, ...]:
-    """The request's interaction script, in chunk order (empty: none).
-
-    Each entry is ``{"chunk_index": K, "interaction": {...}}``, the ``interaction`` object
-    of a ``session.interaction`` message, checked by the same parser (so a script entry is
-    exactly what a live interaction may be) plus what a script needs: an ``event_id``
-    (how a chunk's ``started_event_ids`` names it), unique, and not a camera script's
-    reserved ``script-<n>``; no camera when ``camera_action_script`` owns the camera; a
-    chunk index the video can reach. Every bad entry is named by its path.
-    """
-    if not extra_params or INTERACTION_SCRIPT_PARAM not in extra_params:
-        return ()
-    script = extra_params[INTERACTION_SCRIPT_PARAM]
-    if not isinstance(script, list) or not script:
-        got = "an empty array" if script == [] else show(script)
-        problems.append(f"{_SCRIPT_WHERE} must be a non-empty array of entries, got {got}")
-        return ()
-    entries: list[ScriptedInteraction] = []
-    refused: list[str] = []
-    seen: dict[str, int] = {}
-    for index, value in enumerate(script):
-        where = f"{_SCRIPT_WHERE}[{index}]"
-        if not isinstance(value, dict):
-            refused.append(f"{where} must be an object with chunk_index and interaction")
-            continue
-        unknown = sorted(str(key) for key in value if key not in _SCRIPT_KEYS)
-        missing = [key for key in _SCRIPT_KEYS if key not in value]
-        if unknown or missing:
-            what = f"unknown field {quote(unknown[0])}" if unknown else f"no {missing[0]}"
-            refused.append(f"{where} has {what} (an entry holds chunk_index and interaction)")
-            continue
-        chunk = value["chunk_index"]
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            refused.append(f"{where}.chunk_index must be an integer >= 0, got {show(chunk)}")
-            continue
-        if num_frames is not None and chunk >= num_frames:
-            refused.append(
-                f"{where}.chunk_index is {chunk}, but the video has only {num_frames} frames"
-            )
-            continue
-        try:
-            message = parse_control(
-                dump_json({"type": Interaction.TYPE, "interaction": value["interaction"]}),
-                limits=Limits(max_control_bytes=DEFAULT_LIMITS.max_start_bytes),
-            )
-        except ProtocolError as exc:
-            refused.append(f"{where}.interaction: {exc.message}")
-            continue
-        assert isinstance(message, Interaction)
-        event_id = message.event_id
-        if event_id is None:
-            refused.append(f"{where}.interaction must have an event_id")
-        elif event_id.startswith("script-"):
-            refused.append(
-                f"{where}.interaction.event_id {show(event_id)}: ids script-<n> are "
-                f"reserved for extra_params.{CAMERA_SCRIPT_PARAM}"
-            )
-        elif event_id in seen:
-            refused.append(
-                f"{where}.interaction.event_id {show(event_id)} is already used by "
-                f"{_SCRIPT_WHERE}[{seen[event_id]}]"
-            )
-        elif message.camera is not None and camera_scripted:
-            refused.append(
-                f"{where}.interaction has a camera, but this session's camera follows "
-                f"extra_params.{CAMERA_SCRIPT_PARAM}"
-            )
-        else:
-            seen[event_id] = index
-            entries.append(
-                ScriptedInteraction(
-                    chunk, event_id, message.prompt, message.transition_chunks, message.camera
-                )
-            )
-    if refused:
-        problems.extend(refused[:_MAX_SCRIPT_PROBLEMS])
-        if len(refused) > _MAX_SCRIPT_PROBLEMS:
-            problems.append(
-                f"{_SCRIPT_WHERE}: {len(refused) - _MAX_SCRIPT_PROBLEMS} more bad entries"
-            )
-        return ()
-    return tuple(sorted(entries, key=lambda entry: entry.chunk_index))
-
-
-_DATA_URL: Final = re.compile(
-    r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*?)(?P<b64>;base64)?,(?P<data>.*)",
-    re.DOTALL | re.IGNORECASE,
-)
-_IMAGE_TYPE: Final = re.compile(r"image/[a-z0-9][a-z0-9!#$&^_.+-]*")
-
-
-def _decode_image_url(url: str) -> tuple[ImageInput | ImageURL | None, str | None]:
-    """Decode ``data:image/...;base64,...``, or parse (never fetch) an ``https://`` URL.
-
-    Reading paths or fetching other URLs on behalf of a client would turn the server
-    into an SSRF / local-file-read gadget, so nothing else is accepted; whether an https
-    URL is fetched at all is the server's choice (off unless its operator lists hosts).
-    """
-    where = "image_reference.image_url"
-    if url[:6].lower() == "https:":
-        try:
-            return ImageURL.parse(url), None
-        except ValueError as exc:
-            return None, f"{where} {exc}, got {show(url)}"
-    match = _DATA_URL.fullmatch(url)
-    if match is None:
-        return None, (
-            f"{where} must be a data:image/<type>;base64,<data> URL or an https:// URL "
-            f"(other URLs and file paths are not fetched), got {show(url)}"
-        )
-    mime_type = match["type"].strip().lower()
-    if not _IMAGE_TYPE.fullmatch(mime_type):
-        return None, f"{where} must have an image/* media type, got {show(mime_type or '')}"
-    if match["b64"] is None:
-        return None, f"{where} must be base64-encoded (data:{mime_type};base64,...)"
-    payload = re.sub(r"[ \t\r\n]", "", match["data"])
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        return None, f"{where} has invalid base64 data"
-    if not data:
-        return None, f"{where} has no image data"
-    return ImageInput(mime_type=mime_type, data=data), None
 
 
 def _pacing_of(extra_params: dict[str, Any] | None, problems: list[str]) -> Pacing | None:
@@ -664,7 +422,7 @@ def parse_start(
         elif reference.image_url is None:
             problems.append("image_reference must contain image_url")
         else:
-            image, problem = _decode_image_url(reference.image_url)
+            image, problem = decode_image_url(reference.image_url)
             if problem is not None:
                 problems.append(problem)
 

@@ -2,8 +2,8 @@
 
 cattrs coerces by default (``"30"`` becomes ``30``, a string is iterated into a tuple);
 the hooks here refuse that, so that a client bug is reported instead of guessed at.
-Both directions of the wire use these helpers: `_start` (``session.start``) and
-`_messages` (control and server messages).
+Both directions of the wire use these helpers: `_start` (``session.start``),
+`_control` (control messages) and `_messages` (server messages, every message's text).
 """
 
 import difflib

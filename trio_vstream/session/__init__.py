@@ -1,9 +1,11 @@
 """One session: from ``session.start`` to its terminal message, in one nursery.
 
-``session`` holds `Session`: its receive loop, its generation loop (the engine's
-blocking steps through ``trio.to_thread``) and its stall guard. The rest are the parts
-it is made of, each a unit of its own: ``prepare`` (from ``session.start`` to
-``video.start``), ``calls`` (the engine and encoder calls, each abandonable),
+``session`` holds `Session`: its nursery, its generation loop (the engine's blocking
+steps through ``trio.to_thread``) and its stall guard. The rest are the parts it is made
+of, each a unit of its own: ``prepare`` (from ``session.start`` to ``video.start``),
+``receiving`` (the receive loop: each message the client sends, read and answered),
+``delivery`` (the deliverer: each chunk encoded in a thread and sent with its metadata,
+the encoder and its trailer), ``calls`` (the engine and encoder calls, each abandonable),
 ``request`` (the validated request), ``resources`` (what it borrows from the server),
 ``interactions`` with ``interaction_queue`` and ``scripts`` (steering), ``pacing``
 (playback pacing), ``sending`` (the one way to write to the socket), ``endings`` (which

@@ -26,7 +26,7 @@ checkpoint, within one step); the deliverer finishes the chunk it is sending,
 so the socket stays usable for the terminal message. A
 disconnect or a stall aborts everything, including a send stuck on a client
 that does not read, and stops waiting for an engine call stuck outside a
-checkpoint (it is left to finish in its thread: `session_calls`). Sends are
+checkpoint (it is left to finish in its thread: `calls`). Sends are
 otherwise shielded: a cancelled half-written WebSocket frame would corrupt the
 stream, so a send is only ever interrupted on purpose, and then the socket is
 marked broken and left alone (`sending`).
@@ -34,16 +34,17 @@ marked broken and left alone (`sending`).
 The outcome is decided when it happens, and the first reason wins: once the
 engine has produced the last chunk the video is complete, and a stop or a
 shutdown after that changes nothing; a client that goes away is a disconnect
-whichever task notices it first (the rules: `outcomes`).
+whichever task notices it first (the rules: `endings`).
 
 Every session the client did not abandon ends with exactly one terminal
 message (``session.done`` or ``error``) and a normal close.
 
-This module keeps the nursery and the outcome: the tasks of a session share that
-state (the outcome, the cancel scopes, the counts), and how a session ends reads best
-in one place. The parts that need none of it live beside it as ``session_*`` modules
-and the session's units (``outcomes``, ``sending``, ``pacing``, ``interaction_queue``,
-...), each tested alone; the layout map in docs/architecture.md says what each holds.
+This module keeps the nursery, the stall guard and the outcome: the tasks of a session
+share that state (the outcome, the cancel scopes, the stall clock), and how a session
+ends reads best in one place. The parts that need none of it live beside it, each
+tested alone: what the receive loop does with a message (`receiving`), how a chunk is
+encoded and sent (`delivery`), and the session's units (`endings`, `sending`, `pacing`,
+`interactions`, ...); the package's docstring says what each holds.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ import math
 import threading
 import time
 import uuid
-from typing import Literal
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
@@ -63,29 +63,23 @@ from trio_vstream.engines.contract import Chunk, EngineStream
 from trio_vstream.engines.frames import frame_count
 from trio_vstream.engines.interfaces import interaction_kinds, supports_seed
 from trio_vstream.logsafe import get_logger
-from trio_vstream.media.encoding import EncodingAbandoned, EncodingError, FragmentedMP4Encoder
 from trio_vstream.outputs.taps import TapSet, open_taps
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scheduling.checkpoint import SessionCheckpoint
-from trio_vstream.scheduling.engine_calls import EngineCall
-from trio_vstream.session.calls import (
-    SessionCalls,
-    close_quietly,
-    encode_chunk,
-    release_chunk,
-)
+from trio_vstream.session.calls import SessionCalls, release_chunk
+from trio_vstream.session.delivery import Delivery
 from trio_vstream.session.early_messages import EarlyMessages
 from trio_vstream.session.endings import (
     Ending,
     Outcome,
     SessionError,
     SessionSummary,
-    describe,
     engine_failure,
 )
 from trio_vstream.session.interactions import Interactions
-from trio_vstream.session.pacing import Pacer, PlaybackGate, sleep_until_keeping_alive
+from trio_vstream.session.pacing import PlaybackGate, sleep_until_keeping_alive
 from trio_vstream.session.prepare import StartFailure, first_failure, prepare, receive_start
+from trio_vstream.session.receiving import Receiver, hold_early_messages
 from trio_vstream.session.request import config_echo
 from trio_vstream.session.resources import (
     IMAGE_DECODES_AT_ONCE,
@@ -145,34 +139,33 @@ class Session:
         """True once the session only has its last message and the close left to do:
         it no longer counts against the server's session limit."""
         self._producer_scope = trio.CancelScope()
-        self._encode_wait = trio.CancelScope()
         self._stopping = threading.Event()
         """Set when the session stops or aborts: read by the encoder's thread between frames."""
         self._last_progress = 0.0
         """When the session last made progress (`_touch`): the stall guard's clock."""
         self._calls = SessionCalls(resources)
         """Its worker-thread calls and its engine stream (`trio_vstream.session.calls`)."""
-        self._encoder: FragmentedMP4Encoder | None = None
-        self._audio: tuple[int, int] | None = None
-        """The stream's sound: (sample rate, channels); None for a stream without it."""
         self._checkpoint = SessionCheckpoint(
             resources.step_limiter, resources.engine_progress, self._touch, resources.batcher
         )
-        self._chunks_sent = 0
-        self._frames_generated = 0
         self._started_at = time.monotonic()
-        self._size = (0, 0)
         self._fps = 1
         self._metrics = resources.metrics
         self._start_received_at = 0.0
         self._stop_requested_at: float | None = None
-        self._pacer: Pacer | None = None
-        """Set when the client asked for pacing (`trio_vstream.session.pacing`)."""
         self._gate: PlaybackGate | None = None
         """Set when the client asked for ``streaming_buffer_seconds`` (`pacing` too)."""
         self._taps = TapSet("", ())
-        self._init_segment = b""
-        """The encoder's init segment, kept for taps (the encoder is gone by the trailer)."""
+        self._delivery = Delivery(
+            resources,
+            self._calls,
+            self._sender,
+            self._ending,
+            progress=self._touch,
+            fail=self.stop,
+            stopping=self._stopping.is_set,
+        )
+        """The deliverer, its encoder and its counts (`trio_vstream.session.delivery`)."""
         self._interactions = Interactions(interaction_kinds(resources.engine))
         """Its live interactions and scripts (`trio_vstream.session.interactions`)."""
 
@@ -213,9 +206,7 @@ class Session:
                 await self._calls.wait_detached()
         finally:
             self._calls.close_stream_soon()
-            encoder, self._encoder = self._encoder, None
-            if encoder is not None:  # shielded, within a close timeout
-                await self._calls.close_encoder(encoder, self._config.close_timeout)
+            await self._delivery.close_encoder()
             # Cancelled here, past the session's own scope, only by the server stopping
             # (a second signal, a drain's end): then nothing waited for the calls.
             self._calls.abandon_detached(at_stop=trio.current_effective_deadline() == -math.inf)
@@ -229,8 +220,8 @@ class Session:
         return SessionSummary(
             request_id=self.request_id,
             outcome=outcome,
-            chunks_sent=self._chunks_sent,
-            frames_generated=self._frames_generated,
+            chunks_sent=self._delivery.chunks_sent,
+            frames_generated=self._delivery.frames_generated,
             error_code=error[0].value if error else None,
             error_message=error[1] if error else None,
             started_at=self._started_at,
@@ -247,7 +238,7 @@ class Session:
         """
         if self._ending.stop(outcome, error):
             self._producer_scope.cancel()
-            self._encode_wait.cancel()
+            self._delivery.stop_waiting()
             self._stopping.set()
 
     def abort(self, outcome: Outcome, error: SessionError | None = None) -> None:
@@ -309,14 +300,19 @@ class Session:
         # client that goes away meanwhile ends it at once, and what it sends is kept.
         early = EarlyMessages(self._config.limits)
         async with trio.open_nursery() as preparing:
-            preparing.start_soon(self._hold_early_messages, early)
+            preparing.start_soon(hold_early_messages, self._ws, early, self._disconnected)
             prepared = await prepare(
-                start, self.request_id, self._res, self._calls, self._ending, self._keep_encoder
+                start,
+                self.request_id,
+                self._res,
+                self._calls,
+                self._ending,
+                self._delivery.keep_encoder,
             )
             preparing.cancel_scope.cancel()
-        request, self._pacer, self._gate = prepared.request, prepared.pacer, prepared.gate
+        request, self._gate = prepared.request, prepared.gate
         self._interactions.prepared(prepared.scripts, prepared.queue)
-        self._size, self._fps = (start.video.width, start.video.height), start.video.fps
+        self._fps = start.video.fps
         # From here a shutdown lets the session say goodbye properly, rather than
         # cutting the video.start about to be sent.
         self._streaming = True
@@ -325,11 +321,21 @@ class Session:
         video_start = protocol.VideoStart(
             self.request_id,
             start.format,
-            config_echo(start, stream.seed if supports_seed(stream) else None, audio=self._audio),
+            config_echo(
+                start, stream.seed if supports_seed(stream) else None, audio=self._delivery.audio
+            ),
             **taps.video_start_fields,
         )
         await self._sender.send(video_start)
         self._taps = TapSet(self.request_id, taps.taps)
+        self._delivery.started(
+            self.request_id,
+            self._taps,
+            (start.video.width, start.video.height),
+            start.video.fps,
+            prepared.pacer,
+            self._start_received_at,
+        )
         self._taps.call("started", video_start, start)
         self._metrics.video_started(trio.current_time() - self._start_received_at)
         self._touch()
@@ -342,7 +348,7 @@ class Session:
             request.fps,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_loop, early)
+            nursery.start_soon(self._receiver().run, early)
             nursery.start_soon(self._stall_guard)
             nursery.start_soon(self._sender.send_replies)  # the receive loop's replies
             await self._generate()
@@ -350,78 +356,33 @@ class Session:
         if self._ending.outcome is None:
             self._ending.end(Outcome.COMPLETED)
 
-    def _keep_encoder(self, encoder: FragmentedMP4Encoder) -> None:
-        self._encoder = encoder
-        rate = encoder.audio_sample_rate
-        self._audio = (rate, encoder.audio_channels) if rate else None
-
     # --------------------------------------------------------- receive loop
 
-    async def _hold_early_messages(self, early: EarlyMessages) -> None:
-        """Read while the session prepares: a close is a disconnect now, not after the
-        preparation; messages wait for the receive loop, in order, as many as
-        `EarlyMessages` keeps (a few, and few bytes)."""
-        while not early.full:
-            try:
-                raw = await self._ws.get_message()
-            except ConnectionClosed:
-                self._disconnected()
-                return
-            early.keep(raw)
-
-    async def _receive_loop(self, early: EarlyMessages) -> None:
-        while True:
-            try:
-                raw = early.pop() if early else await self._ws.get_message()
-            except ConnectionClosed:
-                self._disconnected()
-                return
-            try:
-                if isinstance(raw, protocol.ProtocolError):
-                    raise raw  # refused while the session prepared
-                message = protocol.parse_control(raw, limits=self._config.limits)
-            except protocol.ProtocolError as exc:
-                await self._sender.reply(protocol.Error.from_protocol_error(exc, self.request_id))
-                continue
-            if isinstance(message, protocol.Stop):
-                logger.info("session %s: stop requested", self.request_id)
-                if self._stop_requested_at is None:
-                    self._stop_requested_at = trio.current_time()
-                self.stop()
-                # Keep reading: a client may still ping while the stream winds down.
-            elif isinstance(message, protocol.Ping):
-                self._touch()
-                await self._sender.reply(protocol.Pong())  # queued: a stop behind it is read now
-            elif isinstance(message, protocol.Playback):
-                if self._gate is not None:  # ignored unless the client asked for a buffer
-                    self._gate.report(message.position_seconds)
-            else:
-                await self._interact(message)
-
-    async def _interact(self, message: protocol.Interaction) -> None:
+    def _receiver(self) -> Receiver:
+        """The receive loop (`trio_vstream.session.receiving`), once ``video.start`` is out."""
         assert self.request_id is not None
-        # The protocol stays pure: an id the client left out is minted here.
-        event_id = message.event_id if message.event_id is not None else uuid.uuid4().hex
-        refusal = self._interactions.accept(
-            event_id, message, self._calls.stream, trio.current_time()
+        return Receiver(
+            self._ws,
+            self.request_id,
+            limits=self._config.limits,
+            sender=self._sender,
+            interactions=self._interactions,
+            calls=self._calls,
+            gate=self._gate,
+            taps=self._taps,
+            ending=self._ending,
+            stop_requested=self._stop_requested,
+            stop=self.stop,
+            disconnected=self._disconnected,
+            progress=self._touch,
         )
-        if refusal is not None and refusal[0] is ErrorCode.INTERACTION_QUEUE_FULL:
-            if self._ending.outcome is None:
-                # As in vllm-omni: never dropped in silence; the video request ends with
-                # it (the terminal error says so), and later ones get a control error.
-                logger.warning("session %s: %s", self.request_id, refusal[1])
-                error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
-                self._taps.call("interaction", event_id, message, error)
-                self.stop(Outcome.FAILED, refusal)
-                return
-            refusal = ErrorCode.INTERACTION_FAILED, f"Failed to apply interaction: {refusal[1]}"
-        if refusal is None:
-            self._taps.call("interaction", event_id, message, None)
-            await self._sender.reply(protocol.InteractionQueued(self.request_id, event_id))
-            return
-        error = protocol.Error(*refusal, request_id=self.request_id, event_id=event_id)
-        self._taps.call("interaction", event_id, message, error)
-        await self._sender.reply(error)
+
+    def _stop_requested(self) -> None:
+        """The client sent ``session.stop``: a graceful stop, timed from the first one."""
+        logger.info("session %s: stop requested", self.request_id)
+        if self._stop_requested_at is None:
+            self._stop_requested_at = trio.current_time()
+        self.stop()
 
     # ---------------------------------------------------------- stall guard
 
@@ -459,7 +420,7 @@ class Session:
         send_chunks, receive_chunks = trio.open_memory_channel[Chunk](1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._produce, send_chunks)
-            await self._deliver(receive_chunks)
+            await self._delivery.deliver(receive_chunks)
 
     async def _produce(self, send_chunks: trio.MemorySendChannel[Chunk]) -> None:
         stream = self._calls.stream
@@ -554,144 +515,6 @@ class Session:
             self._taps.call("interaction_refused", event_id, error)
             await self._sender.reply(error)  # out before the chunk it would have been in
 
-    async def _deliver(self, receive_chunks: trio.MemoryReceiveChannel[Chunk]) -> None:
-        assert self.request_id is not None and self._encoder is not None
-        encoder = self._encoder
-        width, height = self._size
-        async with receive_chunks:
-            try:
-                async for chunk in receive_chunks:
-                    await self._deliver_chunk(chunk, encoder, width, height)
-            finally:
-                # The session ended with a chunk still waiting (a disconnect, a stall): it
-                # is dropped, and what its deferred decode holds is freed now.
-                while True:
-                    try:
-                        release_chunk(receive_chunks.receive_nowait(), self.request_id)
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-
-    async def _deliver_chunk(
-        self, chunk: Chunk, encoder: FragmentedMP4Encoder, width: int, height: int
-    ) -> None:
-        """Encode one chunk and send it, or drop it if the session ended.
-
-        Its `DeferredFrames` are decoded in the encode's thread, just before the encode
-        (`encode_chunk`, which releases them whatever happens); a chunk dropped before
-        its encode call started is released here, and never decoded.
-        """
-        encoding: EngineCall[tuple[int, int | None, bytes]] | None = None
-        try:
-            waiting_since = trio.current_time()
-            if not await self._take_encode_slot(self._frames_generated):
-                logger.info(
-                    "session %s: dropping generated chunk %d after %s",
-                    self.request_id,
-                    chunk.index,
-                    self._ending.outcome.value if self._ending.outcome else "the end",
-                )
-                return
-            encoding_since = trio.current_time()
-            # A GPU tensor is copied to the host here, which a hung kernel blocks for good:
-            # left behind, the call keeps the encoder and closes it when it returns.
-            encoding = EngineCall(
-                encode_chunk, encoder, chunk, width, height, self._stopping.is_set
-            )
-            try:
-                frames, audio_samples, data = await self._calls.call(
-                    encoding, lambda _result: close_quietly(encoder)
-                )
-            except EncodingAbandoned:
-                logger.info(
-                    "session %s: dropped chunk %d mid-encode after %s",
-                    self.request_id,
-                    chunk.index,
-                    self._ending.outcome.value if self._ending.outcome else "the end",
-                )
-                return
-            except Exception as exc:
-                logger.exception("session %s: chunk %d failed", self.request_id, chunk.index)
-                if isinstance(exc, EncodingError):
-                    error = (ErrorCode.ENCODING_FAILED, describe(exc))
-                else:
-                    error = engine_failure(exc, "converting its frames", self.request_id)
-                self.stop(Outcome.FAILED, error)
-                return
-            finally:
-                if encoding.detached:
-                    self._encoder = None  # the call's now
-                # Even for a call left behind: blocked on a device, it uses no CPU.
-                self._res.encode_limiter.release_on_behalf_of(self)
-        finally:
-            if encoding is None or not encoding.started:
-                release_chunk(chunk, self.request_id)
-        now = trio.current_time()
-        self._metrics.chunk_encoded(now - encoding_since, encoding_since - waiting_since)
-        self._frames_generated += frames
-        await self._send_chunk("media", frames, data, chunk, audio_samples=audio_samples)
-        self._touch()
-
-    async def _take_encode_slot(self, first_frame: int) -> bool:
-        """Wait for a turn to encode; False, holding nothing, if the session ended meanwhile.
-
-        Encoders share the CPU through a server-wide limiter: unbounded, every session's
-        x264 would fight for the cores, and the event loop with them. A paced session
-        first waits for its chunk's media time. A stop ends either wait, so a chunk
-        whose encoding has not started is dropped at once.
-        """
-        if self._ending.drops_chunks:
-            return False
-        limiter = self._res.encode_limiter
-        with trio.CancelScope() as self._encode_wait:
-            if self._pacer is not None:  # its wait is progress for the stall guard
-                await self._pacer.wait(
-                    first_frame / self._fps, self._touch, self._config.stall_timeout / 2
-                )
-            await limiter.acquire_on_behalf_of(self)
-        if self._encode_wait.cancelled_caught:
-            return False
-        if self._ending.drops_chunks:  # stopped just as the slot came
-            limiter.release_on_behalf_of(self)
-            return False
-        return True
-
-    async def _send_chunk(
-        self,
-        kind: Literal["media", "trailer"],
-        frames: int,
-        data: bytes,
-        chunk: Chunk | None,
-        *,
-        deadline: float | None = None,
-        audio_samples: int | None = None,
-    ) -> None:
-        assert self.request_id is not None
-        metadata = protocol.ChunkMetadata(
-            request_id=self.request_id,
-            kind=kind,
-            num_frames=frames,
-            byte_length=len(data),
-            generation_chunk_index=chunk.index if chunk is not None else None,
-            started_event_ids=chunk.started_event_ids if chunk is not None else (),
-            active_event_ids=chunk.active_event_ids if chunk is not None else (),
-            completed_event_ids=chunk.completed_event_ids if chunk is not None else (),
-            transport_chunk_index=self._chunks_sent,
-            # With sound: the samples of this chunk's frames (the container may carry some
-            # in the next chunk; a trailer covers none, though it carries the last ones).
-            num_audio_samples=(audio_samples or 0) if self._audio else None,
-            audio_sample_rate=self._audio[0] if self._audio else None,
-        )
-        await self._sender.send(metadata, data, deadline=deadline)
-        if self._taps:
-            if not self._init_segment and self._encoder is not None:
-                self._init_segment = self._encoder.init_segment or b""
-            self._taps.call("chunk", metadata, data, self._init_segment)
-        if kind == "media" and self._chunks_sent == 0:
-            self._metrics.first_chunk_sent(trio.current_time() - self._start_received_at)
-        self._metrics.chunk_sent(frames, len(data))
-        self._chunks_sent += 1
-        self._res.stats.chunks_sent += 1
-
     # --------------------------------------------------------------- ending
 
     async def _finish(self) -> None:
@@ -706,13 +529,13 @@ class Session:
         if self._ending.settle() is Outcome.COMPLETED:
             # Like the reference, only a completed stream gets the encoder's trailer: after
             # a stop it would be an extra message, and it carries no frames (an index box).
-            trailer = await self._close_encoder()  # None: the video is broken, a failure
+            trailer = await self._delivery.finish_encoder()  # None: the video is broken, a failure
         outcome = self._ending.settle()
         if self._ending.says_goodbye and not self._sender.broken:
             deadline = trio.current_time() + self._config.close_timeout
             with contextlib.suppress(ConnectionClosed, SocketBroken):
                 if outcome is Outcome.COMPLETED and trailer:
-                    await self._send_chunk("trailer", 0, trailer, None, deadline=deadline)
+                    await self._delivery.send_trailer(trailer, deadline)
                 await self._send_terminal(outcome, deadline)
             if self._sender.broken:
                 logger.warning("session %s: client did not take the last message", self.request_id)
@@ -730,26 +553,14 @@ class Session:
             "session %s ended: %s, %d chunks sent%s",
             self.request_id,
             outcome.value,
-            self._chunks_sent,
+            self._delivery.chunks_sent,
             f" ({error[0].value}: {error[1]})" if error else "",
         )
 
     def _terminal(self) -> protocol.SessionDone | protocol.Error:
-        return self._ending.terminal(self.request_id, self._chunks_sent)
+        return self._ending.terminal(self.request_id, self._delivery.chunks_sent)
 
     async def _send_terminal(self, outcome: Outcome, deadline: float) -> None:
         await self._sender.send(self._terminal(), deadline=deadline)
         if outcome is Outcome.STOPPED and self._stop_requested_at is not None:
             self._metrics.stopped(trio.current_time() - self._stop_requested_at)
-
-    async def _close_encoder(self) -> bytes | None:
-        """The encoder's final bytes, or None if it fails: the session then failed."""
-        encoder, self._encoder = self._encoder, None
-        if encoder is None:
-            return b""
-        try:
-            return await self._calls.in_thread(encoder.close)
-        except Exception as exc:
-            logger.exception("session %s: encoder failed to finish", self.request_id)
-            self._ending.fail_after_all((ErrorCode.ENCODING_FAILED, describe(exc)))
-            return None

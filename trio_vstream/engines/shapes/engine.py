@@ -1,32 +1,20 @@
-"""The ``shapes`` engine: the built-in video diffusion model, on CPU or CUDA.
+"""The shapes engine itself: its settings, the loaded model, and each session's stream.
 
-A toy-scale model of a simple world (one coloured object moving on a plain
-background; see :mod:`trio_vstream.models.shapes`) that is nevertheless a
-real chunk-autoregressive video diffusion model: a text (slot) encoder, a
-denoiser conditioned on the last frame of the previous chunk, classifier-free
-guidance and a few-step flow-matching sampler whose steps are checkpoints.
-Its weights ship with the package, so ``python -m trio_vstream --engine
-shapes`` works on a fresh machine with no GPU and no network.
-
-Per stream: slots the prompt leaves out are drawn once from the seed (a
-request without a seed gets a random one, logged), so an interaction that
-names only a new colour keeps the rest; so is where the object starts when
-there is no reference image (given to the model as a position hint), away from
-the edges so that the first frame shows it whole (`start_position`). The
-conditioning of each chunk is the ``PromptSchedule`` mix of prompt embeddings,
-weighted as the reference's transition rules say. Camera steers received within
-a paced chunk's action window (``PromptChange.window_offset``) are integrated
-over the window: the chunk moves the way of their net displacement
-(`window_shares`, `integrated_motion`), so a short press counts. The native
-32x32 frames are resized to the requested size inside the engine (bilinear; the
-square world is stretched to other aspect ratios) and converted to uint8 on the
-model's device, so a CUDA chunk crosses to the host once, in the server's
-delivery thread.
+`ShapesEngine` holds the model every stream shares (and runs the rows of several
+sessions as one batch); `ShapesStream` is one session's video, chunk after chunk, each
+conditioned on the last frame before it. Per stream: slots the prompt leaves out are
+drawn once from the seed (a request without a seed gets a random one, logged), so an
+interaction that names only a new colour keeps the rest; so is where the object starts
+when there is no reference image (given to the model as a position hint), away from the
+edges so that the first frame shows it whole (`start_position`). The conditioning of
+each chunk is the ``PromptSchedule`` mix of prompt embeddings, weighted as the
+reference's transition rules say, with a paced session's steers integrated over the
+chunk's action window (the rules: `trio_vstream.engines.shapes.steering`); its frames
+become pixels on the model's device (`trio_vstream.engines.shapes.pixels`).
 """
 
 from __future__ import annotations
 
-import math
 import random
 import secrets
 import threading
@@ -38,7 +26,6 @@ from typing import Final
 
 import attrs
 import torch
-from torch.nn import functional as F
 
 from trio_vstream.engines.args import parse_bool_arg, parse_number_arg, reject_unknown_args
 from trio_vstream.engines.contract import (
@@ -52,6 +39,14 @@ from trio_vstream.engines.contract import (
     PromptChange,
 )
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.shapes.pixels import ShapesFrames, image_to_context, to_uint8_frames
+from trio_vstream.engines.shapes.steering import (
+    WindowChange,
+    camera_motion,
+    conditioning_key,
+    integrated_motion,
+    window_shares,
+)
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.logsafe import get_logger
 from trio_vstream.models.shapes.model import (
@@ -63,16 +58,16 @@ from trio_vstream.models.shapes.model import (
 from trio_vstream.models.shapes.render import NATIVE_SIZE, SIZE_RADII, position_hint
 from trio_vstream.models.shapes.sampler import StepInput, denoise, sample
 from trio_vstream.models.shapes.vocab import (
-    MOTION_VECTORS,
     SLOT_NAMES,
     SeedDefaults,
     Slots,
     fill_slots,
     parse_prompt,
 )
-from trio_vstream.values import Camera, VideoDefaults
+from trio_vstream.values import VideoDefaults
 
-logger = get_logger(__name__)
+# The engine's logger: these are its lines, under the name they had as one module.
+logger = get_logger("trio_vstream.engines.shapes")
 
 _MAX_STEPS = 200
 
@@ -264,21 +259,26 @@ class ShapesStream:
         else:
             self.seed = request.seed
         self._defaults = SeedDefaults.from_seed(self.seed)
-        # The schedule blends conditioning keys: a prompt and the motion a camera set
-        # for it (see `_key`), so that steering blends and reports event ids like prompts.
+        # The schedule blends conditioning keys: a prompt and the motion a camera set for
+        # it (see `conditioning_key`), so that steering blends and reports event ids like
+        # prompts.
         self._prompt = request.prompt
         self._steered_motion: str | None = None
-        self._schedule = PromptSchedule(_key(request.prompt, None))
+        self._schedule = PromptSchedule(conditioning_key(request.prompt, None))
         # The window of the next chunk (see `window_shares`): each change queued for
         # it, with its key and offset. Taken with the schedule's queue under one lock, so
         # that a change `interact` queues from the event loop's thread is in both or in
         # neither when `next_chunk` takes them.
         self._window_lock = threading.Lock()
         self._window: list[WindowChange] = []
-        self._last_mix: tuple[tuple[str, float], ...] = ((_key(request.prompt, None), 1.0),)
+        self._last_mix: tuple[tuple[str, float], ...] = (
+            (conditioning_key(request.prompt, None), 1.0),
+        )
         self._prompt_motions: dict[str, str] = {}
         self._embeddings: dict[str, torch.Tensor] = {}
-        self._embedding(_key(request.prompt, None))  # unknown words are logged at the start
+        self._embedding(
+            conditioning_key(request.prompt, None)
+        )  # unknown words are logged at the start
         device = engine.device
         self._uncond = engine.null_embedding
         if request.negative_prompt:
@@ -335,7 +335,7 @@ class ShapesStream:
         transition = change.transition_chunks
         if change.prompt is None and transition is None:
             transition = 0
-        key = _key(prompt, motion)
+        key = conditioning_key(prompt, motion)
         with self._window_lock:
             self._schedule.push(PromptChange(change.event_id, key, transition, change.camera))
             self._window.append(
@@ -423,7 +423,7 @@ class ShapesStream:
             motions[motion] = motions.get(motion, 0.0) + share
         last = window[-1].key
         prompt = last.partition("|")[2]
-        return ((_key(prompt, integrated_motion(motions, self._motion_of(last))), 1.0),)
+        return ((conditioning_key(prompt, integrated_motion(motions, self._motion_of(last))), 1.0),)
 
     def _motion_of(self, key: str) -> str:
         """The motion a conditioning key gives: its steer, else its prompt's or the seed's."""
@@ -460,90 +460,6 @@ def start_position(seed: int, size: int) -> tuple[float, float]:
     return rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
 
 
-@attrs.frozen
-class WindowChange:
-    """A change queued for the next chunk, as `window_shares` sees it."""
-
-    key: str
-    """The conditioning key in force from the change on (see `_key`)."""
-    offset: float
-    """``PromptChange.window_offset``: where in the chunk's action window it came."""
-    steer: bool
-    """A camera-only change that switches at once: the only kind placed in the window."""
-
-
-def window_shares(
-    before: Sequence[tuple[str, float]], window: Sequence[WindowChange]
-) -> dict[str, float] | None:
-    """The share of a chunk's action window each conditioning key was in force, or None
-    when the window's changes apply from the chunk's first frame.
-
-    ``before`` (the mix the previous chunk ended with) is in force from 0 to the first
-    change's offset, then each change's key from its offset to the next change's, the
-    last one's to the end of the window. Changes count in arrival order, as the schedule
-    applies them: one never takes effect before an earlier one.
-
-    Only steers are placed (camera-only changes that switch at once: a paced session's
-    key presses). A window with no change past offset 0, or with any other change (a
-    prompt, a blend over chunks), gives None: every change applies from the chunk's
-    first frame, exactly as in an unpaced session.
-    """
-    # The session sends offsets in [0, 1); anything else (not finite) counts as 0.
-    offsets = [change.offset if math.isfinite(change.offset) else 0.0 for change in window]
-    if not any(offset > 0.0 for offset in offsets) or not all(change.steer for change in window):
-        return None
-    segments = [(0.0, tuple(before))]
-    for change, offset in zip(window, offsets, strict=True):
-        start = min(max(offset, segments[-1][0]), 1.0)
-        segments.append((start, ((change.key, 1.0),)))
-    ends = [start for start, _ in segments[1:]] + [1.0]
-    shares: dict[str, float] = {}
-    for (start, mix), end in zip(segments, ends, strict=True):
-        for key, weight in mix:
-            shares[key] = shares.get(key, 0.0) + (end - start) * weight
-    return {key: share for key, share in shares.items() if share > 1e-9}
-
-
-def integrated_motion(shares: Mapping[str, float], last: str) -> str:
-    """The motion a chunk follows, from its action window: its shapes-world steer.
-
-    ``shares`` is the share of the window each motion was in force; ``last`` the one in
-    force at its end. The model moves its object one pixel a frame or not at all, for a
-    whole chunk: it cannot place a change at its frame, and a mix of motion embeddings
-    is not a slower motion (measured: the heavier motion wins, at full speed). So:
-
-    * a window that ends moving follows ``last``, the person's latest steer, wherever in
-      the window it came: a key pressed late in a window turns the object in that
-      window's chunk, not a chunk later (a net displacement would keep a late press's
-      chunk going the old way, adding a whole chunk to its key-to-frame time);
-    * a window that ends still moves by its integrated velocity, the net displacement:
-      the motion whose axis and sign carry most of it, "still" when it is nil. So a short
-      press (still, right for a fifth of the window, still) moves the object right in
-      that chunk, and a stop late in a window lets the chunk finish the motion before it.
-    """
-    if last != "still":
-        return last
-    dx = sum(share * MOTION_VECTORS[motion][0] for motion, share in shares.items())
-    dy = sum(share * MOTION_VECTORS[motion][1] for motion, share in shares.items())
-    along = {
-        motion: dx * vector[0] + dy * vector[1]
-        for motion, vector in MOTION_VECTORS.items()
-        if vector != (0, 0)
-    }
-    best = max(along.values())
-    if best < 1e-6:
-        return "still"
-    if along.get(last, -1.0) >= best - 1e-9:
-        return last
-    return next(motion for motion, value in along.items() if value >= best - 1e-9)
-
-
-def _key(prompt: str, motion: str | None) -> str:
-    """A conditioning key: the prompt, and the motion a camera steered it to, if any
-    (motion names never contain ``|``, so the first one splits them)."""
-    return f"{motion or ''}|{prompt}"
-
-
 def _chunk_frames_of(extra_params: Mapping[str, object], native: int) -> int:
     """``extra_params.chunk_frames``: frames per chunk, 1 to the model's chunk (the default).
 
@@ -560,92 +476,6 @@ def _chunk_frames_of(extra_params: Mapping[str, object], native: int) -> int:
             f"extra_params.chunk_frames must be an integer from 1 to {native}, got {value!r}"
         )
     return value
-
-
-#: Below this, a camera's translation or turn counts as none: the object stays still.
-_STILL = 1e-6
-
-
-def camera_motion(camera: Camera) -> str:
-    """The shapes world's motion for a camera velocity: its steering rule.
-
-    The world is a flat picture seen from the front, so a camera velocity steers the
-    object along the picture's axes: +X right, -X left; +Y up and +Z (forward, the
-    W key) up, -Y and -Z down; when the translation is zero, a turn steers the same
-    way (yaw right or left, pitch up or down); no translation and no turn is "still".
-    The strongest axis wins, since the object moves along one axis at a time. A
-    ``target`` pose is refused: the world has no camera to place.
-    """
-    if camera.mode != "velocity":
-        raise EngineError(
-            f"the shapes engine steers by camera velocity only, not a {camera.mode!r} pose: "
-            "its world has no camera to place"
-        )
-    x, y, z = camera.translation
-    across, up = x, y + z
-    if max(abs(across), abs(up)) < _STILL:
-        across, up = _turn(camera.rotation)
-        if max(abs(across), abs(up)) < _STILL:
-            return "still"
-    if abs(across) >= abs(up):
-        return "right" if across > 0 else "left"
-    return "up" if up > 0 else "down"
-
-
-def _turn(rotation: tuple[float, float, float, float]) -> tuple[float, float]:
-    """(yaw, pitch) of a unit quaternion as a steer: yaw right positive, pitch up positive.
-
-    In vllm-omni's sense (`trio_vstream.values.Camera`): a positive turn about +Y looks
-    right, a positive turn about +X looks up.
-    """
-    qx, qy, qz, qw = rotation
-    yaw = math.atan2(2.0 * (qw * qy + qx * qz), 1.0 - 2.0 * (qx * qx + qy * qy))
-    pitch = math.asin(max(-1.0, min(1.0, 2.0 * (qw * qx - qy * qz))))
-    return yaw, pitch
-
-
-class ShapesFrames:
-    """A chunk's native frames, decoded (`to_uint8_frames`) when the server asks:
-    `DeferredFrames`. Holds only its own tensor (a view of the chunk's sample, which the
-    stream no longer touches), so it decodes the same after the stream's close."""
-
-    def __init__(self, native: torch.Tensor, width: int, height: int) -> None:
-        self._native: torch.Tensor | None = native
-        self._width = width
-        self._height = height
-        self.shape = (native.shape[0], height, width, 3)
-
-    def decode(self) -> torch.Tensor:
-        native = self._native
-        if native is None:
-            raise EngineError("a shapes chunk's frames were decoded after their release")
-        with torch.inference_mode():
-            return to_uint8_frames(native, self._width, self._height)
-
-    def release(self) -> None:
-        self._native = None
-
-
-def to_uint8_frames(native: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """(T, 3, S, S) in [-1, 1] -> (T, height, width, 3) uint8, on the same device."""
-    if native.shape[-2:] != (height, width):
-        shrinking = height < native.shape[-2] or width < native.shape[-1]
-        native = F.interpolate(
-            native, size=(height, width), mode="bilinear", align_corners=False, antialias=shrinking
-        )
-    pixels = ((native + 1.0) * 127.5).round_().clamp_(0.0, 255.0).to(torch.uint8)
-    return pixels.permute(0, 2, 3, 1).contiguous()
-
-
-def image_to_context(image: object, size: int, device: torch.device) -> torch.Tensor:
-    """An (H, W, 3) uint8 reference image -> a (1, 3, size, size) context frame in [-1, 1]."""
-    tensor = torch.as_tensor(image)
-    if tensor.ndim != 3 or tensor.shape[-1] != 3:
-        raise InvalidRequestError(
-            f"image_reference must be an RGB image, got shape {tuple(tensor.shape)}"
-        )
-    pixels = tensor.to(device=device, dtype=torch.float32).permute(2, 0, 1)[None] / 127.5 - 1.0
-    return F.interpolate(pixels, size=(size, size), mode="bilinear", antialias=True)
 
 
 def create_engine(*, device: str = "auto", **engine_args: str) -> ShapesEngine:
