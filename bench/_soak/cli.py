@@ -72,7 +72,7 @@ from bench._soak.settings import (
     stuck_calls_bound,
 )
 from bench._soak.shutdown import run_rounds
-from trio_vstream.server.app import IDLE_BEFORE_TRIM
+from trio_vstream.server.running import IDLE_BEFORE_TRIM
 
 
 async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:

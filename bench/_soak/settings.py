@@ -430,8 +430,8 @@ def batched_server_command(timing: Timing, hold_dir: Path) -> list[str]:
     its hold tokens' files) with 4 session slots and batches of 4, the soak's timeouts,
     INFO logging, and a wedge bound above what a wedge round leaves stuck by count (its
     held batch, and the held sessions' calls for a moment): the round wedges the server
-    by its batcher, stuck on the held batch, whatever the count (server.py's
-    ``_check_wedged``). Never an exit when wedged: the rounds wait for the recovery."""
+    by its batcher, stuck on the held batch, whatever the count (server/health.py's
+    ``EngineHealth.check``). Never an exit when wedged: the rounds wait for the recovery."""
     command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--engine", HELD_ENGINE, "--engine-arg", f"hold_dir={hold_dir}"]
     command += ["--engine-arg", f"max_batch={BATCHED_MAX_SESSIONS}"]

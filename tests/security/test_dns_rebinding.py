@@ -46,7 +46,7 @@ def host_refusals(metrics: bytes) -> float:
 async def test_a_rebound_page_reads_nothing_and_opens_no_session(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="trio_vstream.server.app")
+    caplog.set_level(logging.WARNING, logger="trio_vstream.server.routing")
     running = await start_server()  # no key: the default, most exposed server
     port = running.server.port
     for path in ("/stats", "/metrics", "/v1/models", "/health", "/", "/static/player.js"):
