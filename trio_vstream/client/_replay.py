@@ -43,17 +43,19 @@ import trio
 
 from trio_vstream import protocol
 from trio_vstream.client._cli import (
-    API_KEY_ENV,
-    DEFAULT_URL,
     EXIT_CONNECTION,
     EXIT_OK,
     EXIT_OUTPUT,
     EXIT_SERVER_ERROR,
     EXIT_USAGE,
+    _connect_error_line,
+)
+from trio_vstream.client._flags import (
+    API_KEY_ENV,
+    DEFAULT_URL,
     _api_key,
     _check_output,
     _check_url,
-    _connect_error_line,
     _image_data_url,
     _UsageError,
 )
