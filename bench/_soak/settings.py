@@ -143,7 +143,7 @@ it, which must stop the server at once; ``engine_stuck`` does that, or sends one
 (a drain), while sessions' engine calls are blocked outside a checkpoint for longer
 than the server may take to exit."""
 SIGNALS: Final = ("SIGTERM", "SIGINT")
-"""The signals ``python -m trio_vstream`` takes as "shut down" (cli.py)."""
+"""The signals ``python -m trio_vstream`` takes as "shut down" (cli/serve.py)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -31,7 +31,7 @@ __all__ = ["API_KEY_ENV", "DEFAULT_BUFFER_SECONDS", "DEFAULT_URL", "add_client_a
 DEFAULT_URL: Final = "ws://127.0.0.1:8000/v1/realtime/video"
 
 #: Where ``client`` reads its API key when ``--api-key`` is not given; the server reads
-#: the same variable (cli.py), so one exported key serves both on a workstation. The key
+#: the same variable (trio_vstream.cli), so one exported key serves both on a workstation. The key
 #: stays out of ``ps`` output that way.
 API_KEY_ENV: Final = "TRIO_VSTREAM_API_KEY"
 
@@ -207,7 +207,7 @@ def _keys(text: str) -> tuple[float, Camera]:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``client`` subcommand's flags; kept here so cli.py only wires it in."""
+    """The ``client`` subcommand's flags; kept here so trio_vstream.cli only wires it in."""
     parser.add_argument("prompt", help="what to generate")
     parser.add_argument(
         "-o", "--output", type=Path, metavar="FILE", help="write a progressive MP4 here"

@@ -464,7 +464,7 @@ def _frames(container: Any) -> Iterator[np.ndarray]:
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``replay`` subcommand's flags; kept here so cli.py only wires it in."""
+    """The ``replay`` subcommand's flags; kept here so trio_vstream.cli only wires it in."""
     parser.add_argument("recording", type=Path, help="a recording's JSON: DIR/<request_id>.json")
     parser.add_argument(
         "--url", default=DEFAULT_URL, metavar="URL", help="server endpoint (default %(default)s)"

@@ -79,7 +79,7 @@ def _is_path(text: str) -> bool:
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``watch`` subcommand's flags; kept here so cli.py only wires it in."""
+    """The ``watch`` subcommand's flags; kept here so trio_vstream.cli only wires it in."""
     parser.add_argument(
         "link",
         metavar="URL_OR_PATH",
