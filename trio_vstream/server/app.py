@@ -184,7 +184,7 @@ class VideoServer:
     def drain_bound(self) -> float:
         """The most seconds a drain takes from `shutdown` to `run`'s return: the grace,
         then a close timeout to wind sessions down and one to abort the rest (viewers get
-        what is left of it; see `_drain`)."""
+        what is left of it; see `RunningSessions.drain`)."""
         return self.config.shutdown_grace + 2 * self.config.session.close_timeout
 
     @property
