@@ -52,7 +52,7 @@ def synthetic_server_command(
 
 
 # --------------------------------------------------------------------------------------
-# The server's log (format: "%(asctime)s %(levelname)s %(name)s: %(message)s", cli.py)
+# The server's log (format: "%(asctime)s %(levelname)s %(name)s: %(message)s", cli/serve.py)
 # --------------------------------------------------------------------------------------
 
 LOG_RECORD: Final = re.compile(

@@ -132,7 +132,7 @@ a fifth of the rounds the other one at once, before the server can have read the
 twice could pass for a single one); otherwise either one once the server has logged the
 first, at once in a quarter of those, else after a delay drawn over two of the engine's
 steps (shapes: ~0.1 s a batch of 8 rows), so that rounds land before, during and after
-a batch. cli.py promises that the second signal stops everything at once, so: the server
+a batch. cli/serve.py promises that the second signal stops everything at once, so: the server
 logs both signals (``... again: stopping now``) and exits with status 0 within the close
 timeout plus 2 x slack (8 s, ``Timing.stop_bound``; it takes 0.2-0.4 s; a drain would take
 the 30 s grace), or is killed there; every client got ``video.start`` and media, then

@@ -137,6 +137,11 @@ FORBIDDEN_IMPORTS = {
         {"layers", "acyclic"},
     ),
     # Inside each floor, a module reaching up to one that builds on it.
+    "serve's flag values import the serving process": (
+        "cli/serve_config.py",
+        "import trio_vstream.cli.serve",
+        {"cli-layers", "acyclic"},
+    ),
     "access imports the server's app": (
         "server/access.py",
         "import trio_vstream.server.app",

@@ -73,7 +73,7 @@ from bench._soak.settings import (
 )
 from bench._soak.shutdown import run_rounds
 from bench._soak.shutdown_checks import sigterm_problems
-from trio_vstream.server.app import IDLE_BEFORE_TRIM
+from trio_vstream.server.running import IDLE_BEFORE_TRIM
 
 
 async def run_soak(s: Settings, log_path: Path) -> dict[str, Any]:

@@ -132,8 +132,8 @@ class WedgeRecord:
 
 
 BATCH_STUCK: Final = "batched step is stuck"
-"""What the server's 503 says when its batcher is stuck (server.py's
-``_unavailable_message``), as opposed to too many stuck calls."""
+"""What the server's 503 says when its batcher is stuck (server/health.py's
+``EngineHealth.unavailable_message``), as opposed to too many stuck calls."""
 
 
 def check_wedge_round(rec: WedgeRecord, timing: Timing) -> list[str]:

@@ -62,7 +62,7 @@ from bench._soak.settings import (
     Settings,
 )
 from bench._soak.transcript import Transcript
-from trio_vstream.server.app import IDLE_BEFORE_TRIM
+from trio_vstream.server.running import IDLE_BEFORE_TRIM
 
 
 @attrs.define

@@ -76,7 +76,7 @@ def log_excerpt(
 
 
 SIGNAL_TAKEN: Final = re.compile(r"\b(SIG[A-Z]+)(: shutting down gracefully| again: stopping now)$")
-"""cli.py's records of a signal: the first drains, any later one stops at once."""
+"""cli/serve.py's records of a signal: the first drains, any later one stops at once."""
 
 
 def taken_line(name: str, first: bool) -> str:

@@ -143,7 +143,7 @@ it, which must stop the server at once; ``engine_stuck`` does that, or sends one
 (a drain), while sessions' engine calls are blocked outside a checkpoint for longer
 than the server may take to exit."""
 SIGNALS: Final = ("SIGTERM", "SIGINT")
-"""The signals ``python -m trio_vstream`` takes as "shut down" (cli.py)."""
+"""The signals ``python -m trio_vstream`` takes as "shut down" (cli/serve.py)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -333,7 +333,7 @@ class Timing:
     @property
     def drain_bound(self) -> float:
         """Seconds from a first signal to the exit of a round's server: its grace, a close
-        timeout to wind sessions down and one to abort them (server.py's drain), slack."""
+        timeout to wind sessions down and one to abort them (server/running.py's drain), slack."""
         return ROUND_SHUTDOWN_GRACE + 2 * self.close_timeout + self.slack
 
 
@@ -430,8 +430,8 @@ def batched_server_command(timing: Timing, hold_dir: Path) -> list[str]:
     its hold tokens' files) with 4 session slots and batches of 4, the soak's timeouts,
     INFO logging, and a wedge bound above what a wedge round leaves stuck by count (its
     held batch, and the held sessions' calls for a moment): the round wedges the server
-    by its batcher, stuck on the held batch, whatever the count (server.py's
-    ``_check_wedged``). Never an exit when wedged: the rounds wait for the recovery."""
+    by its batcher, stuck on the held batch, whatever the count (server/health.py's
+    ``EngineHealth.check``). Never an exit when wedged: the rounds wait for the recovery."""
     command = [sys.executable, "-m", "trio_vstream", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--engine", HELD_ENGINE, "--engine-arg", f"hold_dir={hold_dir}"]
     command += ["--engine-arg", f"max_batch={BATCHED_MAX_SESSIONS}"]

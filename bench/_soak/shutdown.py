@@ -2,7 +2,7 @@
 signal and then another, from outside, as an operator's double Ctrl-C.
 
 The sessions' part of the soak ends with one SIGTERM, a drain; these rounds test what a
-second signal promises (cli.py: "a second one at once"): the server stops and its
+second signal promises (cli/serve.py: "a second one at once"): the server stops and its
 process exits within ``Timing.stop_bound``, with status 0, every client's connection
 ends (with ``server_shutdown`` or cut, nothing else), and the log has no error. A
 second signal once deadlocked the shapes engine's step batcher: rows in flight were

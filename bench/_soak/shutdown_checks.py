@@ -75,7 +75,7 @@ def check_round_process(plan: ShutdownPlan, rec: RoundRecord, timing: Timing) ->
     """The round as a whole: it ran, the sessions streamed, the server took each signal
     that another waited for, and exited with status 0 within ``exit_bound`` of the last.
 
-    Status 0: cli.py's second signal cancels the server's run, which then returns as
+    Status 0: cli/serve.py's second signal cancels the server's run, which then returns as
     after a drain (docs/server.md, Draining: "The exit status is 0. A second signal stops at
     once."); a process killed by the signal's default action would show -15, an
     interrupt's traceback 1."""

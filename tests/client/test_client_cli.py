@@ -435,7 +435,7 @@ def test_cli_image_flag_rejects_non_images(
 
 
 def test_param_values_are_json_when_they_parse() -> None:
-    from trio_vstream.client._cli import _param
+    from trio_vstream.client._flags import _param
 
     assert _param("seed=7") == ("seed", 7)
     assert _param("user=alice") == ("user", "alice")
@@ -450,7 +450,7 @@ def test_param_values_are_json_when_they_parse() -> None:
 
 
 def test_camera_flag_parses_mode_translation_and_rotation() -> None:
-    from trio_vstream.client._cli import _camera
+    from trio_vstream.client._flags import _camera
     from trio_vstream.values import Camera
 
     assert _camera("2:velocity:0,0,0.05") == (
@@ -464,7 +464,7 @@ def test_camera_flag_parses_mode_translation_and_rotation() -> None:
 
 
 def test_keys_flag_is_vllm_omnis_wasd_mapping() -> None:
-    from trio_vstream.client._cli import _keys
+    from trio_vstream.client._flags import _keys
     from trio_vstream.protocol import key_velocity
 
     assert _keys("1.5:w") == (1.5, key_velocity([{"w"}]))

@@ -33,7 +33,7 @@ from tests.fake_reference import (
 )
 from trio_vstream import cli
 from trio_vstream.client import ScheduledInteraction, StreamOutcome, stream_video
-from trio_vstream.client._cli import DEFAULT_BUFFER_SECONDS, _start_fields, add_client_arguments
+from trio_vstream.client._flags import DEFAULT_BUFFER_SECONDS, _start_fields, add_client_arguments
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 START = {"prompt": "a red circle", "size": "64x48", "fps": 8}

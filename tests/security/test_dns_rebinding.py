@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.security.raw_http import request, upgrade
 from trio_vstream import cli
+from trio_vstream.cli import serve
 from trio_vstream.server.access import (
     AccessPolicy,
     is_loopback,
@@ -46,7 +47,7 @@ def host_refusals(metrics: bytes) -> float:
 async def test_a_rebound_page_reads_nothing_and_opens_no_session(
     start_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="trio_vstream.server.app")
+    caplog.set_level(logging.WARNING, logger="trio_vstream.server.routing")
     running = await start_server()  # no key: the default, most exposed server
     port = running.server.port
     for path in ("/stats", "/metrics", "/v1/models", "/health", "/", "/static/player.js"):
@@ -218,11 +219,13 @@ def test_a_public_bind_without_allowed_hosts_says_what_to_add(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="trio_vstream")
-    cli._log_hosts(ServerConfig(host="0.0.0.0"))
+    serve._log_hosts(ServerConfig(host="0.0.0.0"))
     (hint,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "--allowed-hosts" in hint.getMessage() and "421" in hint.getMessage()
     caplog.clear()
-    cli._log_hosts(ServerConfig(host="127.0.0.1"))
+    serve._log_hosts(ServerConfig(host="127.0.0.1"))
     assert not caplog.records
-    cli._log_hosts(ServerConfig(host="0.0.0.0", access=AccessPolicy(allowed_hosts=("v.example",))))
+    serve._log_hosts(
+        ServerConfig(host="0.0.0.0", access=AccessPolicy(allowed_hosts=("v.example",)))
+    )
     assert [r.levelno for r in caplog.records] == [logging.INFO]

@@ -29,6 +29,7 @@ from tests.conftest import Transcript, decode_video, is_type, receive_into, rece
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from tests.outputs.test_recording import PNG, SLOW, SYNTHETIC, interaction, read_record
 from trio_vstream import cli, protocol
+from trio_vstream.cli import serve
 from trio_vstream.client._replay import load_recording
 from trio_vstream.engines.contract import Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
@@ -226,7 +227,7 @@ def make_recorder(directory: Path, *flags: str) -> Recorder:
     args = cli.build_parser().parse_args(["serve", "--record", str(directory), *flags])
     engine = SyntheticEngine(SyntheticSettings())
     config = ServerConfig()
-    recorder = cli._recorder(args, engine, config)
+    recorder = serve._recorder(args, engine, config)
     assert recorder is not None
     return recorder
 
@@ -241,5 +242,5 @@ def test_the_limit_is_the_flag_or_most_of_the_free_space(
         free = 10_000
 
     disk_usage: Callable[[Path], Usage] = lambda path: Usage()  # noqa: E731
-    monkeypatch.setattr(cli.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(serve.shutil, "disk_usage", disk_usage)
     assert make_recorder(tmp_path).max_bytes == 1000 + 9000

@@ -4,7 +4,7 @@
 libraries behind them (torch, prometheus_client, diffusers): the client starts quickly,
 and runs where torch is missing or broken. tox's client environment installs the
 package like every other, so nothing but this keeps the client light; the command line
-(trio_vstream/cli.py) imports each subcommand's modules only when it runs.
+(trio_vstream/cli/) imports each subcommand's modules only when it runs.
 
 What the client commands may not load is the ``client`` contract of pyproject.toml
 (what the client package may not import): one list for both. Each case runs the real

@@ -190,8 +190,8 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
     """On a clock that moves only when the test moves it, so the second session starts
     inside the idle while however loaded the machine (on the wall clock, connecting it
     could take the whole while, and a trim come between the sessions)."""
-    from trio_vstream.server import app as server
     from trio_vstream.server import memory
+    from trio_vstream.server import running as sessions
 
     trims: list[float] = []
     trimmed = trio.Event()
@@ -203,7 +203,7 @@ async def test_freed_memory_goes_back_only_after_an_idle_while(
         real_trim()
 
     monkeypatch.setattr(memory, "return_free_memory", counting_trim)
-    monkeypatch.setattr(server, "IDLE_BEFORE_TRIM", 0.5)
+    monkeypatch.setattr(sessions, "IDLE_BEFORE_TRIM", 0.5)
     running = await start_server()
     await running.run_session(START)
     await running.wait_sessions_ended(1)

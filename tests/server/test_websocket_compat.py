@@ -161,7 +161,7 @@ async def test_server_start_timeout_close_survives_client_ping(
     server = VideoServer(SyntheticEngine(), ServerConfig(session=SessionConfig(start_timeout=2.0)))
     client_stream, server_stream = trio.testing.memory_stream_pair()
     client = RawClient(client_stream)
-    caplog.set_level(logging.ERROR, logger="trio_vstream.server.app")
+    caplog.set_level(logging.ERROR, logger="trio_vstream.server.routing")
 
     async def client_side() -> tuple[list[Event], CloseConnection | None]:
         await client.open(VIDEO_PATH)
@@ -178,7 +178,7 @@ async def test_server_start_timeout_close_survives_client_ping(
 
     with trio.fail_after(DEADLOCK_GUARD):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server._handle_tcp, server_stream)
+            nursery.start_soon(server.router.handle, server_stream)
             received, close = await client_side()
             leftover = await client_stream.receive_some()
 

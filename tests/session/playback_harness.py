@@ -138,7 +138,7 @@ class Harness:
 
         async def serve_one() -> None:
             request = await wrap_server_stream(self.nursery, server_stream)
-            await self.server._serve_request(request)
+            await self.server.serve_websocket(request)
 
         self.nursery.start_soon(serve_one)
         ws = await wrap_client_stream(self.nursery, client_stream, "test", "/v1/realtime/video")

@@ -147,9 +147,9 @@ async def test_a_stop_then_close_that_crosses_the_close_frame_is_routine(
         try:
             async with trio.open_nursery() as connection:
                 request = await wrap_server_stream(connection, crossing)
-                await server._serve_request(request)
+                await server.serve_websocket(request)
                 connection.cancel_scope.cancel()
-        except Exception as exc:  # what server._handle_tcp would log as a failure
+        except Exception as exc:  # what the router would log as a failure
             failures.append(exc)
 
     async with trio.open_nursery() as nursery:

@@ -463,7 +463,7 @@ async def test_a_closing_connection_does_not_hold_a_session_slot() -> None:
 
     async def serve(stream: trio.abc.Stream, nursery: trio.Nursery) -> None:
         request = await wrap_server_stream(nursery, stream)
-        await server._serve_request(request)
+        await server.serve_websocket(request)
 
     async with trio.open_nursery() as nursery:
         # First client: its bytes stop reaching the server right after session.start.

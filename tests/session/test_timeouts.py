@@ -21,7 +21,7 @@ async def test_default_start_timeout_is_ten_seconds(autojump_clock: trio.testing
 
         async def serve_one() -> None:
             request = await wrap_server_stream(nursery, server_stream)
-            await server._serve_request(request)
+            await server.serve_websocket(request)
 
         nursery.start_soon(serve_one)
         ws = await wrap_client_stream(nursery, client_stream, "test", "/v1/realtime/video")

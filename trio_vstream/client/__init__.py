@@ -17,17 +17,15 @@ edit).
 """
 
 from trio_vstream.client._cli import (
-    API_KEY_ENV,
-    DEFAULT_URL,
     EXIT_CONNECTION,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_OUTPUT,
     EXIT_SERVER_ERROR,
     EXIT_USAGE,
-    add_client_arguments,
     run_client,
 )
+from trio_vstream.client._flags import API_KEY_ENV, DEFAULT_URL, add_client_arguments
 from trio_vstream.client._replay import (
     EXIT_MISMATCH,
     ReplayError,

@@ -43,17 +43,19 @@ import trio
 
 from trio_vstream import protocol
 from trio_vstream.client._cli import (
-    API_KEY_ENV,
-    DEFAULT_URL,
     EXIT_CONNECTION,
     EXIT_OK,
     EXIT_OUTPUT,
     EXIT_SERVER_ERROR,
     EXIT_USAGE,
+    _connect_error_line,
+)
+from trio_vstream.client._flags import (
+    API_KEY_ENV,
+    DEFAULT_URL,
     _api_key,
     _check_output,
     _check_url,
-    _connect_error_line,
     _image_data_url,
     _UsageError,
 )
@@ -462,7 +464,7 @@ def _frames(container: Any) -> Iterator[np.ndarray]:
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``replay`` subcommand's flags; kept here so cli.py only wires it in."""
+    """The ``replay`` subcommand's flags; kept here so trio_vstream.cli only wires it in."""
     parser.add_argument("recording", type=Path, help="a recording's JSON: DIR/<request_id>.json")
     parser.add_argument(
         "--url", default=DEFAULT_URL, metavar="URL", help="server endpoint (default %(default)s)"

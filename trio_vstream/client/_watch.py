@@ -20,16 +20,18 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import trio
 
 from trio_vstream.client._cli import (
-    API_KEY_ENV,
-    DEFAULT_URL,
     EXIT_USAGE,
-    _api_key,
-    _check_outputs,
-    _check_url,
     _Progress,
     _Run,
     _run_streaming,
     _stream_to_end,
+)
+from trio_vstream.client._flags import (
+    API_KEY_ENV,
+    DEFAULT_URL,
+    _api_key,
+    _check_outputs,
+    _check_url,
     _UsageError,
 )
 from trio_vstream.client._stream import watch_video
@@ -77,7 +79,7 @@ def _is_path(text: str) -> bool:
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``watch`` subcommand's flags; kept here so cli.py only wires it in."""
+    """The ``watch`` subcommand's flags; kept here so trio_vstream.cli only wires it in."""
     parser.add_argument(
         "link",
         metavar="URL_OR_PATH",

@@ -1,11 +1,15 @@
 """The listener: one port, its connections, who may use it, and what it counts.
 
-``app`` holds `VideoServer`, the nursery that accepts connections and runs sessions;
-``http`` answers the plain-HTTP requests that share the port (the player page,
-health, stats, metrics) and hands WebSocket upgrades on; ``access`` decides who may
-come in (Host, API keys, Origin); ``connections`` bounds connections per address and
-idle ones; ``metrics`` is the Prometheus registry; ``memory`` hands freed memory back
-to the system; ``last_resort`` is the process's way out when a stop cannot finish.
+``app`` holds `VideoServer`, the nursery that accepts connections and runs sessions,
+and ``config`` its `ServerConfig`; ``routing`` serves one connection from accept to
+close (its slots, its head's checks, then an answer or a WebSocket), and ``http`` the
+plain-HTTP side of it (the player page, health, stats, metrics); ``access`` decides who
+may come in (Host, API keys, Origin); ``connections`` bounds connections per address and
+idle ones; ``running`` counts the running sessions and drains them at a shutdown;
+``health`` is the wedge check, when the engine counts as wedged; ``documents`` writes
+``/stats`` and ``/v1/models``; ``metrics`` is the Prometheus registry; ``memory`` hands
+freed memory back to the system; ``last_resort`` is the process's way out when a stop
+cannot finish.
 
 The server's public names (`VideoServer`, `ServerConfig`, `serve`) are imported on
 first use (PEP 562), so that importing ``trio_vstream.server.access`` (as the client's
