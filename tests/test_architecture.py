@@ -162,6 +162,7 @@ FORBIDDEN_IMPORTS = {
         "import trio_vstream.media.encoding",
         {"media-layers", "acyclic"},
     ),
+    "the fMP4 box writer imports PyAV": ("media/fmp4.py", "import av", {"media-fmp4-pure"}),
     "the contract imports a helper built on it": (
         "engines/contract.py",
         "import trio_vstream.engines.frames",
