@@ -2,9 +2,9 @@
 
 A bare PyAV/libx264 encoder, in a process of its own (``python -m bench._bare_encoder
 JSON``, which prints its figures as JSON): one libx264 context per session, opened by
-`trio_vstream.media.encoding.open_h264` (the server's settings: preset, tune, threads, the
+`trio_vstream.media.h264.open_h264` (the server's settings: preset, tune, threads, the
 low-latency x264 parameters, a forced IDR at every chunk's first frame), each frame
-converted by `trio_vstream.media.encoding.to_encoder_frame` (the server's RGB -> yuv420p
+converted by `trio_vstream.media.h264.to_encoder_frame` (the server's RGB -> yuv420p
 conversion) and handed to ``encode``. No fMP4 boxes, no bytes, no threads of its own,
 no event loop: what is left when serving is taken away. The bitstream is the server
 encoder's, byte for byte (``tests/bench/test_bench_overhead.py`` checks it).
@@ -36,7 +36,7 @@ from av.video.reformatter import VideoReformatter
 from trio_vstream.engines.contract import Checkpoint, GenerationRequest
 from trio_vstream.engines.frames import frames_to_uint8_array
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.media.encoding import open_h264, to_encoder_frame
+from trio_vstream.media.h264 import open_h264, to_encoder_frame
 from trio_vstream.server.memory import tune_allocator
 
 

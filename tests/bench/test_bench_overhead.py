@@ -21,7 +21,8 @@ from av.video.reformatter import VideoReformatter
 
 from bench._bare_encoder import BareJob, encode_bare, encode_chunk
 from bench.scenarios.overhead import OVERHEAD_LIMIT, overhead_figures
-from trio_vstream.media.encoding import FragmentedMP4Encoder, _to_sample, open_h264
+from trio_vstream.media.encoding import FragmentedMP4Encoder
+from trio_vstream.media.h264 import open_h264, to_sample
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "bench" / "run.py"
@@ -134,7 +135,7 @@ def test_the_bare_encoder_makes_the_server_encoders_bitstream() -> None:
     for chunk in chunks:
         fragment = server.encode(chunk)
         samples = b"".join(
-            _to_sample(bytes(p)) for p in encode_chunk(ctx, reformatter, chunk, first)
+            to_sample(bytes(p)) for p in encode_chunk(ctx, reformatter, chunk, first)
         )
         first += chunk.shape[0]
         # The fragment's mdat is exactly the bare encoder's samples, in order.

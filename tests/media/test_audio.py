@@ -1,5 +1,5 @@
 """The AAC track beside H.264: declared in the init segment, in every media chunk, and in
-sync to the sample however long the stream (`trio_vstream.media.encoding`, module docstring).
+sync to the sample however long the stream (`trio_vstream.media.aac`, module docstring).
 
 Every check decodes with PyAV (FFmpeg), honouring the container's timing as a player
 does (`trio_vstream.client._mp4.decode_audio`): what matters is what comes out.
@@ -18,12 +18,9 @@ from tests.media.test_encoding import _boxes, _child
 from trio_vstream.client._mp4 import decode_audio
 from trio_vstream.engines.contract import EngineError
 from trio_vstream.engines.frames import audio_to_float32_array
-from trio_vstream.media.encoding import (
-    AUDIO_CODEC_STRING,
-    EncodingError,
-    FragmentedMP4Encoder,
-    fragment_starts_with_keyframe,
-)
+from trio_vstream.media.aac import AUDIO_CODEC_STRING
+from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder
+from trio_vstream.media.fmp4 import fragment_starts_with_keyframe
 from trio_vstream.media.remux import remux_to_mp4
 from trio_vstream.values import audio_samples_through
 

@@ -16,14 +16,10 @@ import pytest
 from av.video.frame import PictureType
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
-from trio_vstream.media.encoding import (
-    EncodingAbandoned,
-    EncodingError,
-    FragmentedMP4Encoder,
-    decode_image,
-    fragment_starts_with_keyframe,
-    to_encoder_frame,
-)
+from trio_vstream.media.encoding import EncodingAbandoned, EncodingError, FragmentedMP4Encoder
+from trio_vstream.media.fmp4 import fragment_starts_with_keyframe
+from trio_vstream.media.h264 import to_encoder_frame
+from trio_vstream.media.image_decode import decode_image
 
 # Frame index i is painted as a flat colour with two channels carrying base-12 digits 20 levels
 # apart, so lossy coding (a few levels of error) cannot turn one index into another.

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_vstream.media.encoding import decode_image
+from trio_vstream.media.image_decode import decode_image
 from trio_vstream.media.image_header import (
     MAX_PARTS,
     ImageHeader,

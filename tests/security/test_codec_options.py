@@ -24,11 +24,8 @@ from hypothesis import strategies as st
 from tests.conftest import decode_video
 from trio_vstream import cli, protocol
 from trio_vstream.client import ReplayError, load_recording
-from trio_vstream.media.encoding import (
-    EncodingError,
-    FragmentedMP4Encoder,
-    fragment_starts_with_keyframe,
-)
+from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder
+from trio_vstream.media.fmp4 import fragment_starts_with_keyframe
 from trio_vstream.protocol import CodecOptionError, check_codec_options
 from trio_vstream.protocol._codec_options import PRESETS, PROFILES, TUNES, X264_PARAMS_NAMES
 

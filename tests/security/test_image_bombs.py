@@ -27,8 +27,9 @@ import trio
 import trio.testing
 
 import trio_vstream.session.prepare
-from trio_vstream.media import encoding, image_header
-from trio_vstream.media.encoding import EncodingError, decode_image
+from trio_vstream.media import image_decode, image_header
+from trio_vstream.media.errors import EncodingError
+from trio_vstream.media.image_decode import decode_image
 from trio_vstream.media.image_header import ImageHeader
 from trio_vstream.session.session import IMAGE_DECODES_AT_ONCE
 
@@ -95,7 +96,8 @@ def test_the_bomb_is_refused_before_anything_decodes(monkeypatch: pytest.MonkeyP
 
 _MEASURE = """
 import resource, sys
-from trio_vstream.media.encoding import EncodingError, decode_image
+from trio_vstream.media.errors import EncodingError
+from trio_vstream.media.image_decode import decode_image
 bomb = open(sys.argv[1], "rb").read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -133,7 +135,7 @@ def test_a_header_the_decoder_disagrees_with_is_refused(monkeypatch: pytest.Monk
     def lying(data: bytes) -> ImageHeader:
         return ImageHeader("PNG", 100, 100, len(data))
 
-    monkeypatch.setattr(encoding, "read_image_header", lying)
+    monkeypatch.setattr(image_decode, "read_image_header", lying)
     with pytest.raises(EncodingError, match="decoded to 200x100, not the 100x100 its header"):
         decode_image(png)
 

@@ -52,7 +52,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
 from trio_vstream.logsafe import get_logger
-from trio_vstream.media.encoding import fragment_starts_with_keyframe
+from trio_vstream.media.fmp4 import fragment_starts_with_keyframe
 from trio_vstream.outputs.taps import SessionTaps
 from trio_vstream.protocol import ErrorCode
 

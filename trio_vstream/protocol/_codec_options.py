@@ -5,7 +5,7 @@ libx264 options reach further than picture quality. Through ``x264-params`` (or
 raw frames to that path; ``cqmfile=`` tells whether a file exists; ``preset=placebo`` or
 ``veryslow`` costs orders of magnitude more CPU per frame; ``bframes``, ``rc-lookahead``,
 ``intra-refresh`` or ``forced-idr=0`` defeat the zero-delay, keyframe-per-chunk stream the
-server promises (see ``trio_vstream.media.encoding``). So the options are an allow-list, each
+server promises (see ``trio_vstream.media.h264``). So the options are an allow-list, each
 value checked, and everything else is refused by name.
 
 This module is the one definition of that list. `parse_start` applies it (a client hears

@@ -29,7 +29,8 @@ from trio_vstream import protocol
 from trio_vstream.engines.contract import Engine, GenerationRequest, InvalidRequestError
 from trio_vstream.engines.interfaces import AudioFormat, audio_format, interaction_kinds
 from trio_vstream.logsafe import get_logger
-from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder, decode_image
+from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder
+from trio_vstream.media.image_decode import decode_image
 from trio_vstream.media.image_fetch import ImageFetchError, fetch_image
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session.calls import SessionCalls
