@@ -29,7 +29,9 @@ no video encoding. Three rules keep the server's guarantees intact:
 `trio_vstream.engines.testing.check_engine` drives an engine through these rules.
 What an engine may declare beyond them (interaction kinds, batching, a device, a
 stream's seed) are Protocols of their own in `trio_vstream.engines.interfaces`; the
-helpers the built-in engines share live beside this module (`frames`, `args`).
+helpers the built-in engines share live beside this module (`frames`, `args`). An
+engine that batches its steps across sessions enters batching with `batched`, whose
+checkpoint side (`BatchRunner`) only the server and the kit implement.
 """
 
 from __future__ import annotations
