@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import attrs
@@ -17,6 +17,7 @@ from trio_vstream.engines.contract import (
     EngineError,
     GenerationRequest,
     PromptChange,
+    batched,
     checkpoint_calling,
 )
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
@@ -71,9 +72,10 @@ class FirstStepMeeting:
 
 class MeetingCheckpoint(Checkpoint):
     """A server's checkpoint, passed through, but for a `FirstStepMeeting` before the
-    stream's first step of a batch (``checkpoint.batched``): what a test wraps a real
-    batching engine's streams in (`MeetingStream`) to have the sessions it starts
-    together share their first batch. The session is in the batch by then."""
+    stream's first step of a batch (``batched``; it is a `BatchRunner` that forwards to
+    the inner checkpoint): what a test wraps a real batching engine's streams in
+    (`MeetingStream`) to have the sessions it starts together share their first batch.
+    The session is in the batch by then."""
 
     def __init__(self, inner: Checkpoint, stream: MeetingStream) -> None:
         self._inner = inner
@@ -91,8 +93,8 @@ class MeetingCheckpoint(Checkpoint):
             yield
 
     @contextlib.contextmanager
-    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
-        with self._inner.batched(run_batch) as step:
+    def batched_steps(self, run_batch: Any, key: Hashable) -> Iterator[Callable[[Any], Any]]:
+        with batched(self._inner, run_batch, key) as step:
 
             def meeting_first(row: Any) -> Any:
                 self._stream.arrive()
@@ -353,8 +355,8 @@ class StoppingCheckpoint(SessionCheckpoint):
             self.meet.leave()
 
     @contextlib.contextmanager
-    def batched(self, run_batch: Any) -> Iterator[Callable[[Any], Any]]:
-        with super().batched(run_batch) as step:
+    def batched_steps(self, run_batch: Any, key: Hashable) -> Iterator[Callable[[Any], Any]]:
+        with super().batched_steps(run_batch, key) as step:
 
             def counted(row: Any) -> Any:
                 self.steps += 1

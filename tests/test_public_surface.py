@@ -55,10 +55,11 @@ CLIENT_NAMES = """API_KEY_ENV ChunkCallback DEFAULT_URL EXIT_CONNECTION EXIT_INT
     add_watch_arguments check_startup load_recording remux_to_mp4 replay run_client
     run_replay run_watch stream_video watch_link_url watch_video"""
 
-ENGINE_NAMES = """BUILTIN_ENGINES Checkpoint Chunk ChunkConditioning DEFAULT_INTERACTION_KINDS
-    DeferredFrames Engine EngineConfigError EngineError EngineFactory EngineStream
-    GenerationRequest InvalidRequestError PromptChange PromptSchedule SamplingSettings
-    checkpoint_calling interaction_kinds load_engine release_frames"""
+ENGINE_NAMES = """BUILTIN_ENGINES BatchRunner Checkpoint Chunk ChunkConditioning
+    DEFAULT_INTERACTION_KINDS DeferredFrames Engine EngineConfigError EngineError
+    EngineFactory EngineStream GenerationRequest InvalidRequestError PromptChange
+    PromptSchedule RunBatch SamplingSettings batch_result batched checkpoint_calling
+    interaction_kinds load_engine release_frames"""
 
 TOP_NAMES = "Engine EngineStream Limits ServerConfig SessionConfig VideoServer load_engine serve"
 

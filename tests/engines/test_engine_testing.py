@@ -12,7 +12,13 @@ import attrs
 import numpy as np
 import pytest
 
-from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
+from trio_vstream.engines.contract import (
+    Checkpoint,
+    Chunk,
+    GenerationRequest,
+    PromptChange,
+    batched,
+)
 from trio_vstream.engines.testing import RULES, EngineContractError, check_engine
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.values import VideoDefaults, audio_samples_through
@@ -51,7 +57,7 @@ class ToyStream:
 
     def step(self, checkpoint: Checkpoint) -> None:
         if self.engine.max_batch > 1:
-            with checkpoint.batched(self.engine.run_batch) as step:
+            with batched(checkpoint, self.engine.run_batch) as step:
                 self.level = step(self.level)
         else:
             checkpoint()
@@ -291,6 +297,26 @@ class MixesRows(ToyEngine):
         return [rows[0] + 1 for _ in rows]
 
 
+class OwnRunBatch(ToyStream):
+    """Steps with a ``run_batch`` of its own (a closure made per step), under ``key``:
+    rows of equal keys batch together whichever stream's closure they came with."""
+
+    key: object = "toy step"
+
+    def step(self, checkpoint: Checkpoint) -> None:
+        engine = self.engine
+
+        def run_batch(rows: Sequence[float]) -> list[float]:
+            return engine.run_batch(rows)
+
+        with batched(checkpoint, run_batch, self.key) as step:
+            self.level = step(self.level)
+
+
+class OwnRunBatchNoKey(OwnRunBatch):
+    key = None  # the closure itself: no two streams' rows share a key
+
+
 class Incomplete:
     name = "incomplete"
     max_concurrent_steps = 1
@@ -314,6 +340,17 @@ def test_a_toy_engine_that_defers_its_decode_correctly_passes() -> None:
 
 def test_a_toy_engine_that_batches_rows_correctly_passes() -> None:
     check_engine(engine_with(ToyStream, max_batch=4), REQUEST, batch_atol=0)
+
+
+def test_the_kit_batches_rows_by_key_not_by_run_batch() -> None:
+    # MixesRows shows when rows of different streams share a batch. Under one key, with
+    # a run_batch of each stream's own, they do, and the batching rule catches the mix;
+    # with no key (each closure its own), they never meet, and nothing is mixed.
+    mixing = type("Mixing", (MixesRows,), {"stream_class": OwnRunBatch})
+    with pytest.raises(EngineContractError) as caught:
+        check_engine(mixing, REQUEST)
+    assert caught.value.rules == {"batching"}, str(caught.value)
+    check_engine(type("Apart", (MixesRows,), {"stream_class": OwnRunBatchNoKey}), REQUEST)
 
 
 BROKEN = {

@@ -1,7 +1,7 @@
 """The step batcher: sessions' steps run as one batch, and each session still gets its own.
 
 Each "session" here is a Trio task running an engine-like loop in a worker thread,
-stepping through ``checkpoint.batched(run_batch)`` exactly as an engine does; rows are
+stepping through ``batched(checkpoint, run_batch)`` exactly as an engine does; rows are
 numbers and a step adds one, so every result says whose row it was and how far it got.
 """
 
@@ -11,14 +11,14 @@ import gc
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from trio_vstream.engines.contract import EngineError
+from trio_vstream.engines.contract import EngineError, batched
 from trio_vstream.scheduling.batcher import StepBatcher
 from trio_vstream.scheduling.checkpoint import SessionCheckpoint
 from trio_vstream.scheduling.progress import EngineProgress
@@ -43,13 +43,18 @@ class Recorder:
 
 
 def stepping(
-    run_batch: Recorder, name: str, steps: int, barrier: threading.Barrier | None = None
+    run_batch: Recorder,
+    name: str,
+    steps: int,
+    barrier: threading.Barrier | None = None,
+    key: Hashable = None,
 ) -> Callable[[SessionCheckpoint], int]:
-    """A session's engine work: ``steps`` batched steps, returning the final value."""
+    """A session's engine work: ``steps`` batched steps (under ``key``, by default the
+    ``run_batch`` itself), returning the final value."""
 
     def work(checkpoint: SessionCheckpoint) -> int:
         value = 0
-        with checkpoint.batched(run_batch) as step:
+        with batched(checkpoint, run_batch, key) as step:
             if barrier is not None:
                 barrier.wait()  # every session has joined before anyone steps
             for _ in range(steps):
@@ -92,6 +97,43 @@ async def test_sessions_stepping_together_run_as_one_batch(nursery: trio.Nursery
     assert (batcher.batches, batcher.rows) == (5, 20)
 
 
+async def test_rows_of_equal_keys_batch_together_whatever_their_run_batch(
+    nursery: trio.Nursery,
+) -> None:
+    """Each session hands over a run_batch of its own, under one key: their rows run as
+    one batch, by the run_batch of the batch's first row (the key says they are
+    interchangeable)."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    own = {name: Recorder() for name in "ab"}
+    results: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+    async with trio.open_nursery() as sessions:
+        for name in "ab":
+            work = stepping(own[name], name, 3, barrier, key=("step", 4))
+            sessions.start_soon(session, batcher, work, results, name)
+    assert results == {"a": 3, "b": 3}
+    batches = own["a"].batches + own["b"].batches
+    assert [sorted(batch) for batch in batches] == [["a", "b"]] * 3
+    assert (batcher.batches, batcher.rows) == (3, 6)
+
+
+async def test_rows_of_different_keys_never_share_a_batch(nursery: trio.Nursery) -> None:
+    """One run_batch, two keys: the rows of each key run apart."""
+    batcher = StepBatcher(8, EngineProgress())
+    nursery.start_soon(batcher.run)
+    run_batch, results = Recorder(), {}
+    barrier = threading.Barrier(4)
+    async with trio.open_nursery() as sessions:
+        for name, key in (("a", 1), ("b", 2), ("c", 1), ("d", 2)):
+            work = stepping(run_batch, name, 3, barrier, key=("step", key))
+            sessions.start_soon(session, batcher, work, results, name)
+    assert results == dict.fromkeys("abcd", 3)
+    # Both members of a key join before either steps: every batch is a key's pair.
+    batches = sorted(tuple(sorted(batch)) for batch in run_batch.batches)
+    assert batches == [("a", "c")] * 3 + [("b", "d")] * 3
+
+
 async def test_without_a_batcher_each_row_runs_alone() -> None:
     run_batch, results = Recorder(), {}
     async with trio.open_nursery() as sessions:
@@ -111,7 +153,7 @@ async def test_max_batch_is_respected_and_sessions_take_turns(nursery: trio.Nurs
     waited: dict[str, list[int]] = {name: [] for name in "abcde"}
 
     async def stepper(name: str) -> None:
-        member = batcher.join(run_batch, lambda: None)
+        member = batcher.join(run_batch, run_batch, lambda: None)
         try:
             value = 0
             for _ in range(4):
@@ -316,7 +358,10 @@ async def test_a_per_stream_run_batch_is_not_kept_after_its_sessions(
                 batcher.leave(member)
 
         # Two members, so that rows go through the batcher's queue (one alone would not).
-        first, second = batcher.join(run_batch, lambda: None), batcher.join(run_batch, lambda: None)
+        first, second = (
+            batcher.join(run_batch, run_batch, lambda: None),
+            batcher.join(run_batch, run_batch, lambda: None),
+        )
         async with trio.open_nursery() as sessions:
             sessions.start_soon(stepper, first, 3, scope)
             if stopped:  # its row waits for the other's, and is taken back by a stop
@@ -343,7 +388,7 @@ async def test_one_claim_to_step_alone_at_a_time_across_run_batch_groups(
     batcher = StepBatcher(8, EngineProgress())
     nursery.start_soon(batcher.run)
     run_a, run_b = Recorder(), Recorder()
-    a, b = batcher.join(run_a, lambda: None), batcher.join(run_b, lambda: None)
+    a, b = batcher.join(run_a, run_a, lambda: None), batcher.join(run_b, run_b, lambda: None)
     assert batcher.claim_alone(a)  # a's row runs in a's thread now
     assert not batcher.claim_alone(b)
     got: dict[str, Any] = {}

@@ -21,7 +21,7 @@ from trio_websocket import open_websocket_url
 
 from tests.conftest import Transcript, receive_into
 from tests.scheduling.test_batching import Recorder
-from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError, GenerationRequest, batched
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
 from trio_vstream.scheduling.batcher import StepBatcher
 from trio_vstream.scheduling.progress import EngineProgress
@@ -72,7 +72,7 @@ async def test_a_batch_cancelled_before_its_thread_starts_still_finishes_its_row
                 await batcher.run()
 
         async def stepper(name: str, scope: trio.CancelScope) -> None:
-            member = batcher.join(run_batch, lambda: None)
+            member = batcher.join(run_batch, run_batch, lambda: None)
             try:
                 with scope:
                     got[name] = await batcher.step(member, (name, 0))
@@ -128,7 +128,10 @@ async def test_a_stop_that_lands_as_its_batch_ends_is_a_stop(nursery: trio.Nurse
             batcher.leave(member)
 
     # Both join before either steps, so that the first batch waits for both rows.
-    a, b = batcher.join(run_batch, lambda: None), batcher.join(run_batch, lambda: None)
+    a, b = (
+        batcher.join(run_batch, run_batch, lambda: None),
+        batcher.join(run_batch, run_batch, lambda: None),
+    )
     with trio.fail_after(10):
         async with trio.open_nursery() as sessions:
             sessions.start_soon(stepper, "a", a, trio.CancelScope())
@@ -165,7 +168,7 @@ class BatchingEngine(SyntheticEngine):
         synthetic_chunk = stream.next_chunk
 
         def next_chunk(checkpoint: Checkpoint) -> Chunk | None:
-            with checkpoint.batched(self.run_batch) as step:
+            with batched(checkpoint, self.run_batch) as step:
                 self.joined.wait()
                 step(0)
             return synthetic_chunk(checkpoint)
@@ -242,7 +245,10 @@ async def test_rows_still_waiting_when_the_batcher_stops_fail_rather_than_wait()
     async def scenario() -> dict[str, Any]:
         run_batch, got = Recorder(), {}
         batcher = StepBatcher(8, EngineProgress())
-        a, b = batcher.join(run_batch, lambda: None), batcher.join(run_batch, lambda: None)
+        a, b = (
+            batcher.join(run_batch, run_batch, lambda: None),
+            batcher.join(run_batch, run_batch, lambda: None),
+        )
 
         async def step(name: str, member: Any) -> None:
             try:

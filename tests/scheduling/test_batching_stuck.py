@@ -47,7 +47,7 @@ class Stuck:
         self.ended: dict[str, trio.Event] = {}
 
     def start(self, nursery: trio.Nursery, name: str) -> None:
-        member = self.batcher.join(self.run_batch, lambda: None)
+        member = self.batcher.join(self.run_batch, self.run_batch, lambda: None)
         self.members[name] = member
         self.scopes[name] = scope = trio.CancelScope()
         self.ended[name] = ended = trio.Event()
@@ -112,7 +112,7 @@ async def test_while_stuck_a_new_row_fails_at_once_and_none_steps_alone(
         with trio.fail_after(10):
             await stuck.ended["c"].wait()
         assert is_stuck_error(stuck.results["c"]), stuck.results["c"]
-        alone = stuck.batcher.join(stuck.run_batch, lambda: None)
+        alone = stuck.batcher.join(stuck.run_batch, stuck.run_batch, lambda: None)
         try:
             assert not stuck.batcher.claim_alone(alone)  # the forward is still in use
         finally:
@@ -174,11 +174,11 @@ async def test_a_session_alone_whose_step_hangs_makes_the_batcher_stuck(
     batcher = StepBatcher(4, EngineProgress(), on_stuck=lambda: told.append(batcher.stuck))
     nursery.start_soon(batcher.run)
     run_batch = Recorder()
-    member = batcher.join(run_batch, lambda: None)
+    member = batcher.join(run_batch, run_batch, lambda: None)
     assert batcher.claim_alone(member)  # its step now runs in its own thread
     batcher.member_abandoned(member)
     assert batcher.stuck and told == [True]
-    other = batcher.join(run_batch, lambda: None)
+    other = batcher.join(run_batch, run_batch, lambda: None)
     with pytest.raises(EngineError, match="stuck"):
         await batcher.step(other, ("other", 0))
     batcher.leave(member)  # its step returned, and its thread leaves

@@ -29,7 +29,7 @@ from tests.scheduling.test_engine_calls import (
     until_blocked,
 )
 from tests.server.test_http import http_get
-from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, batched
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
 from trio_vstream.server.app import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
 from trio_vstream.session.session import Outcome, SessionConfig
@@ -227,7 +227,7 @@ class HangingBatches(SyntheticEngine):
         first = [self.hold]
 
         def next_chunk(checkpoint: Checkpoint) -> Chunk | None:
-            with checkpoint.batched(self.run_batch) as step:
+            with batched(checkpoint, self.run_batch) as step:
                 if first.pop() if first else False:
                     self.joined.wait()
                 step(0)

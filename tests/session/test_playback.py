@@ -19,7 +19,7 @@ import trio.testing
 
 from tests.instrumented import InstrumentedEngine, InstrumentedStream
 from tests.session.playback_harness import CHUNK_FRAMES, START, harness, settle
-from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
+from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, batched
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.session.endings import Outcome
 
@@ -239,7 +239,7 @@ class SteppingBatchEngine(InstrumentedEngine):
         instrumented = stream.next_chunk
 
         def next_chunk(checkpoint: Checkpoint) -> Chunk | None:
-            with checkpoint.batched(self.run_batch) as step:
+            with batched(checkpoint, self.run_batch) as step:
                 step(0)
                 step(1)
             return instrumented(checkpoint)

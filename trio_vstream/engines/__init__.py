@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Mapping
 
 from trio_vstream.engines.contract import (
+    BatchRunner,
     Checkpoint,
     Chunk,
     DeferredFrames,
@@ -24,7 +25,10 @@ from trio_vstream.engines.contract import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    RunBatch,
     SamplingSettings,
+    batch_result,
+    batched,
     checkpoint_calling,
     release_frames,
 )
@@ -38,6 +42,7 @@ from trio_vstream.engines.transitions import ChunkConditioning, PromptSchedule
 __all__ = [
     "BUILTIN_ENGINES",
     "DEFAULT_INTERACTION_KINDS",
+    "BatchRunner",
     "Checkpoint",
     "Chunk",
     "ChunkConditioning",
@@ -51,7 +56,10 @@ __all__ = [
     "InvalidRequestError",
     "PromptChange",
     "PromptSchedule",
+    "RunBatch",
     "SamplingSettings",
+    "batch_result",
+    "batched",
     "checkpoint_calling",
     "interaction_kinds",
     "load_engine",

@@ -29,13 +29,16 @@ no video encoding. Three rules keep the server's guarantees intact:
 `trio_vstream.engines.testing.check_engine` drives an engine through these rules.
 What an engine may declare beyond them (interaction kinds, batching, a device, a
 stream's seed) are Protocols of their own in `trio_vstream.engines.interfaces`; the
-helpers the built-in engines share live beside this module (`frames`, `args`).
+helpers the built-in engines share live beside this module (`frames`, `args`). An
+engine that batches its steps across sessions enters batching with `batched`, whose
+checkpoint side (`BatchRunner`) only the server and the kit implement.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -66,6 +69,11 @@ class Checkpoint:
       session's too, so a long queue is not mistaken for a hang; an engine
       that makes no progress at all is still caught.
 
+    An engine that batches its steps across sessions does so through `batched`
+    (``with batched(checkpoint, run_batch, key) as step``), not through a method
+    here: batching is a capability of its own (`BatchRunner`), which an engine
+    that does not batch never meets.
+
     This base class never cancels, never blocks and records nothing: use it to
     run a stream directly (tests, evaluation scripts). The server passes its
     own subclass; `checkpoint_calling` wraps a plain function.
@@ -82,33 +90,89 @@ class Checkpoint:
         """Mark the session as queued behind others while inside."""
         yield
 
-    @contextlib.contextmanager
-    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
-        """Run steps together with other sessions' steps: ``with checkpoint.batched(f) as step``.
+    def batched(
+        self, run_batch: RunBatch[In, Out]
+    ) -> contextlib.AbstractContextManager[Callable[[In], Out]]:
+        """Deprecated: ``batched(checkpoint, run_batch)``, the module's function, instead.
 
-        Inside, ``step(row)`` is one step whose work is ``run_batch(rows)[i]``:
-        ``run_batch`` takes the rows of several sessions at once (each row
-        everything one step needs: latents, timestep, conditioning) and returns
-        one result per row, in order; a result that is an ``Exception`` fails only
-        its row's session (raised from its ``step``), while an exception raised by
-        ``run_batch`` fails every row in the batch. ``step`` is also a checkpoint:
-        it raises when the session is over, and a stopped session's row leaves the
-        batch at the next step boundary. Stay inside only while stepping (one
-        chunk's denoising loop, say): the server waits for every session inside to
-        send its next row before it runs a batch, so slow work between steps holds
-        the others back. The rows of one batch all come from calls with the same
-        ``run_batch``, called from one thread at a time.
+        Kept for one release so that an engine written against it still batches; it
+        warns (``DeprecationWarning``) and forwards to `batched`, with the key
+        ``run_batch`` itself (rows batch together only when they come with the same
+        ``run_batch``, as before)."""
+        warnings.warn(
+            "Checkpoint.batched(run_batch) is deprecated and will be removed in the next "
+            "release: use trio_vstream.engines.batched(checkpoint, run_batch, key)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return batched(self, run_batch)
 
-        The server batches only engines that declare ``max_batch`` > 1
-        (`interfaces.SupportsBatching`). This base
-        runs each row alone: a step, then ``run_batch([row])``.
-        """
 
-        def step(row: In) -> Out:
-            self()
-            return batch_result(run_batch([row]), 0, 1)
+@runtime_checkable
+class BatchRunner(Protocol):
+    """A checkpoint that can run a stream's steps batched with other streams' steps.
 
-        yield step
+    The server's checkpoint is one (its rows go to the server's step batcher), and so
+    is the conformance kit's; a plain `Checkpoint` is not. An engine never calls this
+    itself: it enters batching through `batched`, which uses a checkpoint's
+    ``batched_steps`` when the checkpoint is a ``BatchRunner`` and runs each row alone
+    otherwise. Implement it to write a server of one's own, or a checkpoint that wraps
+    another (forward ``batched_steps`` to the inner one, or its rows run alone).
+    """
+
+    def batched_steps(
+        self, run_batch: RunBatch[In, Out], key: Hashable
+    ) -> contextlib.AbstractContextManager[Callable[[In], Out]]:
+        """``with runner.batched_steps(run_batch, key) as step``: ``step(row)`` is one
+        step whose work is ``run_batch(rows)[i]``, for a batch of rows handed over with
+        equal ``key`` (never None here: `batched` has already made it ``run_batch``
+        where the engine gave none); see `batched` for what the engine may rely on."""
+        ...
+
+
+@contextlib.contextmanager
+def batched(
+    checkpoint: Checkpoint, run_batch: RunBatch[In, Out], key: Hashable = None
+) -> Iterator[Callable[[In], Out]]:
+    """Run a stream's steps together with other sessions' steps:
+    ``with batched(checkpoint, run_batch, key) as step: ... result = step(row) ...``.
+
+    Inside, ``step(row)`` is one step whose work is ``run_batch(rows)[i]``:
+    ``run_batch`` takes the rows of several sessions at once (each row everything one
+    step needs: latents, timestep, conditioning) and returns one result per row, in
+    order; a result that is an ``Exception`` fails only its row's session (raised from
+    its ``step``), while an exception raised by ``run_batch`` fails every row in the
+    batch. ``step`` is also a checkpoint: it raises when the session is over, and a
+    stopped session's row leaves the batch at the next step boundary. Stay inside only
+    while stepping (one chunk's denoising loop, say): the server waits for every session
+    inside to send its next row before it runs a batch, so slow work between steps holds
+    the others back.
+
+    ``key`` says which rows may share a batch: any hashable value, and rows handed over
+    with equal keys are batched together, whichever session's ``run_batch`` they came
+    with. A batch runs the ``run_batch`` that came with its first row, called from one
+    thread at a time; so the ``run_batch`` of every row of one key must be
+    interchangeable (put in the key whatever a batch's forward depends on: shapes,
+    dtype, the LoRA), and each session may build its own. ``key`` None (the default)
+    means ``run_batch`` itself: only rows with the same (equal) ``run_batch`` batch.
+
+    The rows batch when ``checkpoint`` is a `BatchRunner` (the server's, for an engine
+    that declares ``max_batch`` > 1, see `interfaces.SupportsBatching`; the conformance
+    kit's). Any other checkpoint (a plain ``Checkpoint()`` in a test or an evaluation
+    script) runs each row alone: a step (``checkpoint()``), then ``run_batch([row])``.
+    """
+    group = run_batch if key is None else key
+    hash(group)  # a TypeError here, not in the server's thread, for an unhashable key
+    if isinstance(checkpoint, BatchRunner):
+        with checkpoint.batched_steps(run_batch, group) as step:
+            yield step
+        return
+
+    def alone(row: In) -> Out:
+        checkpoint()
+        return batch_result(run_batch([row]), 0, 1)
+
+    yield alone
 
 
 def batch_result(results: Sequence[Out | Exception], index: int, rows: int) -> Out:

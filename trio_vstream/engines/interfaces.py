@@ -8,7 +8,7 @@ its models) rather than with ``getattr`` and a default scattered through the ser
 * `SupportsInteractionKinds`: what a ``session.interaction`` may carry for it (prompts
   only when it does not say); read with `interaction_kinds`.
 * `SupportsBatching`: it runs several sessions' steps as one batch
-  (``checkpoint.batched``); read with `max_batch`.
+  (``trio_vstream.engines.batched``); read with `max_batch`.
 * `SupportsDevice`: the device it runs on, named in recordings.
 * `SupportsSeed`, for a stream: the seed it uses, echoed to a client that chose none.
 * `SupportsLiveSettings`: the sampling settings it suggests for live (paced,
@@ -86,11 +86,18 @@ class SupportsInteractionKinds(Protocol):
 class SupportsBatching(Protocol):
     """An engine that runs the steps of several sessions as one batch.
 
-    Its streams step inside ``with checkpoint.batched(run_batch) as step:`` (see
-    `trio_vstream.engines.contract.Checkpoint.batched`); ``max_batch`` > 1 asks the server to
-    batch them, at most that many rows a call, and 1 makes it step each session alone
-    (``max_concurrent_steps`` then applies). ``run_batch`` is handed over with each row,
-    so it is no member here: an engine may batch more than one kind of step.
+    Its streams step inside ``with batched(checkpoint, run_batch, key) as step:`` (see
+    `trio_vstream.engines.contract.batched`); ``max_batch`` > 1 asks the server to batch
+    them, at most that many rows a call, and 1 makes it step each session alone
+    (``max_concurrent_steps`` then applies). ``run_batch`` and ``key`` are handed over
+    when a stream enters batching, so they are no members here: an engine may batch more
+    than one kind of step, each under keys of its own. Rows of equal keys are batched
+    together and run by the ``run_batch`` of the batch's first row, so a key names
+    everything the batched call depends on (shapes, dtype, an adapter), and each stream
+    may build its own ``run_batch`` (holding references to the shared model, not copies).
+
+    The checkpoint side is `trio_vstream.engines.contract.BatchRunner`, which the server's
+    checkpoint implements; an engine never calls it, nor needs to know of it.
     """
 
     max_batch: int

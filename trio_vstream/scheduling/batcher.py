@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -36,9 +36,13 @@ logger = get_logger(__name__)
 
 @attrs.define(eq=False)
 class BatchMember:
-    """A session inside ``checkpoint.batched(run_batch)``: the batcher waits for its rows."""
+    """A session inside ``batched(checkpoint, run_batch, key)``: the batcher waits for its
+    rows, and batches them with the rows of the other members of its ``key``."""
 
     run_batch: RunBatch[Any, Any]
+    key: Hashable
+    """Its group: rows of members with equal keys run in one batch (by the ``run_batch``
+    of the batch's first row, which the engine made interchangeable within a key)."""
     on_progress: Callable[[], None]
     row: _Row | None = None
     """Its row while waiting or in a running batch; None while it works between steps."""
@@ -74,8 +78,10 @@ class _Row:
 class StepBatcher:
     """Runs the steps of every session of one engine as batches, from one task.
 
-    Rows gather per ``run_batch`` function (an engine's batched step). A batch
-    runs once every session inside ``batched()`` has handed over its next row,
+    Rows gather per key (what the engine hands over with its batched step: any
+    hashable, the ``run_batch`` itself by default), and a batch runs the ``run_batch``
+    its first row came with. A batch
+    runs once every member of its key has handed over its next row,
     or once ``max_batch`` rows wait; the rows that waited longest go first, so
     with more sessions than ``max_batch`` they take turns, and a new session's
     row joins at the next step. A session that is stopped while its row waits
@@ -116,11 +122,12 @@ class StepBatcher:
         self._progress = progress
         self._on_batch = on_batch
         """Told each batch's row count (the server's metrics)."""
-        self._members: dict[Any, set[BatchMember]] = {}
-        self._queues: dict[Any, deque[_Row]] = {}
-        """The rows waiting, per ``run_batch``. Only groups with a row waiting have a
-        queue: an engine may pass a new function (a closure) per stream, and a queue kept
-        per function ever seen would keep every one of them, and what it holds."""
+        self._members: dict[Hashable, set[BatchMember]] = {}
+        """The members inside, per key. A key is forgotten with its last member: an
+        engine may make a new key (a shape, a closure) per stream or per chunk."""
+        self._queues: dict[Hashable, deque[_Row]] = {}
+        """The rows waiting, per key. Only keys with a row waiting have a queue, so no
+        key (nor the ``run_batch`` of its rows) is kept longer than its rows."""
         self._changed = trio.Event()
         self._abandoned = abandoned if abandoned is not None else AbandonedCalls()
         """Where a hung batch's call is counted until it returns (the server's)."""
@@ -208,9 +215,13 @@ class StepBatcher:
 
     # -- called from sessions' threads through trio.from_thread
 
-    def join(self, run_batch: RunBatch[Any, Any], on_progress: Callable[[], None]) -> BatchMember:
-        member = BatchMember(run_batch, on_progress)
-        self._members.setdefault(run_batch, set()).add(member)
+    def join(
+        self, run_batch: RunBatch[Any, Any], key: Hashable, on_progress: Callable[[], None]
+    ) -> BatchMember:
+        """A member for a session entering ``batched()`` with ``run_batch`` and ``key``:
+        its rows batch with those of every member of an equal key."""
+        member = BatchMember(run_batch, key, on_progress)
+        self._members.setdefault(key, set()).add(member)
         return member
 
     def claim_alone(self, member: BatchMember) -> bool:
@@ -225,7 +236,7 @@ class StepBatcher:
             and self._stuck_on is None
             and self._batch_scope is None  # no batch runs
             and not self._queues
-            and self._members.get(member.run_batch) == {member}
+            and self._members.get(member.key) == {member}
         )
         if alone:
             self._alone = member
@@ -247,11 +258,11 @@ class StepBatcher:
         self._drop(member)
 
     def _drop(self, member: BatchMember) -> None:
-        members = self._members.get(member.run_batch)
+        members = self._members.get(member.key)
         if members is not None and member in members:
             members.discard(member)
             if not members:
-                del self._members[member.run_batch]
+                del self._members[member.key]
             self._changed.set()  # the batch may have been waiting for this member
 
     async def step(self, member: BatchMember, data: Any) -> Any:
@@ -262,7 +273,7 @@ class StepBatcher:
         self._handed_over += 1
         row = _Row(member, data, self._handed_over)
         member.row = row
-        self._queues.setdefault(member.run_batch, deque()).append(row)
+        self._queues.setdefault(member.key, deque()).append(row)
         self._changed.set()
         try:
             with self._progress.queued(member, member.on_progress):
@@ -286,10 +297,10 @@ class StepBatcher:
     # -- the batching task
 
     def _unqueue(self, row: _Row) -> None:
-        queue = self._queues[row.member.run_batch]
+        queue = self._queues[row.member.key]
         queue.remove(row)
         if not queue:
-            del self._queues[row.member.run_batch]
+            del self._queues[row.member.key]
         row.member.row = None
 
     def _next_batch(self) -> list[_Row] | None:
@@ -297,24 +308,24 @@ class StepBatcher:
         ready."""
         if self._alone is not None or self._stuck_on is not None:
             return None
-        ready: list[Any] = []
-        for run_batch, queue in self._queues.items():
-            members = self._members.get(run_batch, set())
+        ready: list[Hashable] = []
+        for key, queue in self._queues.items():
+            members = self._members.get(key, set())
             if len(queue) >= self.max_batch or all(m.row is not None for m in members):
-                ready.append(run_batch)
+                ready.append(key)
         if not ready:
             return None
-        run_batch = min(ready, key=lambda key: self._queues[key][0].order)
-        queue = self._queues[run_batch]
+        oldest = min(ready, key=lambda key: self._queues[key][0].order)
+        queue = self._queues[oldest]
         rows = [queue.popleft() for _ in range(min(self.max_batch, len(queue)))]
         if not queue:
-            del self._queues[run_batch]
+            del self._queues[oldest]
         for row in rows:
             row.state = _RowState.IN_FLIGHT
         return rows
 
     async def _run_batch(self, rows: list[_Row]) -> None:
-        run_batch = rows[0].member.run_batch
+        run_batch = rows[0].member.run_batch  # the key's rows' are interchangeable
         call = EngineCall(_call_batch, run_batch, [row.data for row in rows])
         results: Sequence[Any] | None = None
         try:

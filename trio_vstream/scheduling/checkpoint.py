@@ -4,26 +4,33 @@ Every step a session's engine takes passes through its `SessionCheckpoint`, from
 engine's worker thread into the Trio thread: that is where a stopped session's engine
 is stopped (within one step), where sessions take turns on the engine's step slots,
 and where progress is recorded for the stall guard (`trio_vstream.scheduling.progress`).
-A batching engine's steps go from here to the server's `StepBatcher`
-(`trio_vstream.scheduling.batcher`).
+It is a `BatchRunner` too: a batching engine's steps (``trio_vstream.engines.batched``)
+go from here to the server's `StepBatcher` (`trio_vstream.scheduling.batcher`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from typing import Any, TypeVar, cast
 
 import trio
 
-from trio_vstream.engines.contract import Checkpoint, In, Out, RunBatch, batch_result
+from trio_vstream.engines.contract import (
+    BatchRunner,
+    Checkpoint,
+    In,
+    Out,
+    RunBatch,
+    batch_result,
+)
 from trio_vstream.scheduling.batcher import BatchMember, StepBatcher, stuck_error
 from trio_vstream.scheduling.progress import EngineProgress
 
 T = TypeVar("T")
 
 
-class SessionCheckpoint(Checkpoint):
+class SessionCheckpoint(Checkpoint, BatchRunner):
     """The ``checkpoint`` a session hands its engine, called from the worker thread.
 
     A step (``checkpoint()``) raises ``trio.Cancelled`` once the producer is
@@ -53,7 +60,7 @@ class SessionCheckpoint(Checkpoint):
         self._cancelled = False
         self._waits: set[trio.CancelScope] = set()
         self._members: set[BatchMember] = set()
-        """Its memberships of the batcher (in ``batched()``), kept in the Trio thread."""
+        """Its memberships of the batcher (in ``batched_steps()``), kept in the Trio thread."""
 
     def take_waited(self) -> float:
         """Seconds spent queued (step slots, ``waiting()``) since the last call."""
@@ -87,14 +94,23 @@ class SessionCheckpoint(Checkpoint):
             trio.from_thread.run_sync(self._leave_queue, queued)
 
     @contextlib.contextmanager
-    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
+    def batched_steps(
+        self, run_batch: RunBatch[In, Out], key: Hashable
+    ) -> Iterator[Callable[[In], Out]]:
+        """`BatchRunner`'s side (what `trio_vstream.engines.batched` enters): the rows go
+        to the server's `StepBatcher`, grouped by ``key``; without a batcher (an engine
+        with ``max_batch`` 1) each row runs alone, as a step."""
         batcher = self._batcher
-        if batcher is None:  # the engine steps alone: the base class's way
-            with super().batched(run_batch) as alone:
-                yield alone
+        if batcher is None:  # the engine steps alone
+
+            def alone(row: In) -> Out:
+                self()
+                return batch_result(run_batch([row]), 0, 1)
+
+            yield alone
             return
         trio.from_thread.check_cancelled()
-        member = trio.from_thread.run_sync(self._join, batcher, run_batch)
+        member = trio.from_thread.run_sync(self._join, batcher, run_batch, key)
 
         def step(row: In) -> Out:
             trio.from_thread.check_cancelled()
@@ -111,8 +127,10 @@ class SessionCheckpoint(Checkpoint):
         finally:
             trio.from_thread.run_sync(self._leave, batcher, member)
 
-    def _join(self, batcher: StepBatcher, run_batch: RunBatch[Any, Any]) -> BatchMember:
-        member = batcher.join(run_batch, self._on_progress)
+    def _join(
+        self, batcher: StepBatcher, run_batch: RunBatch[Any, Any], key: Hashable
+    ) -> BatchMember:
+        member = batcher.join(run_batch, key, self._on_progress)
         self._members.add(member)
         return member
 

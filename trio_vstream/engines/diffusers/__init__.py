@@ -51,10 +51,8 @@ from __future__ import annotations
 
 import math
 import secrets
-import threading
-import weakref
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -106,8 +104,6 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
-
-T = TypeVar("T")
 
 _ENGINE_SET_ARGS: Mapping[str, str] = {
     # __call__ arguments the engine sets itself, and what to use instead: refused like
@@ -238,8 +234,6 @@ class DiffusersEngine:
                 f"max_batch={settings.max_batch} needs offload=none: a batch holds the "
                 "transformer on the device between other sessions' encodes and decodes"
             )
-        self._groups: weakref.WeakValueDictionary[Hashable, Any] = weakref.WeakValueDictionary()
-        self._groups_mutex = threading.Lock()
 
     # ------------------------------------------------------------ interface
 
@@ -250,17 +244,6 @@ class DiffusersEngine:
         stream = DiffusersStream(self, request, plan, None)
         stream._lora = self._claim_lora(request)  # last: nothing after it can fail
         return stream
-
-    def batch_group(self, key: Hashable, make: Callable[[], T]) -> T:
-        """The batched step of ``key``'s rows: one object for every session of the key, as
-        long as any of them holds it (the server's batcher groups rows by it), made by
-        ``make`` when none does. Kept weakly, so a key nobody steps with is forgotten."""
-        with self._groups_mutex:
-            group = self._groups.get(key)
-            if group is None:
-                group = make()
-                self._groups[key] = group
-            return cast(T, group)
 
     def close(self) -> None:
         """Drop the pipelines, and on CUDA hand their memory back to the driver."""

@@ -37,6 +37,7 @@ from trio_vstream.engines.contract import (
     GenerationRequest,
     InvalidRequestError,
     PromptChange,
+    batched,
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.shapes.pixels import ShapesFrames, image_to_context, to_uint8_frames
@@ -364,7 +365,7 @@ class ShapesStream:
                 (weight * self._embedding(key) for key, weight in mix),
                 start=torch.zeros_like(self._uncond),
             )
-            with checkpoint.batched(self._engine.run_batch) as step:
+            with batched(checkpoint, self._engine.run_batch) as step:
                 x0 = sample(
                     model,
                     cond=cond[None],

@@ -8,7 +8,7 @@ contracts keep Trio out of ``engines/``): `Batcher` plays its part for the batch
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -18,6 +18,7 @@ from trio_vstream.engines.contract import EngineError, RunBatch, batch_result
 
 @attrs.define(eq=False)
 class Row:
+    run_batch: RunBatch[Any, Any]
     data: Any
     results: Sequence[Any] = ()
     index: int = 0
@@ -25,11 +26,11 @@ class Row:
 
 
 class Batcher:
-    """Runs the rows of several streams' ``checkpoint.batched`` steps as batches, as the
-    server's ``StepBatcher`` does, but from the streams' own threads: the rows of one
-    ``run_batch`` run as one call once every stream still running has handed over its
-    row (or ``max_batch`` rows wait, or every stream waits), in the thread of the row
-    that completed the batch.
+    """Runs the rows of several streams' batched steps (``engines.batched``) as batches,
+    as the server's ``StepBatcher`` does, but from the streams' own threads: the rows of
+    one key run as one call (the ``run_batch`` of the batch's first row) once every
+    stream still running has handed over its row (or ``max_batch`` rows wait, or every
+    stream waits), in the thread of the row that completed the batch.
     Waiting for every live stream, where the server waits only for those inside
     ``batched()``, makes each batch as large as it can be, so that rows of different
     streams surely meet."""
@@ -56,32 +57,33 @@ class Batcher:
             self._given_up = True
             self._changed.notify_all()
 
-    def step(self, run_batch: RunBatch[Any, Any], data: Any) -> Any:
-        row = Row(data)
+    def step(self, key: Hashable, run_batch: RunBatch[Any, Any], data: Any) -> Any:
+        row = Row(run_batch, data)
         with self._changed:
-            self._queues.setdefault(run_batch, []).append(row)
+            self._queues.setdefault(key, []).append(row)
             self._changed.notify_all()
             while not row.done:
                 if self._given_up:
                     raise EngineError("check_engine stopped waiting for this batch")
-                queue = self._queues.get(run_batch, [])
+                queue = self._queues.get(key, [])
                 waiting = sum(len(rows) for rows in self._queues.values())
                 # Every live stream's row is in, or as many as a batch takes; or every
-                # stream waits, some with another run_batch: then rows of this one go.
+                # stream waits, some with another key: then rows of this one go.
                 full = len(queue) >= min(self.max_batch, self.live) or waiting >= self.live
                 if not self._running and queue and full:
-                    self._run(run_batch, queue)
+                    self._run(key, queue)
                 else:
                     self._changed.wait()
         return batch_result(row.results, row.index, len(row.results))
 
-    def _run(self, run_batch: RunBatch[Any, Any], queue: list[Row]) -> None:
-        """Run the oldest rows of ``queue``: called, and returning, with the lock held,
-        which is let go while ``run_batch`` runs."""
+    def _run(self, key: Hashable, queue: list[Row]) -> None:
+        """Run the oldest rows of ``key``'s ``queue`` with the first one's ``run_batch``:
+        called, and returning, with the lock held, which is let go while it runs."""
         rows = queue[: self.max_batch]
         del queue[: len(rows)]
         if not queue:
-            del self._queues[run_batch]
+            del self._queues[key]
+        run_batch = rows[0].run_batch
         self._running = True
         self._changed.release()
         try:

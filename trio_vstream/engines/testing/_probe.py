@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import cast
 
-from trio_vstream.engines.contract import Checkpoint, In, Out, RunBatch
+from trio_vstream.engines.contract import (
+    BatchRunner,
+    Checkpoint,
+    In,
+    Out,
+    RunBatch,
+    batch_result,
+)
 from trio_vstream.engines.testing._batcher import Batcher
 
 
@@ -28,7 +35,7 @@ class StepFailed(Exception):
     """What the kit's checkpoint raises to fail a step, as a failed batch row would."""
 
 
-class Probe(Checkpoint):
+class Probe(Checkpoint, BatchRunner):
     """The kit's checkpoint for one stream: counts its steps, and may stop it at one,
     fail it at one, park it at one (until ``unpark`` is set), or batch its rows."""
 
@@ -70,15 +77,17 @@ class Probe(Checkpoint):
             raise CheckpointStopped
 
     @contextlib.contextmanager
-    def batched(self, run_batch: RunBatch[In, Out]) -> Iterator[Callable[[In], Out]]:
+    def batched_steps(
+        self, run_batch: RunBatch[In, Out], key: Hashable
+    ) -> Iterator[Callable[[In], Out]]:
+        """`BatchRunner`'s side: with a batcher, each row is a step and then a row of a
+        batch of ``key``'s rows; without, a step and then ``run_batch([row])``."""
         batcher = self._batcher
-        if batcher is None:  # each row alone: a step, then run_batch([row])
-            with super().batched(run_batch) as alone:
-                yield alone
-            return
 
         def together(row: In) -> Out:
             self()
-            return cast(Out, batcher.step(run_batch, row))
+            if batcher is None:
+                return batch_result(run_batch([row]), 0, 1)
+            return cast(Out, batcher.step(key, run_batch, row))
 
         yield together

@@ -13,7 +13,7 @@ device gives the same frames.
 
 One step is a `StepInput` and `denoise` evaluates any number of them in one
 model call, each with its own timestep, conditioning and guidance: that is how
-the engine batches the steps of several sessions (see ``Checkpoint.batched``).
+the engine batches the steps of several sessions (see ``trio_vstream.engines.batched``).
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ tests:
    copy); a loop of pipeline calls can build on ``segments.SegmentRun``, as ``history``
    does. A family whose steps can run batched across sessions also sets ``batches =
    True`` (optional, read with a default) and, when the engine's ``max_batch`` > 1,
-   steps inside ``checkpoint.batched`` with one ``run_batch`` per batch key
-   (``DiffusersEngine.batch_group``), as ``forcing``, ``framepack`` and ``far`` do: each
+   steps inside ``batched(checkpoint, group, key)`` (``trio_vstream.engines.batched``),
+   each session with a group of its own and the pass's hashable batch key, rows of
+   equal keys batched together, as ``forcing``, ``framepack`` and ``far`` do: each
    makes its batched pass with ``_batch.batched_chunk`` and its groups on
    ``_batch.ModelGroup``. A family of pipeline calls built on ``SegmentRun`` batches its
    calls' transformer forwards through ``_calls.BatchedCall`` (``segments``,

@@ -15,7 +15,7 @@ the families fill in with their own preparation, steps and decode.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
 NEVER_STOPS = Checkpoint()
 """The batch's own wait for the lock: a batch serves several sessions, and stops for
-none of them (a stopped session's row leaves at the next step; see `Checkpoint.batched`).
+none of them (a stopped session's row leaves at the next step; see
+`trio_vstream.engines.batched`).
 The wait is bounded by one session's encoding (prompt, text or image) or one decode."""
 
 Key = TypeVar("Key")
-Group = TypeVar("Group")
 Prepared = TypeVar("Prepared")
 Stepped = TypeVar("Stepped")
 
@@ -45,8 +45,12 @@ Stepped = TypeVar("Stepped")
 class ModelGroup(Generic[Key]):
     """The engine, pipeline, key, LoRA and ``attention_kwargs`` of a batched step's rows:
     a group's ``__call__`` (``run_batch``) runs their forward with them, inside
-    `locked`. The server's batcher gathers rows by the group object, so the engine hands
-    the same one to every session of a key (`DiffusersEngine.batch_group`).
+    `locked`. Each session builds its own group for a pass and hands it over with its
+    key (``batched(checkpoint, group, key)``): rows of equal keys are batched together
+    and run by the first row's group, so everything a group holds besides references to
+    the engine's parts is made from its key (the LoRA's adapter and scale are in it; a
+    row with ``attention_kwargs`` has a key of its own). A group is small: references
+    to the engine, the pipeline and the LoRA, nothing copied.
 
     ``attention_kwargs`` is None for a group whose rows bring none, or whose forwards
     take them from the rows themselves (`_calls.CallGroup`)."""
@@ -122,10 +126,6 @@ class BatchedPass:
         lora = self.stream.lora
         return None if lora is None else (lora[0].adapter, lora[1])
 
-    def group(self, key: Hashable, make: Callable[[], Group]) -> Group:
-        """The engine's one group for ``key`` (`DiffusersEngine.batch_group`)."""
-        return self.stream.engine.batch_group(key, make)
-
 
 def batched_chunk(
     stream: DiffusersStream,
@@ -140,7 +140,7 @@ def batched_chunk(
     defer: Callable[[BatchedPass, Stepped], DeferredFrames] | None = None,
 ) -> Chunk:
     """The next chunk of a loop the engine drives, its steps batched with other
-    sessions' (``checkpoint.batched``): the batched counterpart of
+    sessions' (`trio_vstream.engines.batched`): the batched counterpart of
     `DiffusersStream.driven_chunk`.
 
     Every batched family makes a chunk in the same order, which is what keeps sessions

@@ -10,7 +10,7 @@ scheduler are then the session's), whose components are stand-ins:
 * the transformer (and Wan 2.2's ``transformer_2``) is a `_TransformerStandIn`: attribute
   reads go to the real module (dtype, config, device), its ``cache_context`` only notes
   the name, and calling it hands the forward's arguments, as one row, to the session's
-  ``step`` (`Checkpoint.batched`). The batch (`CallGroup`) runs the real module once over
+  ``step`` (`trio_vstream.engines.batched`). The batch (`CallGroup`) runs the real module once over
   every row that agrees on what must agree (`row_key`), under the engine's lock with the
   group's LoRA active, and gives each row its slice of the output.
 * the VAE, the text encoder and the image encoder are `_LockedStandIn`: each call of
@@ -22,7 +22,7 @@ scheduler are then the session's), whose components are stand-ins:
 
 A session joins its batch at its first forward and leaves it at the first VAE or
 encoder call after it (or when the call ends, however it ends): it is inside
-``checkpoint.batched`` only while it steps. Classifier-free guidance stays the call's:
+``batched`` only while it steps. Classifier-free guidance stays the call's:
 Wan and Helios make two forwards a step, the conditional and then the unconditional one,
 so each is a row, and a batch holds one pass of each session (the conditional and the
 unconditional pass of different sessions share a forward when their shapes agree, as
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from trio_vstream.engines.contract import Checkpoint, EngineError
+from trio_vstream.engines.contract import Checkpoint, EngineError, batched
 from trio_vstream.engines.diffusers.loops._batch import ModelGroup
 
 if TYPE_CHECKING:
@@ -153,9 +153,11 @@ def _frozen(value: Any) -> Any:
 class CallGroup(ModelGroup[Hashable]):
     """The batched forward of the calls of one pipeline and one LoRA (``run_batch``).
 
-    The server's batcher gathers rows by this object (`DiffusersEngine.batch_group`);
-    its key is the one the engine keeps it under (the role, the call's shape, the LoRA),
-    and it has no ``attention_kwargs`` of its own: a row's forward arguments are the
+    Each session's call builds its own and hands it over with its key (the role, the
+    call's shape, the LoRA): the server's batcher batches the rows of equal keys, and a
+    batch runs the first row's group, which is interchangeable with the others of its key
+    (references to the same engine, pipeline and LoRA). It has no ``attention_kwargs`` of
+    its own: a row's forward arguments are the
     call's. Called with some rows, it takes the pipeline's lock, puts the group's LoRA on
     the pipeline (`ModelGroup.locked`), and runs one forward per set of rows with equal
     keys (`row_key`): usually one, a pass of every session. Where rows differ (a Wan 2.2
@@ -347,9 +349,9 @@ class BatchedCall:
             self._shape,
             None if lora is None else (lora[0].adapter, lora[1]),
         )
-        group = engine.batch_group(key, lambda: CallGroup(engine, info, key, lora))
+        group = CallGroup(engine, info, key, lora)
         stack = contextlib.ExitStack()
-        self._step = stack.enter_context(self._checkpoint.batched(group))
+        self._step = stack.enter_context(batched(self._checkpoint, group, key))
         self._batch = stack
 
 

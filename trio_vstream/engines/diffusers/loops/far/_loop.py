@@ -5,13 +5,12 @@ across sessions (`batched_chunk`, the groups of `_groups`)."""
 from __future__ import annotations
 
 import copy
-import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from trio_vstream.engines.contract import Checkpoint, Chunk
+from trio_vstream.engines.contract import Checkpoint, Chunk, batched
 from trio_vstream.engines.diffusers.loops._batch import (
     BatchedPass,
     batched_chunk,
@@ -424,13 +423,9 @@ class FarLoop:
                 alone=None if attention_kwargs is None else object(),
                 cache_pass=True,
             )
-            group = pass_.group(
-                ("far", key),
-                functools.partial(CachePassGroup, engine, info, key, lora, attention_kwargs),
-            )
-            with pass_.checkpoint.batched(group) as step:
+            group = CachePassGroup(engine, info, key, lora, attention_kwargs)
+            with batched(pass_.checkpoint, group, ("far", key)) as step:
                 step(CacheRow(latents=latents, embeds=embeds, negative=negative, cache=cache))
-            del group
             flag["num_cached_chunks"] += 1  # as encode_kv_cache counts it
             self._cached_chunks += 1
 
@@ -467,10 +462,8 @@ class FarLoop:
             lora=pass_.lora_key,
             alone=None if attention_kwargs is None else object(),
         )
-        group = pass_.group(
-            ("far", key), lambda: ChunkGroup(engine, info, key, lora, attention_kwargs)
-        )
-        with pass_.checkpoint.batched(group) as step:
+        group = ChunkGroup(engine, info, key, lora, attention_kwargs)
+        with batched(pass_.checkpoint, group, ("far", key)) as step:
             for i, t in enumerate(scheduler.timesteps):
                 r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
                 if t == r:
@@ -486,7 +479,6 @@ class FarLoop:
                 )
                 noise_pred = step(row)
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        del group
         return latents
 
     @property

@@ -64,8 +64,9 @@ class ForwardRow:
 class ForwardGroup(ModelGroup[BatchKey]):
     """The batched step (``run_batch``) of every window whose rows share a `BatchKey`.
 
-    The server's batcher gathers rows by this object, so the engine hands the same one
-    to every session of a key (`DiffusersEngine.batch_group`). Called with some rows, it
+    Each session makes its own for a window and hands it over with its key: the
+    server's batcher batches the rows of equal keys, run by the first row's group (see
+    `ModelGroup`). Called with some rows, it
     takes the pipeline's lock, puts the key's LoRA and causal block size on the shared
     transformer, and runs one forward over every row's conditional input and, with
     guidance, every row's unconditional one (the rows' inputs twice, their prompt then

@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError
+from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError, batched
 from trio_vstream.engines.diffusers._stream import frames_to_uint8
 from trio_vstream.engines.diffusers.loops._batch import (
     BatchedPass,
@@ -330,12 +330,9 @@ class ForcingLoop:
             lora=pass_.lora_key,
             alone=None if attention_kwargs is None else id(self),
         )
-        group = pass_.group(
-            ("forcing", key),
-            lambda: ForwardGroup(engine, info, key, lora, attention_kwargs),
-        )
+        group = ForwardGroup(engine, info, key, lora, attention_kwargs)
         guidance = pass_.driven.guidance
-        with pass_.checkpoint.batched(group) as step:
+        with batched(pass_.checkpoint, group, ("forcing", key)) as step:
             for i in range(len(window.matrix)):
                 model_input, timestep = self._inputs(window, i)
                 noise_pred = step(ForwardRow(model_input, timestep, embeds, negative, guidance))

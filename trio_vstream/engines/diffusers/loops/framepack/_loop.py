@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 import torch
 
-from trio_vstream.engines.contract import Checkpoint, Chunk
+from trio_vstream.engines.contract import Checkpoint, Chunk, batched
 from trio_vstream.engines.diffusers.loops._batch import BatchedPass, batched_chunk
 from trio_vstream.engines.diffusers.loops._vae import onload
 from trio_vstream.engines.diffusers.loops.framepack._groups import (
@@ -302,14 +302,11 @@ class FramepackLoop:
             lora=pass_.lora_key,
             alone=None if attention_kwargs is None else object(),
         )
-        group = pass_.group(
-            ("framepack", key),
-            lambda: SectionGroup(engine, info, key, lora, attention_kwargs),
-        )
+        group = SectionGroup(engine, info, key, lora, attention_kwargs)
         latents = section.latents
         own = {name: conditions[name] for name in (*PER_ROW, *POSITIONS)}
         scheduler = pass_.scheduler
-        with pass_.checkpoint.batched(group) as step:
+        with batched(pass_.checkpoint, group, ("framepack", key)) as step:
             for t in section.timesteps:
                 row = SectionRow(
                     hidden=latents.to(dtype),
