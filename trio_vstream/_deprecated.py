@@ -4,7 +4,7 @@ Issue 31 moved the package's modules into folders. A lab's engine written agains
 flat layout (``from trio_vstream.engines.base import Engine``, ``from
 trio_vstream.steps import Checkpoint``) still loads: the old module is a shim whose
 attributes are looked up in the new modules, and importing it warns once, naming the
-new place. CHANGELOG.md lists every moved name. The shims go in the release after next.
+new place. CHANGELOG.md lists every moved name. The shims go in the next release.
 """
 
 from __future__ import annotations
