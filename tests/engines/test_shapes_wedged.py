@@ -15,7 +15,7 @@ from trio_vstream.engines.shapes import create_engine
 
 @pytest.mark.slow
 async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = create_engine(device="cpu", max_batch="2")
     hung, forward = HungForward(), engine.run_batch
@@ -25,7 +25,7 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
         return forward(steps)
 
     engine.run_batch = run_batch  # type: ignore[method-assign]
-    hung.opening(engine)
+    hung.meeting(monkeypatch)
     server, ended = await serve_batching(nursery, engine, "shapes", stall_timeout=2.0)
     assert server.batcher is not None and server.batcher.max_batch == 2
     start = {"type": "session.start", "prompt": "a red circle", "size": "64x64", "num_frames": 96}

@@ -31,6 +31,7 @@ from tests.scheduling.test_engine_calls import (
 from tests.server.test_http import http_get
 from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, batched
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings, SyntheticStream
+from trio_vstream.scheduling.checkpoint import SessionCheckpoint
 from trio_vstream.server.app import WEDGED_EXIT_STATUS, ServerConfig, VideoServer
 from trio_vstream.session.session import Outcome, SessionConfig
 
@@ -240,14 +241,16 @@ class HangingBatches(SyntheticEngine):
 class HungForward:
     """A test hook's switch for an engine's forward (`wedged_by_a_hung_batch`): while
     held, a forward of two sessions' rows hangs until `release`, and a session's forward
-    alone waits until both sessions have opened their streams (`opening`), so that the
-    first cannot finish its video before the second shares a batch with it."""
+    alone waits until both sessions are stepping through the server's batching
+    (`meeting`), so that the first cannot finish its video before the second shares a
+    batch with it: opening its stream is not enough, as a loaded machine showed, where
+    the second took longer to prepare than the first took to make its whole video."""
 
     def __init__(self) -> None:
         self._held = True
         self._released = threading.Event()
-        self._both_open = threading.Event()
-        self._opened = 0
+        self._both_in = threading.Event()
+        self._stepping: set[int] = set()
         self._lock = threading.Lock()
 
     def forward(self, batched: bool) -> None:
@@ -257,26 +260,26 @@ class HungForward:
         if batched:
             self._released.wait()  # outside any checkpoint, as a hung kernel
         else:
-            self._both_open.wait(timeout=30)
+            self._both_in.wait(timeout=30)
 
-    def opening(self, engine: Any) -> None:
-        """Count the streams ``engine`` opens from now on."""
-        open_stream = engine.open_stream
+    def meeting(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Count the sessions whose engines enter the server's batching from now on (a
+        session's checkpoint's `batched_steps`, where its rows go to the batcher)."""
+        batched_steps = SessionCheckpoint.batched_steps
 
-        def counted(request: Any) -> Any:
-            stream = open_stream(request)
+        def counted(checkpoint: SessionCheckpoint, run_batch: Any, key: Any) -> Any:
             with self._lock:
-                self._opened += 1
-                if self._opened == 2:
-                    self._both_open.set()
-            return stream
+                self._stepping.add(id(checkpoint))
+                if len(self._stepping) >= 2:
+                    self._both_in.set()
+            return batched_steps(checkpoint, run_batch, key)
 
-        engine.open_stream = counted
+        monkeypatch.setattr(SessionCheckpoint, "batched_steps", counted)
 
     def release(self) -> None:
         self._held = False
         self._released.set()
-        self._both_open.set()
+        self._both_in.set()
 
 
 async def serve_batching(

@@ -329,7 +329,7 @@ async def test_a_server_batches_the_sessions_of_a_batching_engine(
 
 @pytest.mark.slow
 async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
-    engine: DiffusersEngine, serve: Any
+    engine: DiffusersEngine, serve: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The transformer's forward hangs (a wedged GPU) once two sessions' rows share it;
     the scenario of `wedged_by_a_hung_batch`. The hang is a pre-hook on the real module
@@ -340,7 +340,7 @@ async def test_a_hung_batched_forward_wedges_the_server_until_it_returns(
         hung.forward(batched=threading.current_thread().name == "engine call _call_batch")
 
     hook = engine.model.pipe.transformer.register_forward_pre_hook(before_forward)
-    hung.opening(engine)
+    hung.meeting(monkeypatch)
     server, summaries = await serve(engine, stall_timeout=5.0, close_timeout=0.2)
 
     def released() -> None:
