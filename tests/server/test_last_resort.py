@@ -292,8 +292,8 @@ async def test_sigterm_ends_the_process_with_a_hung_batched_forward(
         bound = FIRST_SIGNAL_BOUND if signals == 1 else SECOND_SIGNAL_BOUND
         status, _ = await exit_within(process, bound)
         text = log_text(log)
-        assert "the process did not exit in time" not in text
-        assert status == 0
+        assert "the process did not exit in time" not in text, text
+        assert status == 0, text[-6000:]  # -6: an abort at exit (see the log's end)
 
 
 @pytest.mark.slow
