@@ -31,7 +31,7 @@ from tests.server.test_http import http_get
 from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.scheduling.checkpoint import SessionCheckpoint
-from trio_vstream.scheduling.engine_calls import EngineCall
+from trio_vstream.scheduling.engine_calls import AbandonedCalls, EngineCall
 from trio_vstream.scheduling.progress import EngineProgress
 
 START = {"type": "session.start", "prompt": "a stuck kernel", "size": "32x32", "num_frames": 16}
@@ -301,3 +301,28 @@ async def test_a_call_left_waiting_for_a_step_slot_stops_waiting() -> None:
     assert isinstance(call.result, outcome.Error)
     assert isinstance(call.result.error, trio.Cancelled)
     assert slots.borrowed_tokens == 1  # the other session's, still
+
+
+async def test_the_wait_at_exit_takes_in_a_call_abandoned_before_the_stop() -> None:
+    """A process's exit waits (bounded, by its caller) for every abandoned call still
+    running, not only those its stop left: a session abandoned just before the stop may
+    have a call on its way back, and a thread that wakes in libtorch while the
+    interpreter exits aborts the process (SIGABRT, seen once in CI with a hung batch)."""
+    release = threading.Event()
+    call = EngineCall(release.wait)
+    call.start()
+    calls = AbandonedCalls()
+    calls.add(call, lambda: None)  # abandoned by its session's stall guard, not at a stop
+    waited = trio.Event()
+
+    async def wait() -> None:
+        await calls.wait_returned()
+        waited.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not waited.is_set()  # the call still runs
+        release.set()
+    assert waited.is_set()
+    assert not calls.running

@@ -289,11 +289,13 @@ async def _serve_until_signalled(
                 else:
                     logger.info("%s: shutting down gracefully", signal.Signals(signum).name)
                     server.shutdown()
-    # Engine calls the stop left mid-step (a second signal does not wait for them) still
-    # run in their threads: the engine is not closed, nor the interpreter torn down, under
-    # a running step, which kills the process (libtorch's threads: "terminate called
-    # without an active exception", SIGABRT). A healthy step returns well within this;
-    # a hung one is waited for no longer, and the last resort ends the process.
+    # Engine calls still run in their threads: those the stop left mid-step (a second
+    # signal does not wait for them), and those sessions abandoned just before it, which
+    # may be on their way back (a hung batch abandoned, its rows failed). The engine is
+    # not closed, nor the interpreter torn down, under a running step, which kills the
+    # process (a thread that wakes in libtorch during the interpreter's exit: "terminate
+    # called without an active exception", SIGABRT). A healthy step returns well within
+    # this; a hung one is waited for no longer, and the last resort ends the process.
     with trio.move_on_after(last_resort.allow(config.session.close_timeout)):
-        await server.abandoned_calls.wait_left_at_stop()
+        await server.abandoned_calls.wait_returned()
     return server.exit_status

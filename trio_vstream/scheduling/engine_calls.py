@@ -226,10 +226,13 @@ class AbandonedCalls:
         if call in self.running:  # not returned already (then it was told above)
             self._on_change(len(self.running))
 
-    async def wait_left_at_stop(self) -> None:
-        """Return once every call left because the server stopped has returned: each
-        was only mid-step, as far as anyone knows. Unbounded: the caller bounds it."""
-        for call in list(self._at_stop):
+    async def wait_returned(self) -> None:
+        """Return once every call still running has returned, however it was left: one
+        left because the server stopped was only mid-step, as far as anyone knows, and one
+        abandoned just before the stop may be on its way back (a hung batch abandoned,
+        its rows failed). Unbounded: the caller bounds it, as a call that hangs for good
+        never returns."""
+        for call in list(self.running):
             await call.returned.wait()
 
     def names(self) -> list[str]:
