@@ -26,6 +26,7 @@ from trio_vstream.outputs.taps import TapFactory
 from trio_vstream.outputs.watch import WatchConfig
 from trio_vstream.server.access import AccessPolicy
 from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.server.fleet import FleetConfig
 from trio_vstream.session.session import SessionConfig, SessionSummary
 
 TESTS = Path(__file__).resolve().parent
@@ -238,6 +239,7 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         ssl_context: ssl.SSLContext | None = None,
         taps: TapFactory | None = None,
         watch: WatchConfig | None = None,
+        fleet: FleetConfig | None = None,
         max_connections: int | None = None,
         max_connections_per_ip: int | None = None,
         head_timeout: float | None = None,
@@ -263,6 +265,7 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
             access=access or AccessPolicy(),
             ssl_context=ssl_context,
             watch=watch or WatchConfig(),
+            fleet=fleet or FleetConfig(),
             max_connections=max_connections,
             max_connections_per_ip=max_connections_per_ip,
             head_timeout=ServerConfig().head_timeout if head_timeout is None else head_timeout,

@@ -64,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from trio_vstream.engines import EngineConfigError, load_engine
     from trio_vstream.outputs.watch import WatchConfig
     from trio_vstream.server.app import ServerConfig
+    from trio_vstream.server.fleet import FleetConfig
     from trio_vstream.session.session import SessionConfig
 
     logging.basicConfig(
@@ -105,6 +106,9 @@ def run_serve(args: argparse.Namespace) -> int:
         access=policy,
         ssl_context=context,
         watch=WatchConfig(max_viewers=args.max_viewers, requires_key=args.watch_requires_key),
+        fleet=FleetConfig(
+            node_name=args.node_name, peers=dict(args.peers), peer_domain=args.peer_domain
+        ),
         session=SessionConfig(
             start_timeout=args.start_timeout,
             stall_timeout=args.stall_timeout,
@@ -192,6 +196,7 @@ def _recorder(args: argparse.Namespace, engine: Engine, config: ServerConfig) ->
         model=config.session.served_model or engine.name,
         device=None if device is None else str(device),
         max_bytes=args.record_max_bytes,
+        node=args.node_name,
     )
     if recorder.max_bytes is None:
         free = shutil.disk_usage(recorder.directory).free

@@ -13,7 +13,7 @@ import argparse
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from trio_vstream import protocol
 from trio_vstream.cli.serve_config import ADMIN_API_KEY_ENV, API_KEY_ENV
@@ -48,6 +48,22 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+_T = TypeVar("_T")
+
+
+def _checked(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """``parse``, whose ValueError argparse shows as the message it carries."""
+
+    def checked(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    checked.__name__ = parse.__name__
+    return checked
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -73,6 +89,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # Not at the top: only serve loads the server and the engines (see trio_vstream.cli).
     from trio_vstream.engines import BUILTIN_ENGINES
     from trio_vstream.outputs.watch import WatchConfig
+    from trio_vstream.server import fleet
     from trio_vstream.server.app import ServerConfig
     from trio_vstream.session.session import SessionConfig
 
@@ -248,6 +265,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--watch-requires-key",
         action="store_true",
         help="with API keys, a watch link needs a key too (by default its token is enough)",
+    )
+    parser.add_argument(
+        "--node-name",
+        type=_checked(fleet.node_name),
+        default=None,
+        metavar="NAME",
+        help="this server's name in a fleet behind one balancer (a DNS label, such as a pod's "
+        "name): its watch links carry it, and other servers relay their viewers here",
+    )
+    parser.add_argument(
+        "--peer",
+        dest="peers",
+        type=_checked(fleet.peer_address),
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="another server of the fleet, by its --node-name (repeatable): viewers of its "
+        "watch links that reach this server are relayed to it",
+    )
+    parser.add_argument(
+        "--peer-domain",
+        default=None,
+        metavar="DOMAIN",
+        help="any other node NAME is at NAME.DOMAIN on this server's --port (a headless "
+        "Service in Kubernetes: SERVICE.NAMESPACE.svc.cluster.local)",
     )
     parser.add_argument(
         "--ssl-certfile", default=None, metavar="PATH", help="serve wss:// and https://"

@@ -49,6 +49,8 @@ class RecorderSettings(Protocol):
     @property
     def device(self) -> str | None: ...
     @property
+    def node(self) -> str | None: ...
+    @property
     def max_image_bytes(self) -> int: ...
     @property
     def open_part(self) -> PartOpener: ...
@@ -155,6 +157,7 @@ class Writer:
             "engine": self.recorder.engine,
             "model": self.recorder.model,
             "device": self.recorder.device,
+            "node": self.recorder.node,
             "started_at": at,
             "ended_at": None,
             "request": request,

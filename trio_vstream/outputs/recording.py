@@ -101,8 +101,12 @@ class Recorder:
         max_bytes: int | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         open_part: PartOpener = open_part_file,
+        node: str | None = None,
     ) -> None:
         self.directory = Path(directory)
+        self.node = node
+        """The server's name in its fleet (``--node-name``): kept in each record and told
+        in ``video.start``, so that a recording on a shared volume says who made it."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.engine = engine
         self.model = model
@@ -126,7 +130,10 @@ class Recorder:
         self._full_logged = False
 
     def __call__(self, request_id: str, start: protocol.SessionStart) -> SessionTaps:
-        return SessionTaps([_RecordingTap(self, request_id)])
+        where = {"file": f"{request_id}.mp4"}
+        if self.node is not None:
+            where["node"] = self.node
+        return SessionTaps([_RecordingTap(self, request_id)], {"recording": where})
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish every recording still being written, and wait for them (at most

@@ -1,11 +1,12 @@
 """Watch links: several read-only viewers of one session, none of whom can slow it down.
 
 Each session (when watching is on) gets an unguessable token, and its ``video.start``
-carries ``watch_path`` (``/v1/realtime/video/watch/<token>``, this project's
-extension). Whoever opens a WebSocket there gets ``watch.start`` (the session's format
-and config, less what is not the viewers' business), then the same
-``video.chunk_metadata`` and binary pairs as the owner from where it joined, then the
-same terminal message, and a normal close.
+carries ``watch_path`` (``/v1/realtime/video/watch/<token>``, this project's extension;
+``.../watch/<node>/<token>`` for a server with a name in a fleet, whose other servers
+relay its viewers to it: ``trio_vstream.server.fleet``). Whoever opens a WebSocket there
+gets ``watch.start`` (the session's format and config, less what is not the viewers'
+business), then the same ``video.chunk_metadata`` and binary pairs as the owner from
+where it joined, then the same terminal message, and a normal close.
 
 The pieces, from the session outwards:
 
@@ -306,8 +307,12 @@ class WatchRegistry:
         *,
         close_timeout: float = 5.0,
         send_timeout: float = 60.0,
+        node: str | None = None,
     ) -> None:
         self.config = config
+        self._link_prefix = WATCH_PREFIX if node is None else f"{WATCH_PREFIX}{node}/"
+        """Where this server's links begin: with its node's name in a fleet, so that any
+        server of it can tell who owns a link (``trio_vstream.server.fleet``)."""
         self.metrics = metrics
         self._close_timeout = close_timeout
         self._send_timeout = send_timeout
@@ -323,7 +328,7 @@ class WatchRegistry:
         token = secrets.token_urlsafe(32)
         hub = WatchHub(self, token, self.config, self._close_timeout)
         self._hubs[token] = hub
-        return SessionTaps([hub], {"watch_path": WATCH_PREFIX + token})
+        return SessionTaps([hub], {"watch_path": self._link_prefix + token})
 
     def hub(self, token: str) -> WatchHub | None:
         """The running session's hub (a dict lookup by hash: the time taken tells

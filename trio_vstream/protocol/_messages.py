@@ -198,6 +198,10 @@ class VideoStart(_Message):
     config: dict[str, Any]
     watch_path: str | None = None
     """This project's extension: where viewers watch the session (omitted when off)."""
+    recording: dict[str, str] | None = None
+    """This project's extension, with ``--record``: the recording's ``file`` (its
+    request id, ``.mp4``) and, in a fleet, the ``node`` whose ``--record`` directory
+    has it (omitted when not recording)."""
 
 
 @attrs.frozen

@@ -40,7 +40,7 @@ from trio_vstream.outputs.watch import WATCH_PREFIX, WatchRegistry
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scheduling.batcher import StepBatcher
 from trio_vstream.scheduling.progress import EngineProgress
-from trio_vstream.server import _websocket_compat, access, connections, http, metrics
+from trio_vstream.server import _websocket_compat, access, connections, fleet, http, metrics
 from trio_vstream.server.config import VIDEO_PATH, ServerConfig
 from trio_vstream.server.documents import models_document, stats_document
 from trio_vstream.server.health import EngineHealth
@@ -101,7 +101,15 @@ class VideoServer:
             self.metrics,
             close_timeout=config.session.close_timeout,
             send_timeout=config.session.stall_timeout,
+            node=config.fleet.node_name,
         )
+        self.relay = fleet.Relay(
+            config.fleet,
+            ssl_context=config.ssl_context,
+            send_timeout=config.session.stall_timeout,
+            close_timeout=config.session.close_timeout,
+        )
+        """Viewers whose links name another node of the fleet go there."""
         # Who follows each session, in this order: viewers first, then the caller's.
         self.tap_factories: list[TapFactory] = [self.watch.taps]
         if taps is not None:
@@ -318,24 +326,38 @@ class VideoServer:
         """``GET /stats`` (`documents.stats_document`)."""
         return stats_document(self.engine.name, self.stats, self._sessions, self.batcher)
 
-    async def _serve_viewer(self, request: WebSocketRequest, token: str) -> None:
-        """A watch link's viewer: accepted, then served by the watch links or refused."""
+    async def _serve_viewer(self, request: WebSocketRequest, target: str, host: str | None) -> None:
+        """A watch link's viewer: relayed to the node that owns the session, or accepted,
+        then served by the watch links or refused."""
+        node, token = fleet.split_watch_target(target)
+        where = fleet.locate(
+            self.config.fleet,
+            node,
+            port=self.config.port if self.port is None else self.port,
+            relayed=fleet.is_relayed(request.headers),
+        )
         with self.watch.connection():
+            if isinstance(where, fleet.Peer):
+                self.metrics.viewer_relayed()
+                unreachable = await self.relay.serve(request, where, host)
+                if unreachable is None:
+                    return
+                where = unreachable
             ws = await request.accept(
                 subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
             )
-            admitted = self.watch.admit(token)
+            admitted = self.watch.admit(token) if isinstance(where, fleet.Local) else where
             if isinstance(admitted, protocol.Error):
                 await http.refuse_websocket(ws, admitted, self.config.session.close_timeout)
             else:
                 await self.watch.serve(ws, *admitted)
 
-    async def serve_websocket(self, request: WebSocketRequest) -> None:
+    async def serve_websocket(self, request: WebSocketRequest, *, host: str | None = None) -> None:
         """An upgrade whose head passed the router's checks: a viewer of a watch link, or
         a session if one may start now."""
         path = urlsplit(request.path).path
         if path.startswith(WATCH_PREFIX):
-            await self._serve_viewer(request, path[len(WATCH_PREFIX) :])
+            await self._serve_viewer(request, path[len(WATCH_PREFIX) :], host)
             return
         if path != VIDEO_PATH:  # refused from the head already; here for direct callers
             await http.reject_upgrade(request, 404, f"no WebSocket endpoint at {path}\n")

@@ -14,6 +14,7 @@ import attrs
 
 from trio_vstream.outputs.watch import WatchConfig
 from trio_vstream.server import access
+from trio_vstream.server.fleet import FleetConfig
 from trio_vstream.session.session import SessionConfig
 
 __all__ = ["VIDEO_PATH", "ServerConfig"]
@@ -42,6 +43,9 @@ class ServerConfig:
     """Serve ``wss://`` and ``https://`` on the port."""
     watch: WatchConfig = attrs.field(factory=WatchConfig)
     """Watch links: read-only viewers of a session (``trio_vstream.outputs.watch``)."""
+    fleet: FleetConfig = attrs.field(factory=FleetConfig)
+    """This server's name among others behind one balancer, and where they are: a
+    viewer whose link names another node is relayed to it (``trio_vstream.server.fleet``)."""
     max_connections: int | None = None
     """Connections served at once: sessions, viewers, upgrades waiting for
     ``session.start``, plain requests. None: derived from the descriptor limit

@@ -136,6 +136,12 @@ class ServerMetrics:
             ["model"],
             registry=registry,
         )
+        self._viewers_relayed = Counter(
+            "trio_vstream_viewers_relayed",
+            "Viewers whose watch link named another node of the fleet, relayed to it.",
+            ["model"],
+            registry=registry,
+        )
         self._auth_refused = Counter(
             "trio_vstream_auth_refused",
             "Requests refused for their API key, by reason: missing, invalid, too_many (more "
@@ -239,6 +245,9 @@ class ServerMetrics:
 
     def viewer_chunk_skipped(self) -> None:
         self._viewer_chunks_skipped.labels(self.model).inc()
+
+    def viewer_relayed(self) -> None:
+        self._viewers_relayed.labels(self.model).inc()
 
     def engine_calls_abandoned(self, total: int, running: int) -> None:
         """The server's abandoned engine calls (`AbandonedCalls`): ``total`` ever, of

@@ -78,8 +78,9 @@ class Served(Protocol):
         """``GET /v1/models``'s document."""
         ...
 
-    async def serve_websocket(self, request: WebSocketRequest) -> None:
-        """Serve an upgrade that passed every check of its head: a session or a viewer."""
+    async def serve_websocket(self, request: WebSocketRequest, *, host: str | None = None) -> None:
+        """Serve an upgrade that passed every check of its head: a session or a viewer.
+        ``host``: its Host header (trio-websocket keeps it to itself), for a relay."""
         ...
 
 
@@ -255,7 +256,8 @@ class Router:
                 http.ReplayStream(stream, head),
                 max_message_size=2 * max(limits.max_start_bytes, limits.max_control_bytes),
             )
-            await self._server.serve_websocket(ws_request)
+            host = next(v for n, v in request.headers if n.lower() == b"host")  # exactly one
+            await self._server.serve_websocket(ws_request, host=host.decode("latin-1"))
         elif request.method != b"GET":
             await http.respond(stream, 405, "only GET and WebSocket upgrades here\n")
         elif path == "/health":
