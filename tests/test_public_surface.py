@@ -36,7 +36,8 @@ FLAGS = {
         --image-url-max-redirects --image-url-timeout --log-level --max-connections
         --max-connections-per-ip --max-control-bytes --max-height --max-num-frames
         --max-sessions --max-start-bytes --max-stuck-calls --max-total-pixels --max-viewers
-        --max-width --model --no-exit-when-wedged --port --record --record-max-bytes
+        --max-width --model --no-exit-when-wedged --node-name --peer --peer-domain --port
+        --record --record-max-bytes
         --shutdown-grace --ssl-certfile --ssl-keyfile --stall-timeout --start-timeout
         --watch-requires-key""",
     "client": """--api-key --buffer-seconds --camera --connect-timeout --fps

@@ -98,7 +98,12 @@ def _replace_once(text: str, old: str, new: str) -> str:
 
 
 def render_nginx_conf(
-    shipped: str, *, listen_port: int, backend_ports: Sequence[int], prefix: Path
+    shipped: str,
+    *,
+    listen_port: int,
+    backend_ports: Sequence[int],
+    prefix: Path,
+    backend_hosts: Sequence[str] | None = None,
 ) -> str:
     """deploy/nginx.conf, made runnable by an unprivileged test in a temporary directory.
 
@@ -106,6 +111,7 @@ def render_nginx_conf(
     workers run as root too: the shipped ``www-data`` could not enter pytest's private
     temporary directory. ``worker_processes 2`` rather than ``auto`` bounds the cost on a
     big machine, and still has two workers share least_conn's counts through the zone.
+    ``backend_hosts``: the backends' addresses, when not all 127.0.0.1 (several hosts).
     """
     text = _replace_once(shipped, "user www-data;\n", "user root;\n" if os.geteuid() == 0 else "\n")
     text = _replace_once(text, "worker_processes auto;", "worker_processes 2;")
@@ -123,8 +129,9 @@ def render_nginx_conf(
     assert len(shipped_ports) == len(backend_ports), (
         f"deploy/nginx.conf lists backends on {shipped_ports}, the test runs {len(backend_ports)}"
     )
-    for shipped_port, port in zip(shipped_ports, backend_ports, strict=True):
-        text = _replace_once(text, f"server 127.0.0.1:{shipped_port} ", f"server 127.0.0.1:{port} ")
+    hosts = backend_hosts or ["127.0.0.1"] * len(backend_ports)
+    for shipped_port, host, port in zip(shipped_ports, hosts, backend_ports, strict=True):
+        text = _replace_once(text, f"server 127.0.0.1:{shipped_port} ", f"server {host}:{port} ")
     temp_paths = "".join(
         f"    {kind}_temp_path {prefix}/{kind}_temp;\n"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -164,11 +171,12 @@ def free_port() -> int:
 class Backend:
     server: bench.ServerProcess
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> str:
         """As nginx's $upstream_addr writes it."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def process(self) -> trio.Process:
@@ -344,9 +352,9 @@ async def _nginx_ready(cluster: Cluster, nginx: trio.Process) -> bool:
     return False
 
 
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
-    """One plain GET on 127.0.0.1; the status and the body."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """One plain GET on ``host``; the status and the body."""
+    stream = await trio.open_tcp_stream(host, port)
     data = bytearray()
     async with stream:
         request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
@@ -390,7 +398,7 @@ async def upgrade_status(port: int, origin: str, host: str | None = None) -> int
 
 async def backend_stats(backend: Backend) -> dict[str, Any]:
     """The server's own /stats, on its own port (not through nginx)."""
-    status, body = await http_get(backend.port, "/stats")
+    status, body = await http_get(backend.port, "/stats", backend.host)
     assert status == 200, body
     stats: dict[str, Any] = json.loads(body)
     return stats
@@ -427,10 +435,13 @@ class Session:
     result: StreamResult | None = None
     failure: str | None = None
     """Why no connection was made at all (StreamConnectError)."""
+    video_start: Any = None
+    """The session's ``video.start``, once it came."""
 
     async def run(self, url: str) -> None:
         def on_message(_message: object, result: StreamResult) -> None:
             if result.video_start is not None:
+                self.video_start = result.video_start
                 self.started.set()
 
         def on_chunk(_chunk: object, result: StreamResult) -> None:
@@ -788,6 +799,7 @@ async def test_the_systemd_units_command_serves_instance_n_on_port_base_plus_n(
         "PYTHON": sys.executable,
         "PORT_BASE": str(port - 2),
         "TRIO_VSTREAM_ARGS": "--engine synthetic --encode-concurrency 1",
+        "NODE_NAME_PREFIX": "box2-gpu",
     }
     command = ["env", *(f"{k}={v}" for k, v in environment.items()), *argv]
     server = bench.ServerProcess(command, tmp_path / "unit.log")
@@ -797,6 +809,9 @@ async def test_the_systemd_units_command_serves_instance_n_on_port_base_plus_n(
         status, body = await http_get(port, "/health")
         assert status == 200, body
         assert "--device cuda:2 " in argv[-1], argv
+        status, body = await http_get(port, "/stats")
+        assert status == 200, body
+        assert json.loads(body)["node"] == "box2-gpu2"
     finally:
         returncode = await server.stop(grace=15.0)
     assert returncode == 0, server.log_tail()

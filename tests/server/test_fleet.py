@@ -261,3 +261,26 @@ async def test_a_refused_handshake_is_passed_back(start_server: Any) -> None:
         async with open_websocket_url(url(relay, f"{WATCH_PREFIX}s/{'t' * 43}")):
             pass
     assert refused.value.status_code == 401
+
+
+async def test_a_draining_server_relays_its_viewers_to_the_end_of_the_session(
+    start_server: Any,
+) -> None:
+    # The session outlasts the relay's close timeout many times over: only the grace,
+    # which relayed viewers share with sessions, lets the viewer see its end.
+    owner, relay = await pair(start_server, shutdown_grace=30.0, close_timeout=0.2)
+    relayed = Transcript()
+    async with owner.connect() as ws:
+        await ws.send_message(json.dumps({**START, "num_frames": 200}))
+        path = (await receive_until(ws, Transcript(), is_type("video.start")))["watch_path"]
+        async with (
+            trio.open_nursery() as nursery,
+            open_websocket_url(url(relay, path), max_message_size=CLIENT_MAX_MESSAGE) as viewer,
+        ):
+            await receive_until(viewer, relayed, is_type("watch.start"))
+            # The relay has no session of its own; its drain waits for the viewer.
+            relay.server.shutdown()
+            nursery.start_soon(receive_into, ws, Transcript())
+            await receive_into(viewer, relayed)
+    assert relayed.json[-1]["type"] == "session.done"
+    assert relayed.close_code == 1000

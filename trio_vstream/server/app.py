@@ -282,6 +282,7 @@ class VideoServer:
             self.config.shutdown_grace,
             self.config.session.close_timeout,
             self.watch.wait_connections_closed,
+            self.relay.wait_none,
         )
         handlers.cancel_scope.cancel()
 
@@ -324,7 +325,13 @@ class VideoServer:
 
     def stats_snapshot(self) -> dict[str, Any]:
         """``GET /stats`` (`documents.stats_document`)."""
-        return stats_document(self.engine.name, self.stats, self._sessions, self.batcher)
+        return stats_document(
+            self.engine.name,
+            self.stats,
+            self._sessions,
+            self.batcher,
+            node=self.config.fleet.node_name,
+        )
 
     async def _serve_viewer(self, request: WebSocketRequest, target: str, host: str | None) -> None:
         """A watch link's viewer: relayed to the node that owns the session, or accepted,

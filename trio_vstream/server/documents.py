@@ -31,12 +31,14 @@ def stats_document(
     stats: ServerCounters,
     sessions: RunningSessions,
     batcher: StepBatcher | None,
+    node: str | None = None,
 ) -> dict[str, Any]:
     """``GET /stats``: counters for dashboards and benchmarks, as JSON. Times are
     ``time.monotonic()`` seconds, which other processes on the same host can compare
     with their own."""
     return {
         "engine": engine_name,
+        "node": node,
         "monotonic": time.monotonic(),
         "sessions_active": stats.sessions_active,
         "sessions_running": sessions.running,

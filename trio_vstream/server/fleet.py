@@ -171,6 +171,18 @@ class Relay:
         self._ssl_context = ssl_context
         self._send_timeout = send_timeout
         self._close_timeout = close_timeout
+        self._relaying = 0
+        self._changed = trio.Event()
+
+    @property
+    def relaying(self) -> int:
+        """Viewers being relayed now."""
+        return self._relaying
+
+    async def wait_none(self) -> None:
+        """Return once no viewer is being relayed (for the server's drain)."""
+        while self._relaying:
+            await self._changed.wait()
 
     async def serve(
         self, request: WebSocketRequest, peer: Peer, host: str | None
@@ -183,6 +195,7 @@ class Relay:
         ``host``: the viewer's Host header, which the owner checks as this server did
         (the fleet's servers share ``--allowed-hosts``); without it, the owner's address.
         """
+        self._relaying += 1
         try:
             async with trio.open_nursery() as nursery:
                 try:
@@ -191,6 +204,10 @@ class Relay:
                     nursery.cancel_scope.cancel()
         except* ConnectionRejected as group:
             rejected = group.exceptions[0]
+        finally:
+            self._relaying -= 1
+            self._changed.set()
+            self._changed = trio.Event()
         # The owner refused the handshake (its connection's task raised that).
         assert isinstance(rejected, ConnectionRejected)
         await _pass_rejection(request, rejected)
@@ -272,10 +289,14 @@ class Relay:
 async def _close_like(ws: WebSocketConnection, closed: WebSocketConnection, timeout: float) -> None:
     """Close ``ws`` as ``closed`` was closed (its code and reason), within ``timeout``."""
     reason = closed.closed
-    code = 1000 if reason is None or reason.code in (1005, 1006) else reason.code
+    code, text = (1000, None) if reason is None else (reason.code, reason.reason)
+    if code == 1005:  # closed with no status: a normal close, as far as anyone can tell
+        code = 1000
+    elif code == 1006:  # the other side vanished (a killed server, a dropped network)
+        code, text = 1001, "the other side of the relay went away"
     with trio.move_on_after(timeout) as scope:
         scope.shield = True
-        await ws.aclose(code, None if reason is None else reason.reason)
+        await ws.aclose(code, text)
 
 
 async def _pass_rejection(request: WebSocketRequest, rejected: ConnectionRejected) -> None:

@@ -99,8 +99,10 @@ class RunningSessions:
         grace: float,
         close_timeout: float,
         viewers_closed: Callable[[], Awaitable[None]],
+        relays_closed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Let running sessions finish within the grace; then wind down the rest, abort
+        """Let running sessions finish within the grace, and viewers relayed to other
+        servers' sessions (``relays_closed``) too; then wind down the rest, abort
         stragglers, and let viewers receive their last chunks (``viewers_closed``).
         Takes at most ``grace + 2 * close_timeout``."""
         # The drain's bound: the grace, then a close timeout to wind down, one to abort.
@@ -110,6 +112,10 @@ class RunningSessions:
         )
         with trio.move_on_after(grace):
             await self.wait_none()
+            if relays_closed is not None:
+                # A relayed viewer watches a session that runs on: a rolling restart of
+                # the server it came through should not cut it while the grace lasts.
+                await relays_closed()
         if self._sessions:
             logger.warning(
                 "grace over: %d session(s) still running end with server_shutdown",
