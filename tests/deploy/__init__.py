@@ -1,0 +1,1 @@
+"""The deployment files under deploy/kubernetes/, checked without a cluster."""
