@@ -54,7 +54,7 @@ ALL_SCENARIOS: Final = SCENARIOS[:5]
 default run, and they measure the shapes engine rather than the transport; so does
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
 for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
-encoder's, ~1.5 min a run), and ``fleet`` (one server and three behind nginx, ~30 s a
+encoder's, ~1.5 min a run), and ``fleet`` (one server and three behind nginx, ~8 s a
 run)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
