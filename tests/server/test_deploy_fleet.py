@@ -55,6 +55,9 @@ class Fleet:
     cluster: Cluster
     commands: list[list[str]]
     logs: Path
+    started: list[bench.ServerProcess]
+    """Every server process started, restarted ones included: `open_fleet` stops them
+    all on the way out."""
 
     def watch_url(self, watch_path: str) -> str:
         return f"ws://127.0.0.1:{self.cluster.port}{watch_path}"
@@ -66,6 +69,7 @@ class Fleet:
         with trio.fail_after(CONDITION * 2):
             assert await backend.server.stop(grace=CONDITION * 2) == 0, backend.server.log_tail()
         server = bench.ServerProcess(self.commands[n], self.logs / f"server-{n}-again.log")
+        self.started.append(server)
         await server.start(timeout=SERVER_START)
         self.cluster.backends[n] = Backend(server, backend.port, backend.host)
         status, body = await http_get(backend.port, "/health", backend.host)
@@ -115,11 +119,12 @@ async def open_fleet(tmp_path: Path, *extra: str) -> AsyncIterator[Fleet]:
             for server, host, port in zip(servers, HOSTS, ports, strict=True)
         ]
         async with running_nginx(tmp_path, [(b.host, b.port) for b in backends]) as nginx:
-            yield Fleet(Cluster(backends, nginx.port, nginx.prefix), commands, tmp_path)
+            cluster = Cluster(backends, nginx.port, nginx.prefix)
+            yield Fleet(cluster, commands, tmp_path, servers)
     finally:
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as nursery:
-                for server in servers:
+                for server in servers:  # restarted ones too (Fleet.started)
                     nursery.start_soon(server.stop, 10.0)
 
 
