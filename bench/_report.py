@@ -132,7 +132,7 @@ def evaluate(
     return results
 
 
-def _fmt(value: Any) -> str:
+def format_figure(value: Any) -> str:
     """Three significant digits or so: enough to compare, few enough to read."""
     if not isinstance(value, int | float) or not math.isfinite(value):
         return "n/a"
@@ -146,9 +146,20 @@ def figure_rows(figures: Figures) -> list[tuple[str, ...]]:
     for fig in figures:
         stats = summarize(fig.pooled)
         medians = [summarize(r)["median"] for r in fig.runs if r]
-        spread = f"{_fmt(min(medians))} - {_fmt(max(medians))}" if len(medians) > 1 else ""
+        spread = (
+            f"{format_figure(min(medians))} - {format_figure(max(medians))}"
+            if len(medians) > 1
+            else ""
+        )
         rows.append(
-            (fig.name, fig.unit, _fmt(stats["median"]), _fmt(stats["p99"]), spread, str(stats["n"]))
+            (
+                fig.name,
+                fig.unit,
+                format_figure(stats["median"]),
+                format_figure(stats["p99"]),
+                spread,
+                str(stats["n"]),
+            )
         )
     return rows
 
@@ -167,12 +178,12 @@ def compare_rows(a: Figures, b: Figures) -> list[tuple[str, ...]]:
             (
                 fig.name,
                 fig.unit,
-                _fmt(sa["median"]),
-                _fmt(sb["median"]),
-                _fmt(ratio(sa["median"], sb["median"])),
-                _fmt(sa["p99"]),
-                _fmt(sb["p99"]),
-                _fmt(ratio(sa["p99"], sb["p99"])),
+                format_figure(sa["median"]),
+                format_figure(sb["median"]),
+                format_figure(ratio(sa["median"], sb["median"])),
+                format_figure(sa["p99"]),
+                format_figure(sb["p99"]),
+                format_figure(ratio(sa["p99"], sb["p99"])),
             )
         )
     return rows
@@ -186,8 +197,8 @@ def compare_json(a: Figures, b: Figures) -> dict[str, dict[str, str]]:
 
 def _verdict_line(v: dict[str, Any], prefix: str = "") -> str:
     measured = v["measured"]
-    shown = json.dumps(measured) if isinstance(measured, dict) else _fmt(measured)
-    limit = "" if v["threshold"] is None else f" (limit {_fmt(v['threshold'])})"
+    shown = json.dumps(measured) if isinstance(measured, dict) else format_figure(measured)
+    limit = "" if v["threshold"] is None else f" (limit {format_figure(v['threshold'])})"
     note = f"; {v['note']}" if v["note"] else ""
     return f"- **{v['status']}** {prefix}{v['target']}: {shown}{limit}; {v['rule']}{note}"
 

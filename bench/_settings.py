@@ -29,6 +29,7 @@ SCENARIOS: Final = (
     "streaming",
     "glass",
     "overhead",
+    "fleet",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -44,6 +45,7 @@ OWN_SERVER_SCENARIOS: Final = (
     "streaming",
     "glass",
     "overhead",
+    "fleet",
 )
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
@@ -52,7 +54,8 @@ ALL_SCENARIOS: Final = SCENARIOS[:5]
 default run, and they measure the shapes engine rather than the transport; so does
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
 for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
-encoder's, ~1.5 min a run)."""
+encoder's, ~1.5 min a run), and ``fleet`` (one server and three behind nginx, ~8 s a
+run)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -156,6 +159,21 @@ class Settings:
     glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
     """The glass server's shapes engine: one torch thread, so chromium has the other
     core of a 2-core machine to decode and show the video."""
+    fleet_sessions: int = 8
+    """The fleet scenario's wave: this many sessions at once through nginx, more than one
+    server's slots and more than the three servers' (``fleet_max_sessions`` each)."""
+    fleet_max_sessions: int = 2
+    """Each fleet server's ``--max-sessions``."""
+    fleet_viewers: int = 3
+    """Viewers of each session's watch link, through nginx, once its video.start is in."""
+    fleet_frames: int = 96
+    """Frames of each fleet session: 12 chunks of 8, about 2.4 s at 0.2 s a chunk."""
+    fleet_step_delay: float = 0.05
+    """The fleet servers' synthetic engine: 4 steps of 50 ms per 8-frame chunk (0.2 s for
+    333 ms of media at 24 fps: faster than real time, as a GPU server is meant to be)."""
+    fleet_size: int = 64
+    """Width and height of the fleet sessions' video: small, so that the servers' event
+    loops and the relay, not the encoder, are what two cores spend on."""
 
     @property
     def size(self) -> str:
@@ -195,6 +213,10 @@ class Settings:
             "glass_warmup_s": 1.5,
             "overhead_sessions": 2,
             "overhead_frames": 48,
+            "fleet_sessions": 4,
+            "fleet_max_sessions": 1,
+            "fleet_viewers": 2,
+            "fleet_frames": 48,
         }
         base.update(overrides)
         return cls(**base)

@@ -294,6 +294,40 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "per run: frames delivered over the sessions' wall time (a shared machine: indicative)",
     ),
     "overhead.errors": ("count", "per run: failed sessions, or frames missing"),
+    # The fleet scenario (bench.scenarios.fleet): F is `one` (one server behind nginx) or
+    # `three` (three servers behind nginx, each relaying viewers of the others' sessions).
+    "fleet.{F}.sessions_completed": (
+        "count",
+        "per run: sessions of the wave that got their whole video and session.done",
+    ),
+    "fleet.{F}.sessions_refused": (
+        "count",
+        "per run: sessions refused with server_busy (an error before video.start, or 503)",
+    ),
+    "fleet.{F}.sessions_failed": ("count", "per run: sessions neither completed nor refused"),
+    "fleet.{F}.viewers_complete": (
+        "count",
+        "per run: viewers that got every chunk from where they joined, and the session's end",
+    ),
+    "fleet.{F}.viewers_failed": ("count", "per run: viewers opened that did not"),
+    "fleet.{F}.viewers_relayed": (
+        "count",
+        "per run: viewers nginx sent to a server other than the session's (nginx's log)",
+    ),
+    "fleet.{F}.relayed_delay_ms": (
+        "ms",
+        "a relayed viewer's media chunk: received by the viewer - received by the owner",
+    ),
+    "fleet.{F}.direct_delay_ms": (
+        "ms",
+        "a direct viewer's media chunk: received by the viewer - received by the owner",
+    ),
+    "fleet.{F}.relayed_delay_p50_ms": ("ms", "per run: the relayed viewers' delay, median"),
+    "fleet.{F}.relayed_delay_p95_ms": ("ms", "per run: the relayed viewers' delay, p95"),
+    "fleet.{F}.direct_delay_p50_ms": ("ms", "per run: the direct viewers' delay, median"),
+    "fleet.{F}.direct_delay_p95_ms": ("ms", "per run: the direct viewers' delay, p95"),
+    "fleet.{F}.ttfc_ms": ("ms", "a completed session: session.start sent -> first media chunk"),
+    "fleet.{F}.wave_s": ("s", "per run: the wave's first session opened -> its last client done"),
 }
 
 CATALOGUE.update(
@@ -321,6 +355,7 @@ def catalogue_key(name: str) -> str:
     name = re.sub(r"^effect\.c\d+\.n\d+\.", "effect.c{C}.n{N}.", name)
     name = re.sub(r"^streaming\.(paced|unpaced)\.n\d+\.", "streaming.{M}.n{N}.", name)
     name = re.sub(r"^streaming\.paused\.(alone|paused|active)\.", "streaming.paused.{C}.", name)
+    name = re.sub(r"^fleet\.(one|three)\.", "fleet.{F}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
     name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)

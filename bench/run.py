@@ -34,6 +34,10 @@
 * ``glass`` (by name, not in ``all``): the player page in chromium with its defaults on
   the shapes model, D and A pressed in turn: key to presented frame, from the page's
   figure and from the presented frames' pixels, and the continuous play ratio.
+* ``fleet`` (by name, not in ``all``; needs /usr/sbin/nginx): a wave of sessions, each
+  with viewers of its watch link, through nginx (the shipped deploy/nginx.conf) in front
+  of one server and in front of three: sessions completed and refused, viewers that saw
+  their session's end, and a viewer's delay behind the owner, relayed or direct.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -121,6 +125,7 @@ from bench.scenarios.diffusers import (
 )
 from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
+from bench.scenarios.fleet import FleetScenario
 from bench.scenarios.glass import GlassScenario
 from bench.scenarios.overhead import OverheadScenario
 from bench.scenarios.streaming import StreamingScenario
@@ -155,6 +160,7 @@ __all__ = [
     "Endpoint",
     "Figure",
     "Figures",
+    "FleetScenario",
     "RunContext",
     "ServerProcess",
     "SessionClient",
@@ -227,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching, decode, effect and streaming, which take minutes: name them)",
+        "(all leaves out batching, decode, effect, streaming, glass, overhead and fleet: "
+        "name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -468,6 +475,13 @@ async def main_async(args: argparse.Namespace) -> int:
             overhead = OverheadScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await overhead.run(run, Path(log_dir))
+        fleet: FleetScenario | None = None
+        if "fleet" in s.scenarios:
+            fleet = FleetScenario(s, args.server_arg)
+            if fleet.skipped is not None:
+                progress(f"fleet: skipped: {fleet.skipped}")
+            for run in range(s.repeat if fleet.skipped is None else 0):
+                await fleet.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -502,7 +516,12 @@ async def main_async(args: argparse.Namespace) -> int:
         diffusers_verdicts = diffusers.evaluate()
         report["diffusers"] = diffusers.to_json(diffusers_verdicts)
     Section = (
-        BatchingScenario | EffectScenario | StreamingScenario | GlassScenario | OverheadScenario
+        BatchingScenario
+        | EffectScenario
+        | StreamingScenario
+        | GlassScenario
+        | OverheadScenario
+        | FleetScenario
     )
     sections: list[Section] = []
     section_verdicts: list[dict[str, Any]] = []
@@ -513,6 +532,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ("streaming", streaming),
         ("glass", glass),
         ("overhead", overhead),
+        ("fleet", fleet),
     )
     for name, section in named:
         if section is not None:

@@ -12,15 +12,14 @@ What must hold, through nginx whichever server it picks:
 - a killed server's sessions are gone, a link to them answers ``watch_not_found`` at
   once, and new sessions and viewers still work on the others.
 
-Helpers (rendering, processes, sessions through nginx) are test_deploy_nginx's.
+Helpers: nginx's rendering and process are bench/_nginx.py's (the fleet benchmark runs
+the same setup), sessions through nginx test_deploy_nginx's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import socket
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final
@@ -30,22 +29,19 @@ import pytest
 import trio
 
 from bench import run as bench
+from bench._nginx import free_port, read_access_log, running_nginx
 from tests.server.test_deploy_nginx import (
     CONDITION,
     LONG,
-    NGINX_CONF,
     SERVER_START,
     SHORT,
     Backend,
     Cluster,
     Session,
-    _nginx_ready,
     all_set,
     http_get,
     needs_nginx,
-    nginx_command,
     open_one_by_one,
-    render_nginx_conf,
     server_command,
 )
 from trio_vstream.client import StreamOutcome, StreamResult, watch_video
@@ -54,17 +50,14 @@ HOSTS: Final = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 """Three hosts, as the servers and nginx see them: each its own loopback address."""
 
 
-def free_port_on(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
 @attrs.define
 class Fleet:
     cluster: Cluster
     commands: list[list[str]]
     logs: Path
+    started: list[bench.ServerProcess]
+    """Every server process started, restarted ones included: `open_fleet` stops them
+    all on the way out."""
 
     def watch_url(self, watch_path: str) -> str:
         return f"ws://127.0.0.1:{self.cluster.port}{watch_path}"
@@ -76,6 +69,7 @@ class Fleet:
         with trio.fail_after(CONDITION * 2):
             assert await backend.server.stop(grace=CONDITION * 2) == 0, backend.server.log_tail()
         server = bench.ServerProcess(self.commands[n], self.logs / f"server-{n}-again.log")
+        self.started.append(server)
         await server.start(timeout=SERVER_START)
         self.cluster.backends[n] = Backend(server, backend.port, backend.host)
         status, body = await http_get(backend.port, "/health", backend.host)
@@ -84,9 +78,7 @@ class Fleet:
     def entered_through(self, viewer: Viewer) -> str:
         """The server nginx sent ``viewer`` to, from nginx's access log."""
         name = viewer.url.rsplit("?viewer=", 1)[1]
-        log = (self.cluster.prefix / "access.log").read_text()
-        (line,) = (line for line in log.splitlines() if f"?viewer={name} " in line)
-        return line.split(" upstream=", 1)[1].split(" ", 1)[0].split(",")[-1]
+        return read_access_log(self.cluster.prefix / "access.log", "viewer")[name].served_by
 
     async def relayed(self) -> int:
         """Viewers relayed by every server, from their own /metrics."""
@@ -103,7 +95,7 @@ class Fleet:
 @contextlib.asynccontextmanager
 async def open_fleet(tmp_path: Path, *extra: str) -> AsyncIterator[Fleet]:
     """The three hosts' servers, named and told of each other, then nginx in front."""
-    ports = [free_port_on(host) for host in HOSTS]
+    ports = [free_port(host) for host in HOSTS]
     names = [f"host{n}" for n in range(len(HOSTS))]
     peers = [
         arg
@@ -118,7 +110,6 @@ async def open_fleet(tmp_path: Path, *extra: str) -> AsyncIterator[Fleet]:
         bench.ServerProcess(command, tmp_path / f"server-{n}.log")
         for n, command in enumerate(commands)
     ]
-    nginx: trio.Process | None = None
     try:
         async with trio.open_nursery() as nursery:
             for server in servers:
@@ -127,39 +118,13 @@ async def open_fleet(tmp_path: Path, *extra: str) -> AsyncIterator[Fleet]:
             Backend(server, port, host)
             for server, host, port in zip(servers, HOSTS, ports, strict=True)
         ]
-        prefix = tmp_path / "nginx"
-        prefix.mkdir()
-        cluster = Cluster(backends, free_port_on("127.0.0.1"), prefix)
-        conf = prefix / "nginx.conf"
-        conf.write_text(
-            render_nginx_conf(
-                NGINX_CONF.read_text(),
-                listen_port=cluster.port,
-                backend_ports=ports,
-                backend_hosts=HOSTS,
-                prefix=prefix,
-            )
-        )
-        with (prefix / "nginx.out").open("wb") as out:
-            nginx = await trio.lowlevel.open_process(
-                nginx_command(conf, prefix, "-g", "daemon off;"),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-            )
-        assert await _nginx_ready(cluster, nginx), cluster.error_log()
-        yield Fleet(cluster, commands, tmp_path)
+        async with running_nginx(tmp_path, [(b.host, b.port) for b in backends]) as nginx:
+            cluster = Cluster(backends, nginx.port, nginx.prefix)
+            yield Fleet(cluster, commands, tmp_path, servers)
     finally:
         with trio.CancelScope(shield=True):
-            if nginx is not None and nginx.returncode is None:
-                nginx.terminate()
-                with trio.move_on_after(10):
-                    await nginx.wait()
-                if nginx.returncode is None:
-                    nginx.kill()
-                    await nginx.wait()
             async with trio.open_nursery() as nursery:
-                for server in servers:
+                for server in servers:  # restarted ones too (Fleet.started)
                     nursery.start_soon(server.stop, 10.0)
 
 

@@ -4,8 +4,9 @@ front of three real server processes; and the systemd unit's command line, run f
 The nginx configuration under test is the shipped file itself, rendered: only the listen
 address, the three backend ports, ``user``, ``worker_processes``, the pid file, the log
 paths and nginx's temporary directories are swapped for the test's own (see
-`render_nginx_conf`). So what passes here is what an operator copies, and an edit that
-breaks WebSocket proxying, least_conn or the retry on 503 fails here.
+`render_nginx_conf` in bench/_nginx.py, which the fleet benchmark runs the same way). So
+what passes here is what an operator copies, and an edit that breaks WebSocket proxying,
+least_conn or the retry on 503 fails here.
 
 Which backend served a session is read twice, independently: from each server's own
 ``GET /stats`` (``sessions_active``, ``sessions_total``) and from nginx's access log, whose
@@ -27,11 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -44,15 +43,23 @@ import pytest
 import trio
 
 from bench import run as bench
+from bench._nginx import (
+    NGINX,
+    NGINX_CONF,
+    LogEntry,
+    free_port,
+    nginx_command,
+    read_access_log,
+    render_nginx_conf,
+    running_nginx,
+)
 from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult, stream_video
 from trio_vstream.server.access import key_subprotocol
 from trio_vstream.server.app import VIDEO_PATH
 from trio_vstream.session.session import SessionConfig
 
 REPO: Final = Path(__file__).resolve().parents[2]
-NGINX_CONF: Final = REPO / "deploy" / "nginx.conf"
 SYSTEMD_UNIT: Final = REPO / "deploy" / "trio-vstream@.service"
-NGINX: Final = Path("/usr/sbin/nginx")
 
 needs_nginx = pytest.mark.skipif(
     not NGINX.exists(),
@@ -78,90 +85,6 @@ SERVER_START: Final = 60.0
 CONDITION: Final = 15.0
 """Deadline for any one condition this test waits for."""
 
-_LOG_LINE: Final = re.compile(
-    r'"GET (?P<path>\S+) HTTP/1\.1" (?P<status>\d{3}) \d+ rt=\S+ '
-    r"upstream=(?P<upstream>.*) ustatus=(?P<ustatus>.*) urt="
-)
-
-
-# --------------------------------------------------------------------------------------
-# Rendering the shipped configuration
-# --------------------------------------------------------------------------------------
-
-
-def _replace_once(text: str, old: str, new: str) -> str:
-    """Swap a line the test relies on; loudly, if an edit to the shipped file moved it,
-    rather than silently testing some other configuration."""
-    count = text.count(old)
-    assert count == 1, f"deploy/nginx.conf: expected {old!r} once, found it {count} times"
-    return text.replace(old, new)
-
-
-def render_nginx_conf(
-    shipped: str,
-    *,
-    listen_port: int,
-    backend_ports: Sequence[int],
-    prefix: Path,
-    backend_hosts: Sequence[str] | None = None,
-) -> str:
-    """deploy/nginx.conf, made runnable by an unprivileged test in a temporary directory.
-
-    Every path nginx would write under /var or /run moves under ``prefix``. As root, the
-    workers run as root too: the shipped ``www-data`` could not enter pytest's private
-    temporary directory. ``worker_processes 2`` rather than ``auto`` bounds the cost on a
-    big machine, and still has two workers share least_conn's counts through the zone.
-    ``backend_hosts``: the backends' addresses, when not all 127.0.0.1 (several hosts).
-    """
-    text = _replace_once(shipped, "user www-data;\n", "user root;\n" if os.geteuid() == 0 else "\n")
-    text = _replace_once(text, "worker_processes auto;", "worker_processes 2;")
-    text = _replace_once(text, "pid /run/nginx.pid;", f"pid {prefix}/nginx.pid;")
-    text = _replace_once(
-        text, "error_log /var/log/nginx/error.log;", f"error_log {prefix}/error.log warn;"
-    )
-    text = _replace_once(
-        text,
-        "access_log /var/log/nginx/trio-vstream.access.log trio_vstream;",
-        f"access_log {prefix}/access.log trio_vstream;",
-    )
-    text = _replace_once(text, "listen 80;", f"listen 127.0.0.1:{listen_port};")
-    shipped_ports = re.findall(r"^\s*server 127\.0\.0\.1:(\d+) ", text, flags=re.MULTILINE)
-    assert len(shipped_ports) == len(backend_ports), (
-        f"deploy/nginx.conf lists backends on {shipped_ports}, the test runs {len(backend_ports)}"
-    )
-    hosts = backend_hosts or ["127.0.0.1"] * len(backend_ports)
-    for shipped_port, host, port in zip(shipped_ports, hosts, backend_ports, strict=True):
-        text = _replace_once(text, f"server 127.0.0.1:{shipped_port} ", f"server {host}:{port} ")
-    temp_paths = "".join(
-        f"    {kind}_temp_path {prefix}/{kind}_temp;\n"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    return _replace_once(text, "\nhttp {\n", f"\nhttp {{\n{temp_paths}")
-
-
-def nginx_command(conf: Path, prefix: Path, *extra: str) -> list[str]:
-    """``-e``: the error log nginx uses before it has read the configuration (Debian's
-    default, /var/log/nginx/error.log, is not writable without root)."""
-    return [
-        str(NGINX),
-        "-p",
-        f"{prefix}/",
-        "-c",
-        str(conf),
-        "-e",
-        str(prefix / "startup-error.log"),
-        *extra,
-    ]
-
-
-def free_port() -> int:
-    """A port nothing listens on right now. Another process may take it before nginx
-    binds it; `open_cluster` then tries again with another."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # --------------------------------------------------------------------------------------
 # The cluster: three servers and nginx
 # --------------------------------------------------------------------------------------
@@ -184,21 +107,6 @@ class Backend:
         return self.server.process
 
 
-@attrs.frozen
-class LogEntry:
-    """One request in nginx's access log, in the shipped ``trio_vstream`` format."""
-
-    session: str
-    status: int
-    upstreams: tuple[str, ...]
-    """Every backend nginx tried, in order; the last one answered."""
-    upstream_statuses: tuple[str, ...]
-
-    @property
-    def served_by(self) -> str:
-        return self.upstreams[-1]
-
-
 @attrs.define
 class Cluster:
     backends: list[Backend]
@@ -210,22 +118,7 @@ class Cluster:
 
     def access_log(self) -> dict[str, LogEntry]:
         """The WebSocket requests logged so far, by session name."""
-        entries: dict[str, LogEntry] = {}
-        path = self.prefix / "access.log"
-        if not path.exists():
-            return entries
-        for line in path.read_text().splitlines():
-            match = _LOG_LINE.search(line)
-            if match is None or not match["path"].startswith(f"{VIDEO_PATH}?session="):
-                continue
-            name = match["path"].split("=", 1)[1]
-            entries[name] = LogEntry(
-                session=name,
-                status=int(match["status"]),
-                upstreams=tuple(match["upstream"].split(", ")),
-                upstream_statuses=tuple(match["ustatus"].split(", ")),
-            )
-        return entries
+        return read_access_log(self.prefix / "access.log", "session")
 
     async def logged(self, sessions: Iterable[str]) -> dict[str, LogEntry]:
         """The access log's entries for these sessions, once nginx has written them all
@@ -284,7 +177,6 @@ async def open_cluster(
         bench.ServerProcess(server_command(*server_args), tmp_path / f"server-{n}.log")
         for n in range(backends)
     ]
-    nginx: trio.Process | None = None
     try:
         urls: list[str] = [""] * backends
 
@@ -294,62 +186,18 @@ async def open_cluster(
         async with trio.open_nursery() as nursery:
             for n in range(backends):
                 nursery.start_soon(start, n)
-        backends = [
+        started = [
             Backend(server, bench.Endpoint.parse(url).port)
             for server, url in zip(servers, urls, strict=True)
         ]
-        for attempt in range(3):
-            prefix = tmp_path / f"nginx-{attempt}"
-            prefix.mkdir()
-            cluster = Cluster(backends, free_port(), prefix)
-            conf = prefix / "nginx.conf"
-            conf.write_text(
-                render_nginx_conf(
-                    NGINX_CONF.read_text(),
-                    listen_port=cluster.port,
-                    backend_ports=[backends[n % len(backends)].port for n in range(BACKENDS)],
-                    prefix=prefix,
-                )
-            )
-            with (prefix / "nginx.out").open("wb") as out:
-                nginx = await trio.lowlevel.open_process(
-                    nginx_command(conf, prefix, "-g", "daemon off;"),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=out,
-                )
-            if await _nginx_ready(cluster, nginx):
-                break
-            if "Address already in use" not in cluster.error_log():
-                raise RuntimeError(f"nginx did not start:\n{cluster.error_log()}")
-        else:
-            raise RuntimeError("nginx found no free port in three tries")
-        yield cluster
+        lines = [("127.0.0.1", started[n % len(started)].port) for n in range(BACKENDS)]
+        async with running_nginx(tmp_path, lines) as nginx:
+            yield Cluster(started, nginx.port, nginx.prefix)
     finally:
         with trio.CancelScope(shield=True):
-            if nginx is not None and nginx.returncode is None:
-                nginx.terminate()  # SIGTERM: nginx's fast shutdown
-                with trio.move_on_after(10):
-                    await nginx.wait()
-                if nginx.returncode is None:
-                    nginx.kill()
-                    await nginx.wait()
             async with trio.open_nursery() as nursery:
                 for server in servers:
                     nursery.start_soon(server.stop, 10.0)
-
-
-async def _nginx_ready(cluster: Cluster, nginx: trio.Process) -> bool:
-    """True once GET /health through nginx answers 200 (nginx listens and reaches a
-    backend); False if nginx exited first (the port was taken, say)."""
-    with trio.fail_after(CONDITION):
-        while nginx.poll() is None:
-            with contextlib.suppress(OSError):
-                status, _ = await http_get(cluster.port, "/health")
-                if status == 200:
-                    return True
-            await trio.sleep(0.05)
-    return False
 
 
 async def http_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, bytes]:
