@@ -45,6 +45,8 @@ import trio
 
 from bench import run as bench
 from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult, stream_video
+from trio_vstream.outputs.watch import WATCH_PREFIX
+from trio_vstream.protocol import VideoStart
 from trio_vstream.server.access import key_subprotocol
 from trio_vstream.server.app import VIDEO_PATH
 from trio_vstream.session.session import SessionConfig
@@ -119,12 +121,21 @@ def render_nginx_conf(
         f"access_log {prefix}/access.log trio_vstream;",
     )
     text = _replace_once(text, "listen 80;", f"listen 127.0.0.1:{listen_port};")
-    shipped_ports = re.findall(r"^\s*server 127\.0\.0\.1:(\d+) ", text, flags=re.MULTILINE)
+    # Each upstream block (the sessions', the watch links') lists the same servers.
+    upstreams = len(re.findall(r"^\s*upstream \S+ \{$", text, flags=re.MULTILINE))
+    listed = re.findall(r"^\s*server 127\.0\.0\.1:(\d+) ", text, flags=re.MULTILINE)
+    shipped_ports = list(dict.fromkeys(listed))
     assert len(shipped_ports) == len(backend_ports), (
         f"deploy/nginx.conf lists backends on {shipped_ports}, the test runs {len(backend_ports)}"
     )
     for shipped_port, port in zip(shipped_ports, backend_ports, strict=True):
-        text = _replace_once(text, f"server 127.0.0.1:{shipped_port} ", f"server 127.0.0.1:{port} ")
+        old = f"server 127.0.0.1:{shipped_port} "
+        count = text.count(old)
+        assert count == upstreams, (
+            f"deploy/nginx.conf: expected {old!r} once in each of its {upstreams} upstream "
+            f"blocks, found it {count} times"
+        )
+        text = text.replace(old, f"server 127.0.0.1:{port} ")
     temp_paths = "".join(
         f"    {kind}_temp_path {prefix}/{kind}_temp;\n"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -427,10 +438,13 @@ class Session:
     result: StreamResult | None = None
     failure: str | None = None
     """Why no connection was made at all (StreamConnectError)."""
+    video_start: VideoStart | None = None
+    """The session's ``video.start`` (its ``watch_path``), while it still runs."""
 
     async def run(self, url: str) -> None:
         def on_message(_message: object, result: StreamResult) -> None:
             if result.video_start is not None:
+                self.video_start = result.video_start
                 self.started.set()
 
         def on_chunk(_chunk: object, result: StreamResult) -> None:
@@ -541,6 +555,11 @@ def test_the_shipped_config_has_what_scale_out_needs() -> None:
     for name in ("proxy_read_timeout", "proxy_send_timeout"):
         value = directives[name]
         assert value.endswith("s") and float(value[:-1]) > stall, (name, value, stall)
+    # A full server's 503 takes it out of no rotation (test_deploy_placement.py), and
+    # watch links' viewers are counted apart from the sessions.
+    sessions = text.split("upstream trio_vstream {", 1)[1].split("}", 1)[0]
+    assert re.findall(r"^\s*server \S+ (.*);$", sessions, re.MULTILINE) == ["max_fails=0"] * 3
+    assert f"location {WATCH_PREFIX} {{\n            proxy_pass http://trio_vstream_watch;" in text
 
 
 @pytest.mark.nginx
