@@ -79,22 +79,31 @@ def render_nginx_conf(
         f"access_log {prefix}/access.log trio_vstream;",
     )
     text = _replace_once(text, "listen 80;", f"listen 127.0.0.1:{listen_port};")
+    # Each upstream block (the sessions', the watch links') lists the same servers.
+    upstreams = len(re.findall(r"^\s*upstream \S+ \{$", text, flags=re.MULTILINE))
     lines = list(_SERVER_LINE.finditer(text))
-    if not backend_ports or len(backend_ports) > len(lines):
+    shipped_ports = list(dict.fromkeys(line[1] for line in lines))
+    for shipped_port in shipped_ports:
+        count = sum(line[1] == shipped_port for line in lines)
+        if count != upstreams:
+            raise ValueError(
+                f"deploy/nginx.conf lists 127.0.0.1:{shipped_port} {count} times, expected "
+                f"once in each of its {upstreams} upstream blocks"
+            )
+    if not backend_ports or len(backend_ports) > len(shipped_ports):
         raise ValueError(
-            f"deploy/nginx.conf lists {len(lines)} backends, asked for {len(backend_ports)}"
+            f"deploy/nginx.conf lists {len(shipped_ports)} backends, asked for {len(backend_ports)}"
         )
-    if len(backend_ports) < len(lines) and not fewer_backends:
+    if len(backend_ports) < len(shipped_ports) and not fewer_backends:
         raise ValueError(
-            f"deploy/nginx.conf lists backends on {[m[1] for m in lines]}, "
-            f"asked for {len(backend_ports)}"
+            f"deploy/nginx.conf lists backends on {shipped_ports}, asked for {len(backend_ports)}"
         )
     hosts = backend_hosts or ["127.0.0.1"] * len(backend_ports)
-    for line in lines[len(backend_ports) :]:
-        text = _replace_once(text, line[0], "")
-    for line, host, port in zip(lines, hosts, backend_ports, strict=False):
-        shipped_port = line[1]
-        text = _replace_once(text, f"server 127.0.0.1:{shipped_port} ", f"server {host}:{port} ")
+    for line in lines:
+        if line[1] in shipped_ports[len(backend_ports) :]:
+            text = text.replace(line[0], "", 1)
+    for shipped_port, host, port in zip(shipped_ports, hosts, backend_ports, strict=False):
+        text = text.replace(f"server 127.0.0.1:{shipped_port} ", f"server {host}:{port} ")
     temp_paths = "".join(
         f"    {kind}_temp_path {prefix}/{kind}_temp;\n"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")

@@ -91,7 +91,8 @@ class Settings:
     """A stop lands at a random point of the engine's cycle, uniformly in this range."""
     idle_connections: int = 64
     """Many, because one costs little next to RSS noise (a started server gets a matching
-    --max-sessions: an idle connection counts as a session)."""
+    --max-sessions: an idle connection claims a session slot for its first 2 s, and one
+    beyond the free slots is refused with a 503; the scenario counts those it held)."""
     resource_sessions: int = 8
     encoder_chunks: int = 20
     calibration_reps: int = 10

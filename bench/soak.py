@@ -78,8 +78,8 @@ Admission: the server runs with ``--max-sessions`` equal to ``--concurrency``, a
 soak counts a connection against that from connect until the server has closed its
 socket (seen as end-of-stream, or, for abandoned connections, as the server process no
 longer holding the socket: ``/proc/net/tcp`` and ``/proc/PID/fd``). So ``server_busy`` is
-always a violation: it means the server refused a client that had, by its own count of
-open connections, room.
+always a violation, in the session or as the HTTP 503 that refuses the upgrade: it means
+the server refused a client that had, by its own count of open connections, room.
 
 Every session the client did not abandon: exactly one terminal message (``session.done``
 or an ``error`` that is the last message; an ``error`` answering a bad control message is

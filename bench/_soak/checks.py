@@ -70,7 +70,9 @@ def check_transcript(
     last_progress = received.last_progress
 
     types = [m.get("type") for _, m in messages]
-    if messages and _is_busy(messages[0][1]):
+    # server_busy in the session, or in the body of the 503 that refused the upgrade.
+    refusal = tr.upgrade_refusal or (messages[0][1] if messages else None)
+    if refusal is not None and _is_busy(refusal):
         problems.append(
             "admission: server_busy although the soak had fewer connections open than "
             "--max-sessions (each one counted until the server closed it)"

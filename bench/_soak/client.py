@@ -55,6 +55,19 @@ def rejected_upgrade(exc: BaseException) -> ConnectionRejected | None:
     return exc if isinstance(exc, ConnectionRejected) else None
 
 
+def refusal_message(exc: BaseException) -> dict[str, Any] | None:
+    """The ``error`` message a refused upgrade's body carries, if it is one (a full
+    server's 503 says ``server_busy`` so); None for any other failure or body."""
+    rejected = rejected_upgrade(exc)
+    if rejected is None:
+        return None
+    try:
+        message = json.loads(rejected.body or b"")
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) and message.get("type") == "error" else None
+
+
 @attrs.frozen
 class Abandon:
     """What a driver decided: give the session up, this way."""

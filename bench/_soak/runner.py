@@ -38,6 +38,7 @@ from bench._soak.client import (
     Abandon,
     Conn,
     describe_error,
+    refusal_message,
     rejected_upgrade,
 )
 from bench._soak.health_checks import HealthSample
@@ -208,6 +209,7 @@ class Soak:
                 handed_over = True
         except Exception as exc:  # a refused upgrade, a soak bug, a transport surprise
             tr.client_error = describe_error(exc)
+            tr.upgrade_refusal = refusal_message(exc)
         except BaseException as exc:
             # The watchdog catches its own cancellation: this is the soak's deadline.
             tr.cut_by_deadline = _is_cancellation(exc)
@@ -244,6 +246,7 @@ class Soak:
                 )
             except (ConnectionRejected, HandshakeError) as exc:
                 tr.client_error = f"WebSocket handshake failed: {type(exc).__name__}: {exc}"
+                tr.upgrade_refusal = refusal_message(exc)
                 nursery.cancel_scope.cancel()
                 return None
             tr.connected_at = now()

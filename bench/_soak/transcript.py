@@ -60,6 +60,9 @@ class Transcript:
     """Connections the soak counted open on the server when this one connected (itself
     included): never more than --max-sessions."""
     client_error: str | None = None
+    upgrade_refusal: dict[str, Any] | None = None
+    """The ``error`` message of a refused upgrade's body (a full server's HTTP 503 carries
+    ``server_busy``), which ``client_error`` describes too."""
     timed_out: bool = False
     cut_by_deadline: bool = False
     ended_at: float | None = None

@@ -160,7 +160,9 @@ def test_one_server_alone_is_one_server_line(tmp_path: Path) -> None:
         prefix=tmp_path,
         fewer_backends=True,
     )
-    assert re.findall(r"^\s*server (\S+) max_fails", one, flags=re.MULTILINE) == ["127.0.0.2:9001"]
+    # One line in each upstream block: the sessions' and the watch links'.
+    listed = re.findall(r"^\s*server (\S+) max_fails", one, flags=re.MULTILINE)
+    assert listed == ["127.0.0.2:9001"] * 2
     with pytest.raises(ValueError, match="asked for 1"):
         render_nginx_conf(shipped, listen_port=8000, backend_ports=[9001], prefix=tmp_path)
     if NGINX.exists():

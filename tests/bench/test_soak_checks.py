@@ -20,7 +20,7 @@ from bench._soak.checks import (
     check_server_records,
     check_transcript,
 )
-from bench._soak.client import describe_error, rejected_upgrade
+from bench._soak.client import describe_error, refusal_message, rejected_upgrade
 from bench._soak.health_checks import (
     HealthSample,
     WedgeRecord,
@@ -267,6 +267,27 @@ def test_server_busy_is_an_admission_violation() -> None:
     verdict = check_transcript(_plan("normal"), tr, TIMING)
     assert verdict.outcome == "refused"
     assert _flagged(verdict.problems, "admission")
+
+
+def test_server_busy_at_the_upgrade_is_an_admission_violation() -> None:
+    """A full server refuses the upgrade itself (HTTP 503, server_busy as JSON): the soak
+    counts it as the same violation, not as some other client error."""
+    body = b'{"type": "error", "code": "server_busy", "message": "Server busy"}\n'
+    rejected = ConnectionRejected(503, (), body)
+    assert refusal_message(ExceptionGroup("", [rejected])) == json.loads(body)
+    tr = _transcript(
+        [],
+        close=None,
+        connected_at=None,
+        client_error=describe_error(rejected),
+        upgrade_refusal=refusal_message(rejected),
+    )
+    verdict = check_transcript(_plan("normal"), tr, TIMING)
+    assert verdict.outcome == "refused"
+    assert _flagged(verdict.problems, "admission")
+    # Any other refusal of the upgrade is no admission matter.
+    draining = ConnectionRejected(503, (), b"draining: try another server\n")
+    assert refusal_message(draining) is None
 
 
 def test_timeouts_out_of_their_window_are_flagged() -> None:

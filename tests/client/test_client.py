@@ -419,7 +419,11 @@ async def test_a_key_that_cannot_be_a_header_is_refused_before_connecting(key: s
     ("status", "meaning"),
     [
         (403, "403 \u2014 forbidden (the server's Origin check, or a proxy's rule)"),
-        (503, "503 \u2014 the server is draining; try again or another server"),
+        (
+            503,
+            "503 \u2014 the server is unavailable (draining, wedged, or at its connection "
+            "cap); try again or another server",
+        ),
         (500, "the server rejected the WebSocket handshake with HTTP 500"),
     ],
     ids=["403", "503", "500"],

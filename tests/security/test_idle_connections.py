@@ -2,9 +2,10 @@
 
 The attacks: WebSocket upgrades that never send ``session.start`` took every session
 slot (``server_busy`` for everyone else, for as long as the start timeout, again and
-again); idle TCP connections used up the descriptors until ``accept()`` failed with
-EMFILE and ``/health`` went unanswered; a request head sent slowly held its connection
-for the start timeout. Each test goes through a real server on loopback.
+again; now each claims one for two seconds at most); idle TCP connections used up the
+descriptors until ``accept()`` failed with EMFILE and ``/health`` went unanswered; a
+request head sent slowly held its connection for the start timeout. Each test goes
+through a real server on loopback.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.conftest import Transcript, is_type, receive_into, receive_until
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.server import connections
 from trio_vstream.server.app import ServerConfig, VideoServer
+from trio_vstream.server.slots import CLAIM_SECONDS
 
 START = {"type": "session.start", "prompt": "x", "size": "32x32", "num_frames": 4}
 
@@ -100,35 +102,48 @@ async def open_idle(
 # ----------------------------------------------------------- session slots
 
 
-async def test_idle_upgrades_do_not_keep_a_real_client_out(start_server: Any) -> None:
-    """Twice as many upgrades as session slots, none sending session.start: they hold
-    connections, not sessions, and a real client is served at once."""
+async def test_idle_upgrades_do_not_keep_a_real_client_out(
+    mock_clock: trio.testing.MockClock, start_server: Any
+) -> None:
+    """As many upgrades as session slots, none sending session.start: each claims a slot
+    for the claim's window only (an upgrade beyond them is refused meanwhile); after it
+    they hold connections, not sessions, and a real client is served at once. On a clock
+    that moves only when the test moves it."""
     running = await start_server(max_sessions=2, start_timeout=60.0)
     async with contextlib.AsyncExitStack() as stack:
-        for _ in range(4):
+        for _ in range(2):
             await stack.enter_async_context(running.connect())
+        with pytest.raises(ConnectionRejected) as refused:
+            async with running.connect():
+                pass
+        assert refused.value.status_code == 503
+        assert json.loads(refused.value.body or b"")["code"] == "server_busy"
+        mock_clock.jump(CLAIM_SECONDS)
         await trio.testing.wait_all_tasks_blocked()
         assert running.server.running_sessions == 0
+        assert running.server.claimed_sessions == 0
         transcript = await running.run_session(START)
     assert transcript.types[0] == "video.start"
     assert transcript.terminal == [transcript.of_type("session.done")[0]]
     assert transcript.close_code == 1000
 
 
-@pytest.mark.slow
 async def test_a_start_that_finds_every_session_slot_taken_gets_server_busy(
-    start_server: Any,
+    mock_clock: trio.testing.MockClock, start_server: Any
 ) -> None:
-    """The slot goes to the first session.start, not to the first upgrade: an earlier
-    idle upgrade that starts later gets server_busy (the same error as today's upgrade
-    refusal), and an upgrade while the slot is taken is still refused at once."""
+    """The slot goes to the first session.start, not to the first upgrade, once the
+    upgrade's claim has run out: an earlier idle upgrade that starts later gets
+    server_busy in the session, and an upgrade while the slot is taken is refused with
+    a 503 before it is accepted."""
+    # Long enough to hold the slot throughout (a minute of steps), stopped at the end. Not
+    # a hung engine: its stop would wait a close timeout, which this clock never reaches.
     running = await start_server(
-        SyntheticSettings(hang_at_chunk=0), max_sessions=1, start_timeout=60.0
+        SyntheticSettings(step_delay=0.1), max_sessions=1, start_timeout=60.0
     )
     async with running.connect() as early:
-        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(CLAIM_SECONDS)  # its claim runs out
         async with running.connect() as first:
-            await first.send_message(json.dumps(START))
+            await first.send_message(json.dumps({**START, "num_frames": 1200}))
             await receive_until(first, Transcript(), is_type("video.start"))
             late = Transcript()
             await early.send_message(json.dumps(START))
@@ -141,15 +156,16 @@ async def test_a_start_that_finds_every_session_slot_taken_gets_server_busy(
                 }
             ]
             assert late.close_code == 1000
-            refused = Transcript()
-            async with running.connect() as another:
-                await receive_into(another, refused)
-            assert [(m["type"], m["code"]) for m in refused.json] == [("error", "server_busy")]
-            assert refused.close_code == 1000
+            with pytest.raises(ConnectionRejected) as refused:
+                async with running.connect():
+                    pass
+            assert refused.value.status_code == 503
+            assert json.loads(refused.value.body or b"")["code"] == "server_busy"
             await first.send_message('{"type": "session.stop"}')
             done = Transcript()
             await receive_into(first, done)
     assert done.terminal[0]["type"] == "session.done"
+    mock_clock.rate = 1.0  # time flows from here: each close's linger runs out (http.py)
     await running.wait_sessions_ended(2)
     busy = [s for s in running.summaries if s.error_code == "server_busy"]
     assert [(s.outcome.value, s.request_id) for s in busy] == [("rejected", None)]

@@ -54,6 +54,8 @@ from bench._nginx import (
     running_nginx,
 )
 from trio_vstream.client import StreamConnectError, StreamOutcome, StreamResult, stream_video
+from trio_vstream.outputs.watch import WATCH_PREFIX
+from trio_vstream.protocol import VideoStart
 from trio_vstream.server.access import key_subprotocol
 from trio_vstream.server.app import VIDEO_PATH
 from trio_vstream.session.session import SessionConfig
@@ -283,8 +285,8 @@ class Session:
     result: StreamResult | None = None
     failure: str | None = None
     """Why no connection was made at all (StreamConnectError)."""
-    video_start: Any = None
-    """The session's ``video.start``, once it came."""
+    video_start: VideoStart | None = None
+    """The session's ``video.start`` (its ``watch_path``), once it came."""
 
     async def run(self, url: str) -> None:
         def on_message(_message: object, result: StreamResult) -> None:
@@ -400,6 +402,11 @@ def test_the_shipped_config_has_what_scale_out_needs() -> None:
     for name in ("proxy_read_timeout", "proxy_send_timeout"):
         value = directives[name]
         assert value.endswith("s") and float(value[:-1]) > stall, (name, value, stall)
+    # A full server's 503 takes it out of no rotation (test_deploy_placement.py), and
+    # watch links' viewers are counted apart from the sessions.
+    sessions = text.split("upstream trio_vstream {", 1)[1].split("}", 1)[0]
+    assert re.findall(r"^\s*server \S+ (.*);$", sessions, re.MULTILINE) == ["max_fails=0"] * 3
+    assert f"location {WATCH_PREFIX} {{\n            proxy_pass http://trio_vstream_watch;" in text
 
 
 @pytest.mark.nginx

@@ -13,7 +13,7 @@ import av
 import numpy as np
 import pytest
 import trio
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from tests.conftest import (
     Transcript,
@@ -594,17 +594,29 @@ async def test_client_that_stops_reading_stalls_generation_not_memory(start_serv
 
 
 async def test_server_busy_when_full(start_server: Any) -> None:
+    """A full server refuses the upgrade itself, so that a balancer can try another: HTTP
+    503 with Retry-After, and the server_busy error as JSON for a client to read."""
     running = await start_server(SyntheticSettings(hang_at_chunk=0), max_sessions=1)
     async with running.connect() as first:
         await first.send_message(json.dumps({**START, "num_frames": 10}))
         await receive_until(first, Transcript(), is_type("video.start"))
-        refused = Transcript()
-        async with running.connect() as second:
-            await receive_into(second, refused)
-        assert [(m["type"], m["code"]) for m in refused.json] == [("error", "server_busy")]
-        assert refused.close_code == 1000
+        with pytest.raises(ConnectionRejected) as refused:
+            async with running.connect():
+                pass
+        rejected = refused.value
+        headers = {name.decode(): value.decode() for name, value in rejected.headers}
+        assert rejected.status_code == 503
+        assert headers["retry-after"] == "1"
+        assert headers["content-type"] == "application/json"
+        assert json.loads(rejected.body or b"") == {
+            "type": "error",
+            "code": "server_busy",
+            "message": "Server busy: 1 sessions running; try again later",
+        }
         await first.send_message('{"type": "session.stop"}')
         await receive_into(first, Transcript())
+    await running.wait_sessions_ended(1)
+    assert len(running.summaries) == 1  # the refused upgrade never became a session
 
 
 async def test_steps_of_concurrent_sessions_take_turns(start_server: Any) -> None:

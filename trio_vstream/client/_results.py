@@ -47,8 +47,10 @@ class StreamConnectError(Exception):
 
     Raised rather than returned because nothing arrived that a caller could keep.
     ``status_code`` is the HTTP status when the server answered the handshake with one
-    (401 no or wrong API key, 403 Origin refused, 503 draining), so a caller can act on
-    it (ask for a key, try another server) without parsing the message.
+    (401 no or wrong API key, 403 Origin refused, 503 draining or at the connection
+    cap), so a caller can act on it (ask for a key, try another server) without parsing
+    the message. A full server's 503 is not raised: it says ``server_busy`` in an
+    ``error`` message, which `stream_video` returns as the session's outcome.
     """
 
     def __init__(self, url: str, reason: str, status_code: int | None = None) -> None:

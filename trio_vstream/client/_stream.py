@@ -79,7 +79,10 @@ async def stream_video(
     quick. ``api_key`` is sent as ``Authorization: Bearer KEY`` on the upgrade (servers
     started with ``--api-key`` refuse the handshake with 401 without it); it is kept
     nowhere in the result. Raises `StreamConnectError` when no connection could be made,
-    with ``status_code`` set when the server refused the handshake.
+    with ``status_code`` set when the server refused the handshake; but a refusal that
+    says why with an ``error`` message (a full server's HTTP 503 carries ``server_busy``)
+    is returned as the session's outcome ``error``, as if the server had said it on the
+    connection.
 
     ``playback`` watches as a person would: a `PlaybackViewer` (in ``result.viewer``)
     plays what arrives at 1x from the first frame (after ``startup_seconds`` of media
@@ -206,9 +209,11 @@ async def _connect_and_run(
             # Also raised by a slow close (DisconnectionTimeout); only a failure to
             # connect is fatal, since afterwards the data is in hand.
             if result.start_sent_at is None:
-                session.connect_failure = _describe_handshake(exc)
-                if isinstance(exc, ConnectionRejected):
-                    session.connect_status = exc.status_code
+                rejected = exc if isinstance(exc, ConnectionRejected) else None
+                # A refusal that says why in an error message is the session's outcome.
+                if rejected is None or not session.refused(rejected.body):
+                    session.connect_failure = _describe_handshake(exc)
+                    session.connect_status = rejected.status_code if rejected else None
             else:
                 result.problems.append(f"closing the connection failed: {exc!r}")
         nursery.cancel_scope.cancel()
@@ -239,7 +244,8 @@ def bearer(key: str) -> bytes:
 _REFUSALS: Final = {
     401: "a valid API key is required",
     403: "forbidden (the server's Origin check, or a proxy's rule)",
-    503: "the server is draining; try again or another server",
+    503: "the server is unavailable (draining, wedged, or at its connection cap); try "
+    "again or another server",
 }
 
 

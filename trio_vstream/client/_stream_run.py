@@ -154,6 +154,21 @@ class StreamRun:
             await self._receive(ws)
             nursery.cancel_scope.cancel()
 
+    def refused(self, body: bytes | None) -> bool:
+        """A refused handshake whose body is an ``error`` message (a full server's 503:
+        ``server_busy``): handled as that message arriving on the connection, so the
+        outcome, ``result.error`` and ``on_message`` are what the same refusal after the
+        upgrade gives. False, and nothing recorded, for any other body."""
+        text = (body or b"").decode("utf-8", errors="replace")
+        try:
+            message = protocol.parse_server_message(text)
+        except protocol.ProtocolError:
+            return False
+        if not isinstance(message, protocol.Error):
+            return False
+        self._handle(text)  # text: bytes would be taken for a binary message
+        return True
+
     # ------------------------------------------------------------------ receiving
 
     async def _receive(self, ws: WebSocketConnection) -> None:

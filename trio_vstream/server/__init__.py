@@ -6,6 +6,7 @@ close (its slots, its head's checks, then an answer or a WebSocket), and ``http`
 plain-HTTP side of it (the player page, health, stats, metrics); ``access`` decides who
 may come in (Host, API keys, Origin); ``connections`` bounds connections per address and
 idle ones; ``running`` counts the running sessions and drains them at a shutdown;
+``slots`` holds the session slots and the short claims of upgrades not yet started;
 ``health`` is the wedge check, when the engine counts as wedged; ``documents`` writes
 ``/stats`` and ``/v1/models``; ``metrics`` is the Prometheus registry; ``memory`` hands
 freed memory back to the system; ``last_resort`` is the process's way out when a stop

@@ -11,11 +11,16 @@ every session shares, who is admitted, and the order of start and stop.
 Admission has two levels. A connection holds a connection slot from accept to close
 (``trio_vstream.server.connections``: a cap below the descriptor limit, a head timeout, and a
 reserve that keeps ``/health`` answering at the cap). A session slot
-(``--max-sessions``) is taken only when ``session.start`` arrives: an upgrade that never
-sends one holds a connection slot until the start timeout, never a session slot, so idle
-upgrades cannot keep a real client out. An upgrade that arrives while started sessions
-fill every session slot is refused at once with ``server_busy``; one that found a slot
-free but whose ``session.start`` finds none gets the same ``server_busy`` then.
+(``--max-sessions``) is taken when ``session.start`` arrives (``trio_vstream.server.slots``).
+An upgrade for a session is accepted only with a slot free, and then holds a claim on
+it for ``CLAIM_SECONDS`` (2 s), which its ``session.start`` turns into the slot; with
+none free (sessions run in every slot, or upgrades just accepted claim them) the upgrade
+is answered with HTTP 503, ``Retry-After`` and the ``server_busy`` error as JSON, before
+anything is accepted, so that a balancer tries another server. An upgrade idle beyond
+its claim holds a connection slot until the start timeout, never a session slot, so idle
+upgrades cannot keep a real client out for longer than the claim; if its
+``session.start`` then finds no slot free, it gets ``server_busy`` in the session.
+Viewers of watch links are never refused for session slots, nor do they take any.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
+import attrs
 import trio
 from trio_websocket import WebSocketRequest
 
@@ -46,6 +52,7 @@ from trio_vstream.server.documents import models_document, stats_document
 from trio_vstream.server.health import EngineHealth
 from trio_vstream.server.routing import Router
 from trio_vstream.server.running import RunningSessions
+from trio_vstream.server.slots import Claim, SessionSlots
 from trio_vstream.session.session import (
     ServerCounters,
     ServerResources,
@@ -56,6 +63,9 @@ from trio_vstream.session.session import (
 logger = get_logger(__name__)
 
 _websocket_compat.patch_ping_during_close()  # trio-websocket #184; see that module
+
+BUSY_RETRY_AFTER = "1"
+"""The ``Retry-After`` (seconds) of the 503 that a full server answers an upgrade with."""
 
 WEDGED_EXIT_STATUS = 69
 """The process's exit status after ``exit_when_wedged`` drained it (``EX_UNAVAILABLE``
@@ -84,6 +94,7 @@ class VideoServer:
         self.port: int | None = None
         self._on_session_end = on_session_end
         self._sessions = RunningSessions()
+        self._slots = SessionSlots(config.max_sessions, lambda: self._sessions.running)
         self._shutdown_requested = trio.Event()
         self._draining = False
         steps = engine.max_concurrent_steps
@@ -167,7 +178,8 @@ class VideoServer:
             ),
             encode_limiter=trio.CapacityLimiter(config.encode_concurrency),
             metrics=self.metrics,
-            admit=self._refusal,
+            # A session without a claim (each session gets its own, see serve_websocket).
+            admit=partial(self._admit, None),
             abandoned_calls=self.abandoned_calls,
         )
 
@@ -291,17 +303,25 @@ class VideoServer:
         """Sessions that count against ``max_sessions`` (`RunningSessions.running`)."""
         return self._sessions.running
 
-    def _refusal(self) -> tuple[ErrorCode, str] | None:
-        """Why a new session cannot start now (``engine_unavailable`` while the engine is
-        wedged, ``server_busy`` when started sessions fill every session slot), or None.
+    @property
+    def claimed_sessions(self) -> int:
+        """Upgrades holding a claim on a session slot now (`SessionSlots.claimed`)."""
+        return self._slots.claimed
 
-        Asked at an upgrade, and by each session when its ``session.start`` arrives:
-        None then gives it a slot (it marks itself admitted before any checkpoint).
-        """
+    def _admit(self, claim: Claim | None) -> tuple[ErrorCode, str] | None:
+        """Asked by a session when its ``session.start`` arrives: None gives it a slot,
+        into which the claim its upgrade took turns (it marks itself admitted before any
+        checkpoint); else why not: ``engine_unavailable`` while the engine is wedged,
+        ``server_busy`` when no slot is free (its claim ran out, and others took them)."""
         if self.engine_health.wedged:
+            self._slots.release(claim)
             return ErrorCode.ENGINE_UNAVAILABLE, self.engine_health.unavailable_message()
-        if self.running_sessions < self.config.max_sessions:
+        if self._slots.admit(claim):
             return None
+        return self._busy()
+
+    def _busy(self) -> tuple[ErrorCode, str]:
+        """The ``server_busy`` refusal, at an upgrade or at a ``session.start``."""
         return (
             ErrorCode.SERVER_BUSY,
             f"Server busy: {self.config.max_sessions} sessions running; try again later",
@@ -329,6 +349,7 @@ class VideoServer:
             self.engine.name,
             self.stats,
             self._sessions,
+            self._slots.claimed,
             self.batcher,
             node=self.config.fleet.node_name,
         )
@@ -375,19 +396,33 @@ class VideoServer:
         if self.engine_health.wedged:
             await http.reject_upgrade(request, 503, self.engine_health.unavailable_body())
             return
-        ws = await request.accept(
-            subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
-        )
-        # Started sessions fill every slot: say so now rather than after session.start.
-        # A free slot is not held for this connection: its session.start takes one if
-        # one is still free then (the session asks _refusal again).
-        refusal = self._refusal()
-        if refusal is not None:
-            await http.refuse_websocket(
-                ws, protocol.Error(*refusal), self.config.session.close_timeout
-            )
+        # Taken as the check is made, before the accept's first checkpoint: two upgrades
+        # cannot both have the last slot (see trio_vstream.server.slots).
+        claim = self._slots.claim()
+        if claim is None:
+            await self._refuse_busy(request)
             return
-        await self._sessions.run(Session(ws, self._resources), self._on_session_end)
+        try:
+            ws = await request.accept(
+                subprotocol=access.selected_subprotocol(request.proposed_subprotocols)
+            )
+            # This session's own admission: its session.start turns its claim into a slot.
+            resources = attrs.evolve(self._resources, admit=partial(self._admit, claim))
+            await self._sessions.run(Session(ws, resources), self._on_session_end)
+        finally:
+            self._slots.release(claim)
+
+    async def _refuse_busy(self, request: WebSocketRequest) -> None:
+        """No session slot free: an HTTP 503 before the upgrade, which a balancer retries
+        on another server (nginx: ``proxy_next_upstream http_503``), with ``server_busy``
+        as JSON for a client to read, and counted in ``/metrics``."""
+        self.metrics.session_refused(ErrorCode.SERVER_BUSY)
+        await http.reject_upgrade(
+            request,
+            503,
+            protocol.Error(*self._busy()),
+            headers={"retry-after": BUSY_RETRY_AFTER},
+        )
 
 
 def _compose_taps(
@@ -418,4 +453,11 @@ async def serve(
     await VideoServer(engine, config).run(task_status=task_status)
 
 
-__all__ = ["VIDEO_PATH", "WEDGED_EXIT_STATUS", "ServerConfig", "VideoServer", "serve"]
+__all__ = [
+    "BUSY_RETRY_AFTER",
+    "VIDEO_PATH",
+    "WEDGED_EXIT_STATUS",
+    "ServerConfig",
+    "VideoServer",
+    "serve",
+]

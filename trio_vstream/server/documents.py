@@ -30,10 +30,12 @@ def stats_document(
     engine_name: str,
     stats: ServerCounters,
     sessions: RunningSessions,
+    claimed: int,
     batcher: StepBatcher | None,
     node: str | None = None,
 ) -> dict[str, Any]:
-    """``GET /stats``: counters for dashboards and benchmarks, as JSON. Times are
+    """``GET /stats``: counters for dashboards and benchmarks, as JSON (``claimed``: the
+    upgrades holding a claim on a session slot, `trio_vstream.server.slots`). Times are
     ``time.monotonic()`` seconds, which other processes on the same host can compare
     with their own."""
     return {
@@ -43,6 +45,7 @@ def stats_document(
         "sessions_active": stats.sessions_active,
         "sessions_running": sessions.running,
         "sessions_waiting": sessions.waiting,
+        "sessions_claimed": claimed,
         "sessions_total": stats.sessions_total,
         "streams_open": stats.streams_open,
         "worker_threads": stats.worker_threads,

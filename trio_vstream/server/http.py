@@ -225,13 +225,28 @@ def handshake_problem(request: h11.Request) -> tuple[int, str, Mapping[str, str]
     return None
 
 
-async def reject_upgrade(request: WebSocketRequest, status: int, body: str) -> None:
-    """Refuse a handshake already handed to trio-websocket, with `SECURITY_HEADERS`."""
-    headers = {**SECURITY_HEADERS, "content-type": "text/plain; charset=utf-8"}
+async def reject_upgrade(
+    request: WebSocketRequest,
+    status: int,
+    body: str | protocol.Error,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a handshake already handed to trio-websocket, with `SECURITY_HEADERS`.
+
+    A `protocol.Error` goes as JSON, the very ``error`` message a session would have
+    got, so that a client reads why by its code (``server_busy``), as it would in a
+    session. (A browser's page sees neither the body nor the status.)
+    """
+    if isinstance(body, protocol.Error):
+        payload, kind = body.to_json().encode() + b"\n", "application/json"
+    else:
+        payload, kind = body.encode(), "text/plain; charset=utf-8"
+    fields = {**SECURITY_HEADERS, "content-type": kind, **(headers or {})}
     await request.reject(
         status,
-        extra_headers=[(name.encode(), value.encode()) for name, value in headers.items()],
-        body=body.encode(),
+        extra_headers=[(name.encode(), value.encode()) for name, value in fields.items()],
+        body=payload,
     )
 
 

@@ -151,6 +151,14 @@ class ServerMetrics:
         )
         for reason in Refusal:
             self._auth_refused.labels(model, reason.value)
+        self._sessions_refused = Counter(
+            "trio_vstream_sessions_refused",
+            "New sessions refused before their WebSocket upgrade (HTTP 503, so that a "
+            "balancer tries another server), by reason: server_busy (no session slot free).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self._sessions_refused.labels(model, "server_busy")
         self._host_refused = Counter(
             "trio_vstream_host_refused",
             "Requests refused for a Host this server does not serve (DNS rebinding, or a "
@@ -266,6 +274,10 @@ class ServerMetrics:
 
     def auth_refused(self, reason: Refusal) -> None:
         self._auth_refused.labels(self.model, reason.value).inc()
+
+    def session_refused(self, reason: str) -> None:
+        """A new session's upgrade answered 503, for ``reason`` (an error code)."""
+        self._sessions_refused.labels(self.model, reason).inc()
 
     def host_refused(self) -> None:
         self._host_refused.labels(self.model).inc()

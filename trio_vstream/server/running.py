@@ -57,7 +57,8 @@ class RunningSessions:
     def running(self) -> int:
         """Sessions that count against ``max_sessions``: admitted at their ``session.start``
         and not only closing their socket. An upgrade still waiting for its
-        ``session.start`` holds a connection slot, not a session slot."""
+        ``session.start`` holds a connection slot, not a session slot (only a short claim
+        on one: ``trio_vstream.server.slots``)."""
         return sum(1 for session in self._sessions if session.admitted and not session.finishing)
 
     @property

@@ -134,7 +134,8 @@ class Session:
         self._streaming = False
         self.admitted = False
         """True from the ``session.start`` that took a session slot: an upgrade still
-        waiting for its ``session.start`` never counts against the server's limit."""
+        waiting for its ``session.start`` is not a running session (the server counts a
+        short claim for it instead, ``trio_vstream.server.slots``)."""
         self.finishing = False
         """True once the session only has its last message and the close left to do:
         it no longer counts against the server's session limit."""

@@ -851,10 +851,11 @@ class Session {
     clearInterval(this.reporter);
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
     if (!this.terminal && !this.opened && this.received === 0) {
-      // A handshake answered with 401, 403 or 503: browsers hide the status (code 1006).
+      // A handshake answered with 401, 403 or 503 (a full server's 503 says server_busy
+      // in its body): browsers hide the status and the body (code 1006).
       const why = this.keyed ? "check the API key"
         : this.watching ? "the watch link may need an API key"
-        : "it may be down or draining, or refuse this page's origin";
+        : "it may be full (try again shortly), down or draining, or refuse this page's origin";
       showError("refused", `the server refused the connection (${why})`);
       setStatus("The server refused the connection.", "closed");
       if (this.watching && !this.keyed) askForKey(false);
