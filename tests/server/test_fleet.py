@@ -11,6 +11,7 @@ dialled; what the owner refuses is refused the same way.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,10 @@ def test_node_names_on_the_command_line_are_labels() -> None:
             parser.parse_args(["serve", *bad])
 
 
-async def test_a_recording_says_which_node_made_it(start_server: Any, tmp_path: Path) -> None:
+async def test_a_recording_says_which_node_made_it(
+    start_server: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="trio_vstream.outputs.recording")
     recorder = Recorder(tmp_path, engine="synthetic", model="synthetic", node="gpu-7")
     running = await start_server(SLOW, taps=recorder, fleet=FleetConfig(node_name="gpu-7"))
     session = await running.run_session(START)
@@ -238,6 +242,8 @@ async def test_a_recording_says_which_node_made_it(start_server: Any, tmp_path: 
     record = json.loads((tmp_path / f"{request_id}.json").read_text())
     assert record["node"] == "gpu-7"
     assert (tmp_path / video_start["recording"]["file"]).stat().st_size > 0
+    recording = tmp_path / video_start["recording"]["file"]
+    assert f"session {request_id}: recording to {recording} on node gpu-7" in caplog.text
 
 
 async def test_a_refused_handshake_is_passed_back(start_server: Any) -> None:

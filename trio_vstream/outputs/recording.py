@@ -233,6 +233,13 @@ class _RecordingTap:
         self.reserved = size
         self._put(("started", video_start, start, now_iso()))
         self._recorder._began(self)
+        # Which server made a recording, for a fleet recording to one shared volume.
+        logger.info(
+            "session %s: recording to %s%s",
+            self.request_id,
+            self._recorder.directory / f"{self.request_id}.mp4",
+            "" if self._recorder.node is None else f" on node {self._recorder.node}",
+        )
         thread = threading.Thread(
             target=self._write, name=f"record-{self.request_id[-8:]}", daemon=True
         )
