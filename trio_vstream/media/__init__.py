@@ -8,5 +8,6 @@ sans-IO box writer (samples and counters in, ``ftyp``/``moov``, ``moof``/``mdat`
 `EncodingError`, which they all raise. ``image_header`` reads an image's dimensions from
 its header before anything decodes it; ``image_decode`` decodes it once vetted;
 ``image_fetch`` fetches an image a request names, confined and bounded. ``remux`` turns
-the fMP4 stream into a progressive MP4.
+the fMP4 stream into a progressive MP4, and a progressive MP4 back into fragments, one
+per keyframe (a recording played as HLS).
 """
