@@ -4,5 +4,6 @@
 them); ``watch`` serves read-only viewers of a running session; ``recording`` keeps
 each session on disk, through ``_record_writer`` (its writer thread: the queue from
 the event loop, the part file, the remux and the JSON record). None of them can slow
-the session they follow.
+the session they follow. ``recording_hls`` plays the recordings back as HLS (VOD), once
+their sessions have ended.
 """

@@ -66,6 +66,11 @@ class Need(enum.Enum):
     """/stats: every session's request id and errors. An admin key; a server with API
     keys but no admin key shows it to nobody (a key holder must not read other users'
     sessions); a server without any key shows it to its local users, as before."""
+    RECORDING = enum.auto()
+    """/v1/recordings/: a recorded session's video. An admin key when the server has admin
+    keys, else an API key when it has those (as `METRICS`): without admin keys, the
+    request id, 128 random bits told only to the session's client, is what keeps one
+    user from another's recordings."""
 
 
 class Refusal(enum.StrEnum):
@@ -156,7 +161,7 @@ class AccessPolicy:
         elif self.admin_keys:
             valid = self.admin_keys
         elif self.api_keys:
-            valid = self.api_keys if need is Need.METRICS else ()
+            valid = self.api_keys if need in (Need.METRICS, Need.RECORDING) else ()
         else:
             valid = None  # no key configured: the local development server, open
         if need is Need.NOTHING or valid is None:

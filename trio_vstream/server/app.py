@@ -41,6 +41,7 @@ from trio_vstream.engines.interfaces import audio_format, live_settings, max_bat
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outputs import taps
 from trio_vstream.outputs.recording import Recorder
+from trio_vstream.outputs.recording_hls import RecordingHLS
 from trio_vstream.outputs.taps import TapFactory
 from trio_vstream.outputs.watch import WATCH_PREFIX, WatchRegistry
 from trio_vstream.protocol import ErrorCode
@@ -182,6 +183,12 @@ class VideoServer:
             admit=partial(self._admit, None),
             abandoned_calls=self.abandoned_calls,
         )
+        self.recordings = (
+            RecordingHLS(taps.directory, limiter=self._resources.thread_limiter)
+            if isinstance(taps, Recorder)
+            else None
+        )
+        """The recordings, played as HLS at ``/v1/recordings/`` (with ``--record`` only)."""
 
     @property
     def served_model(self) -> str:

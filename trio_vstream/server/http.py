@@ -1,4 +1,5 @@
-"""The plain-HTTP side of the port: the player page, health, models, stats and metrics.
+"""The plain-HTTP side of the port: the player page, health, models, stats, metrics and
+recordings.
 
 trio-websocket's own listener answers every non-WebSocket request with a bare
 400, so a load balancer's health check or a benchmark's metrics probe could
@@ -298,16 +299,17 @@ async def respond(
     # h11 needs to have seen a request before it will serialise a response.
     connection.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     connection.next_event()
-    fields = [
-        (b"content-type", kind.encode()),
-        (b"cache-control", b"no-cache"),
-        (b"content-length", str(len(payload)).encode()),
-        (b"connection", b"close"),
-    ]
-    extra = {**SECURITY_HEADERS, **(headers or {})}
+    fields = [(b"content-type", kind.encode())]
+    # A 304 has no content, and its Content-Length would be the 200's (RFC 9110 8.6).
+    if status != 304:
+        fields.append((b"content-length", str(len(payload)).encode()))
+    fields.append((b"connection", b"close"))
+    # ``no-cache`` unless ``headers`` say otherwise (a recording's segments are immutable).
+    extra = {"cache-control": "no-cache", **SECURITY_HEADERS, **(headers or {})}
     fields += [(name.encode(), value.encode()) for name, value in extra.items()]
     data = connection.send(h11.Response(status_code=status, headers=fields))
-    data += connection.send(h11.Data(data=payload))
+    if status != 304:
+        data += connection.send(h11.Data(data=payload))
     data += connection.send(h11.EndOfMessage())
     try:
         await stream.send_all(data)

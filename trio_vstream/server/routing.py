@@ -28,6 +28,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
 from trio_vstream.logsafe import get_logger
+from trio_vstream.outputs.recording_hls import RECORDINGS_PREFIX, RecordingHLS
 from trio_vstream.outputs.watch import WATCH_PREFIX
 from trio_vstream.server import access, connections, http, metrics
 from trio_vstream.server.config import VIDEO_PATH, ServerConfig
@@ -65,6 +66,11 @@ class Served(Protocol):
 
     @property
     def draining(self) -> bool: ...
+
+    @property
+    def recordings(self) -> RecordingHLS | None:
+        """The recordings served as HLS (``--record``), or None."""
+        ...
 
     def health(self) -> tuple[int, str]:
         """``GET /health``'s status and body."""
@@ -276,15 +282,36 @@ class Router:
                 await http.respond(stream, 404, f"nothing at {path}\n")
             else:
                 await http.respond(stream, 200, found[0], content_type=found[1])
+        elif path.startswith(RECORDINGS_PREFIX):
+            await self._serve_recording(stream, request, path)
         elif path == VIDEO_PATH or watching:
             await http.respond(stream, 426, f"{path} is a WebSocket endpoint\n")
         else:
             await http.respond(stream, 404, f"nothing at {path}\n")
 
+    async def _serve_recording(
+        self, stream: trio.abc.Stream, request: h11.Request, path: str
+    ) -> None:
+        """A recording played as HLS (``trio_vstream.outputs.recording_hls``)."""
+        recordings = self._server.recordings
+        if recordings is None:
+            await http.respond(stream, 404, "recordings are not kept here (--record)\n")
+            return
+        answer = await recordings.answer(path, request.headers)
+        await http.respond(
+            stream,
+            answer.status,
+            answer.body,
+            content_type=answer.content_type,
+            headers=answer.headers,
+        )
+
     def _need(self, path: str, *, watching: bool) -> access.Need:
         """What a request for ``path`` must carry (see `access.Need`)."""
         if path == "/stats":
             return access.Need.STATS
+        if path.startswith(RECORDINGS_PREFIX):
+            return access.Need.RECORDING
         if path == "/metrics":
             return access.Need.METRICS
         if path in ("/", "/health") or path.startswith("/static/"):
