@@ -18,6 +18,7 @@ import trio
 
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.security.raw_http import Response, request
+from tests.security.test_security_headers import assert_secured
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.media.remux import Fragment
 from trio_vstream.outputs.recording import Recorder
@@ -77,6 +78,7 @@ async def test_a_recording_plays_as_hls_with_its_frames_and_sound(
     assert answer.status == 200, answer
     assert answer.headers["content-type"] == "application/vnd.apple.mpegurl"
     assert answer.headers["cache-control"] == CACHE_CONTROL
+    assert_secured(answer, "the playlist")
     document = m3u8.loads(answer.body.decode())
     assert document.playlist_type == "vod" and document.is_endlist
     assert document.version == 7 and document.is_independent_segments
@@ -121,6 +123,8 @@ async def test_a_recording_plays_as_hls_with_its_frames_and_sound(
     )
     assert (again.status, again.body, again.headers["etag"]) == (304, b"", init.headers["etag"])
     assert "content-length" not in again.headers
+    assert again.headers["cache-control"] == CACHE_CONTROL
+    assert_secured(again, "a 304")
     assert running.server.recordings.conversions == 1
 
 
@@ -162,6 +166,7 @@ async def test_a_recording_being_written_is_409_then_plays(
         assert busy.status == 409, busy
         assert busy.body.startswith(b"recording_in_progress:")
         assert "immutable" not in busy.headers["cache-control"]
+        assert_secured(busy, "a 409")
         await ws.send_message(json.dumps({"type": "session.stop"}))
         await receive_into(ws, transcript)
     assert await trio.to_thread.run_sync(recorder.wait_idle, 10)
