@@ -47,11 +47,12 @@ is not one of them. So the caller says how long a chunk of this session can be
   the playlist stays valid and its timeline right (the next fragments' decode times
   follow on), and a warning is logged.
 
-The encoder's trailer (a ``kind: "trailer"`` chunk: an ``mfra`` index, and with sound
-the last one or two AAC frames in a fragment without video) is not served: an index
-box has no place in a media segment, and a fragment of no video frames would be a part
-of no duration. HLS viewers of a completed stream with sound miss those last
-milliseconds of audio, as every client of a stopped session does.
+The encoder's trailer (a ``kind: "trailer"`` chunk: an ``mfra`` index, and with sound a
+fragment without video holding the AAC frames the encoder still held) is not served: an
+index box has no place in a media segment, and a fragment of no video frames would be a
+part of no duration. HLS viewers of a completed stream with sound miss that end of its
+audio (under three AAC frames: 64 ms at 48 kHz), as every client of a stopped session
+does.
 
 The window: the playlist lists the last ``window_segments`` whole segments (more if
 those last less than three target durations: §6.2.2 forbids a shorter live playlist),
