@@ -2,11 +2,12 @@
 
 A watch link serves a few viewers over WebSockets; a large audience needs plain HTTP
 GETs that a cache answers for everyone. `HlsWindow` is a session tap
-(`trio_vstream.outputs.taps`) that keeps the end of the stream as an RFC 8216bis
-(HLS 2nd edition, draft 17 and later) Low-Latency media playlist, and answers the GETs
-for it (`HlsWindow.respond`); the server routes them and expires the window. Nothing is
-re-encoded or re-muxed: every chunk the encoder made is already one ``moof``+``mdat``
-that begins with an IDR frame (`trio_vstream.media.encoding`), which is what a part is.
+(`trio_vstream.outputs.taps`) that keeps the end of the stream as a Low-Latency media
+playlist (RFC 8216bis: draft-pantos-hls-rfc8216bis, whose recent drafts' sections are
+named below) and answers the GETs for it (`HlsWindow.respond`); the server routes them
+and expires the window. Nothing is re-encoded or re-muxed: every chunk the encoder made
+is already one ``moof``+``mdat`` that begins with an IDR frame
+(`trio_vstream.media.encoding`), which is what a part is.
 
 What is served, relative to the playlist's own URL (so the window needs no prefix):
 
@@ -98,9 +99,11 @@ Cache headers, so that a cache in front of many viewers answers nearly everythin
 * A plain playlist: ``max-age`` of whole seconds no longer than a part (0 for parts
   under a second: a cache may still collapse concurrent requests into one).
 * A blocking reload's answer: the playlist at that point of the stream, which a cache
-  may give to whoever asks the same query for ``ceil(PART-HOLD-BACK)`` seconds. Those
-  asking it later are behind the live edge by more than the hold-back, and every
-  segment such an answer lists is still served by then (the window holds far more).
+  may give to whoever asks the same query for ``ceil(PART-HOLD-BACK)`` seconds (a
+  player asks for the part after the last it saw, so duplicates come from players a
+  part or two behind). Its live edge, where a player starts (PART-HOLD-BACK from the
+  end), is still served long after that: the window keeps at least three target
+  durations and two segments more.
 * After the session ended the playlist no longer changes: ``max-age`` is the time left
   until the window expires (``HlsSettings.linger`` after ``ended_at``, trio time; the
   caller drops the window then, and until it does, every answer is 404).
@@ -135,9 +138,9 @@ __all__ = ["HlsResponse", "HlsSettings", "HlsWindow"]
 
 logger = get_logger(__name__)
 
-PLAYLIST_TYPE: Final = "application/vnd.apple.mpegurl"
-MEDIA_TYPE: Final = "video/mp4"
-TEXT_TYPE: Final = "text/plain; charset=utf-8"
+_PLAYLIST_TYPE: Final = "application/vnd.apple.mpegurl"
+_MEDIA_TYPE: Final = "video/mp4"
+_TEXT_TYPE: Final = "text/plain; charset=utf-8"
 
 _IMMUTABLE: Final = "public, max-age=31536000, immutable"
 _NO_STORE: Final = "no-store"
@@ -585,7 +588,7 @@ class HlsWindow:
             200,
             self.playlist().encode(),
             {"Cache-Control": f"public, max-age={max_age}"},
-            PLAYLIST_TYPE,
+            _PLAYLIST_TYPE,
         )
 
     async def _part(self, msn: int, index: int) -> HlsResponse:
@@ -603,7 +606,7 @@ class HlsWindow:
 
     def _immutable(self, body: bytes, name: str) -> HlsResponse:
         headers = {"Cache-Control": _IMMUTABLE, "ETag": f'"{self._tag}-{name}"'}
-        return HlsResponse(200, body, headers, MEDIA_TYPE)
+        return HlsResponse(200, body, headers, _MEDIA_TYPE)
 
 
 def _directives(query: Mapping[str, str]) -> tuple[int | None, int | None] | str:
@@ -621,4 +624,4 @@ def _directives(query: Mapping[str, str]) -> tuple[int | None, int | None] | str
 
 
 def _error(status: int, text: str) -> HlsResponse:
-    return HlsResponse(status, text.encode() + b"\n", {"Cache-Control": _NO_STORE}, TEXT_TYPE)
+    return HlsResponse(status, text.encode() + b"\n", {"Cache-Control": _NO_STORE}, _TEXT_TYPE)
