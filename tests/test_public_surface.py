@@ -32,11 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FLAGS = {
     "serve": """--admin-api-key --admin-api-key-file --allow-image-urls --allowed-hosts
         --allowed-origins --api-key --api-key-file --device --encode-concurrency --engine
-        --engine-arg --exit-when-wedged --head-timeout --host --image-url-max-bytes
+        --engine-arg --exit-when-wedged --head-timeout --hls-linger --hls-part-seconds
+        --hls-segment-seconds --host --image-url-max-bytes
         --image-url-max-redirects --image-url-timeout --log-level --max-connections
         --max-connections-per-ip --max-control-bytes --max-height --max-num-frames
         --max-sessions --max-start-bytes --max-stuck-calls --max-total-pixels --max-viewers
-        --max-width --model --no-exit-when-wedged --node-name --peer --peer-domain --port
+        --max-width --model --no-exit-when-wedged --no-hls --node-name --peer --peer-domain --port
         --record --record-max-bytes
         --shutdown-grace --ssl-certfile --ssl-keyfile --stall-timeout --start-timeout
         --watch-requires-key""",

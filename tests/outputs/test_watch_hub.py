@@ -58,7 +58,7 @@ def session_start() -> protocol.SessionStart:
 def open_hub(config: WatchConfig) -> tuple[WatchRegistry, WatchHub, str]:
     registry = WatchRegistry(config, ServerMetrics("m"))
     taps = registry.taps("r1", session_start())
-    [hub] = taps.taps
+    hub = taps.taps[0]
     assert isinstance(hub, WatchHub)
     path = taps.video_start_fields["watch_path"]
     config_echo = {"prompt": "a cat", "size": "64x48", "user": "u1"}
@@ -197,7 +197,7 @@ async def test_the_registry_forgets_a_hub_when_its_session_ends() -> None:
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_watching_off_gives_no_taps_and_no_watch_path(enabled: bool) -> None:
+async def test_watching_off_gives_no_taps_and_no_watch_path(enabled: bool) -> None:
     registry = WatchRegistry(WatchConfig(max_viewers=4 if enabled else 0), ServerMetrics("m"))
     taps = registry.taps("r1", session_start())
     assert bool(taps.taps) is enabled

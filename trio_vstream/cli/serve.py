@@ -62,6 +62,7 @@ logger = logsafe.get_logger("trio_vstream")
 def run_serve(args: argparse.Namespace) -> int:
     # Not at the top: only serve loads the server and the engines (see trio_vstream.cli).
     from trio_vstream.engines import EngineConfigError, load_engine
+    from trio_vstream.outputs.hls import HlsSettings
     from trio_vstream.outputs.watch import WatchConfig
     from trio_vstream.server.app import ServerConfig
     from trio_vstream.server.fleet import FleetConfig
@@ -105,7 +106,14 @@ def run_serve(args: argparse.Namespace) -> int:
         exit_when_wedged=exit_when_wedged(args.exit_when_wedged),
         access=policy,
         ssl_context=context,
-        watch=WatchConfig(max_viewers=args.max_viewers, requires_key=args.watch_requires_key),
+        watch=WatchConfig(
+            max_viewers=args.max_viewers,
+            requires_key=args.watch_requires_key,
+            hls=HlsSettings(segment_seconds=args.hls_segment_seconds, linger=args.hls_linger)
+            if args.hls
+            else None,
+            hls_part_seconds=args.hls_part_seconds,
+        ),
         fleet=FleetConfig(
             node_name=args.node_name, peers=dict(args.peers), peer_domain=args.peer_domain
         ),

@@ -10,6 +10,7 @@ and ``serve``'s. The server's modules are imported inside `add_serve_arguments`:
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,21 @@ def _checked(parse: Callable[[str], _T]) -> Callable[[str], _T]:
     return checked
 
 
+def _seconds(*, zero: bool) -> Callable[[str], float]:
+    """A finite number of seconds: above 0, or from 0 with ``zero``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero else '>'} 0, got {text}")
+        return value
+
+    return parse
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -88,6 +104,7 @@ def _byte_size(text: str) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # Not at the top: only serve loads the server and the engines (see trio_vstream.cli).
     from trio_vstream.engines import BUILTIN_ENGINES
+    from trio_vstream.outputs.hls import HlsSettings
     from trio_vstream.outputs.watch import WatchConfig
     from trio_vstream.server import fleet
     from trio_vstream.server.app import ServerConfig
@@ -265,6 +282,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--watch-requires-key",
         action="store_true",
         help="with API keys, a watch link needs a key too (by default its token is enough)",
+    )
+    hls = HlsSettings()
+    parser.add_argument(
+        "--no-hls",
+        dest="hls",
+        action="store_false",
+        help="no LL-HLS playlist beside each watch link (video.start's hls_path)",
+    )
+    parser.add_argument(
+        "--hls-segment-seconds",
+        type=_seconds(zero=False),
+        default=hls.segment_seconds,
+        metavar="SECONDS",
+        help="the LL-HLS playlists' longest segment, of whole chunks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hls-linger",
+        type=_seconds(zero=True),
+        default=hls.linger,
+        metavar="SECONDS",
+        help="how long a playlist stays after its session ended, then 404 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hls-part-seconds",
+        type=_seconds(zero=False),
+        default=watching.hls_part_seconds,
+        metavar="SECONDS",
+        help="the longest chunk a playlist takes as one part, for an engine that does not say "
+        "(default %(default)s; the built-in engines say)",
     )
     parser.add_argument(
         "--node-name",

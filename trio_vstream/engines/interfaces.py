@@ -42,6 +42,7 @@ __all__ = [
     "AudioFormat",
     "SupportsAudio",
     "SupportsBatching",
+    "SupportsChunkFrames",
     "SupportsDevice",
     "SupportsInteractionKinds",
     "SupportsLiveSettings",
@@ -50,6 +51,7 @@ __all__ = [
     "interaction_kinds",
     "live_settings",
     "max_batch",
+    "max_chunk_frames",
     "missing_members",
     "supports_audio",
     "supports_batching",
@@ -135,6 +137,20 @@ class SupportsLiveSettings(Protocol):
 
 
 @runtime_checkable
+class SupportsChunkFrames(Protocol):
+    """An engine that says the most frames one chunk of any session can have.
+
+    A Low-Latency HLS playlist declares its longest part before the first one exists
+    (``PART-TARGET``, which may never change), and every chunk is one part; the server
+    derives it from this and the session's frame rate. Without it the server assumes
+    ``--hls-part-seconds``; a chunk longer than that is served as a segment of its own
+    (still valid, less low-latency).
+    """
+
+    max_chunk_frames: int
+
+
+@runtime_checkable
 class SupportsAudio(Protocol):
     """An engine that makes sound: each chunk's ``Chunk.audio`` is that chunk's PCM.
 
@@ -217,6 +233,19 @@ def interaction_kinds(engine: Engine) -> frozenset[str]:
     if not supports_interaction_kinds(engine):
         return DEFAULT_INTERACTION_KINDS
     return frozenset(engine.interaction_kinds)
+
+
+def max_chunk_frames(engine: Engine) -> int | None:
+    """The most frames in one chunk, when the engine says (`SupportsChunkFrames`);
+    `EngineConfigError` for anything but a positive whole number (at start-up)."""
+    if not isinstance(engine, SupportsChunkFrames):
+        return None
+    value = engine.max_chunk_frames
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(
+            f"engine {engine.name}: max_chunk_frames must be a positive integer, got {value!r}"
+        )
+    return value
 
 
 def max_batch(engine: Engine) -> int:

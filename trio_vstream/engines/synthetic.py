@@ -316,6 +316,8 @@ class SyntheticEngine:
         self.audio_sample_rate: int | None = self.settings.audio_sample_rate if tone else None
         """Sound only with ``audio_tone`` (`interfaces.SupportsAudio`)."""
         self.audio_channels = 1
+        self.max_chunk_frames = self.settings.chunk_frames
+        """Every chunk but the last of a session is this long (`interfaces.SupportsChunkFrames`)."""
         self.blocks = Blocks()
         """Where ``block_at_chunk`` streams wait; released at `close`."""
 

@@ -54,6 +54,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from trio_vstream import protocol
 from trio_vstream.logsafe import get_logger
 from trio_vstream.media.fmp4 import fragment_starts_with_keyframe
+from trio_vstream.outputs.hls import HlsSettings, HlsWindow
 from trio_vstream.outputs.taps import SessionTaps
 from trio_vstream.protocol import ErrorCode
 
@@ -61,6 +62,9 @@ logger = get_logger(__name__)
 
 WATCH_PREFIX: Final = "/v1/realtime/video/watch/"
 """Watch links are this prefix and a token."""
+
+HLS_MARKER: Final = "/hls/"
+"""A watch link's LL-HLS resources are under the link and this: ``<link>/hls/index.m3u8``."""
 
 VIEWER_CONFIG_KEYS: Final = frozenset(
     {
@@ -113,6 +117,12 @@ class WatchConfig:
     max_missed_chunks: int = 8
     """Chunks a viewer may miss in a row (its queue full every time) before it is closed
     with ``viewer_too_slow``: further behind than that, it is not watching live."""
+    hls: HlsSettings | None = attrs.field(factory=HlsSettings)
+    """Each watch link's Low-Latency HLS playlist (``<link>/hls/index.m3u8``, over plain
+    GETs, for HTTP caches to fan out: `trio_vstream.outputs.hls`); None: none."""
+    hls_part_seconds: float = 1.0
+    """The longest chunk, in seconds, a session's playlist allows for as one part, for an
+    engine that does not say its longest chunk (`SupportsChunkFrames`)."""
 
     @property
     def enabled(self) -> bool:
@@ -308,6 +318,7 @@ class WatchRegistry:
         close_timeout: float = 5.0,
         send_timeout: float = 60.0,
         node: str | None = None,
+        max_chunk_frames: int | None = None,
     ) -> None:
         self.config = config
         self._link_prefix = WATCH_PREFIX if node is None else f"{WATCH_PREFIX}{node}/"
@@ -317,6 +328,11 @@ class WatchRegistry:
         self._close_timeout = close_timeout
         self._send_timeout = send_timeout
         self._hubs: weakref.WeakValueDictionary[str, WatchHub] = weakref.WeakValueDictionary()
+        self._max_chunk_frames = max_chunk_frames
+        """The engine's longest chunk, if it says (for a playlist's part target)."""
+        self._playlists: dict[str, HlsWindow] = {}
+        """Each link's LL-HLS window, from its session's start until ``linger`` after its
+        end (held strongly: it outlives the session, which the hubs do not)."""
         self._connections = 0
         """Viewers' connections being served, refused ones included."""
         self._connections_changed = trio.Event()
@@ -328,7 +344,39 @@ class WatchRegistry:
         token = secrets.token_urlsafe(32)
         hub = WatchHub(self, token, self.config, self._close_timeout)
         self._hubs[token] = hub
-        return SessionTaps([hub], {"watch_path": self._link_prefix + token})
+        link = self._link_prefix + token
+        if self.config.hls is None:
+            return SessionTaps([hub], {"watch_path": link})
+        self._forget_old_playlists()
+        window = HlsWindow(self.config.hls, max_part_seconds=self._part_seconds(start))
+        self._playlists[token] = window
+        return SessionTaps(
+            [hub, window], {"watch_path": link, "hls_path": f"{link}{HLS_MARKER}index.m3u8"}
+        )
+
+    def playlist(self, token: str) -> HlsWindow | None:
+        """The LL-HLS window of the link at ``token``: its session runs, or ended less than
+        ``linger`` ago."""
+        self._forget_old_playlists()
+        return self._playlists.get(token)
+
+    def _part_seconds(self, start: protocol.SessionStart) -> float:
+        """The longest part a session's playlist declares: the engine's longest chunk at
+        the session's frame rate, or ``hls_part_seconds``."""
+        if self._max_chunk_frames is None:
+            return self.config.hls_part_seconds
+        return min(60.0, self._max_chunk_frames / start.video.fps)
+
+    def _forget_old_playlists(self) -> None:
+        """Drop the windows whose linger is over, and those of sessions that ended before
+        they could say so (their hub is gone, and they never will)."""
+        now = trio.current_time()
+        for token, window in list(self._playlists.items()):
+            ended = window.ended_at
+            if (ended is None and token not in self._hubs) or (
+                ended is not None and ended + window.settings.linger <= now
+            ):
+                del self._playlists[token]
 
     def hub(self, token: str) -> WatchHub | None:
         """The running session's hub (a dict lookup by hash: the time taken tells
@@ -493,6 +541,7 @@ def viewer_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "HLS_MARKER",
     "VIEWER_CONFIG_KEYS",
     "WATCH_PREFIX",
     "Viewer",

@@ -198,6 +198,9 @@ class VideoStart(_Message):
     config: dict[str, Any]
     watch_path: str | None = None
     """This project's extension: where viewers watch the session (omitted when off)."""
+    hls_path: str | None = None
+    """This project's extension: the session's Low-Latency HLS playlist, for plain HTTP
+    players and caches (``<watch_path>/hls/index.m3u8``; omitted when off)."""
     recording: dict[str, str] | None = None
     """This project's extension, with ``--record``: the recording's ``file`` (its
     request id, ``.mp4``) and, in a fleet, the ``node`` whose ``--record`` directory

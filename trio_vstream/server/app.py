@@ -26,10 +26,10 @@ Viewers of watch links are never refused for session slots, nor do they take any
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import attrs
 import trio
@@ -37,13 +37,18 @@ from trio_websocket import WebSocketRequest
 
 from trio_vstream import protocol
 from trio_vstream.engines.contract import Engine
-from trio_vstream.engines.interfaces import audio_format, live_settings, max_batch
+from trio_vstream.engines.interfaces import (
+    audio_format,
+    live_settings,
+    max_batch,
+    max_chunk_frames,
+)
 from trio_vstream.logsafe import get_logger
 from trio_vstream.outputs import taps
 from trio_vstream.outputs.recording import Recorder
 from trio_vstream.outputs.recording_hls import RecordingHLS
 from trio_vstream.outputs.taps import TapFactory
-from trio_vstream.outputs.watch import WATCH_PREFIX, WatchRegistry
+from trio_vstream.outputs.watch import HLS_MARKER, WATCH_PREFIX, WatchRegistry
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.scheduling.batcher import StepBatcher
 from trio_vstream.scheduling.progress import EngineProgress
@@ -114,6 +119,7 @@ class VideoServer:
             close_timeout=config.session.close_timeout,
             send_timeout=config.session.stall_timeout,
             node=config.fleet.node_name,
+            max_chunk_frames=max_chunk_frames(engine),
         )
         self.relay = fleet.Relay(
             config.fleet,
@@ -386,6 +392,43 @@ class VideoServer:
                 await http.refuse_websocket(ws, admitted, self.config.session.close_timeout)
             else:
                 await self.watch.serve(ws, *admitted)
+
+    async def serve_watch_get(
+        self, path: str, query: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> http.Answer:
+        """A plain GET under a watch link: its LL-HLS playlist, init segment, parts and
+        segments (`WatchRegistry.playlist`), here or relayed to the node that owns it."""
+        link, marker, resource = path[len(WATCH_PREFIX) :].partition(HLS_MARKER)
+        if not marker:
+            return http.Answer(426, f"{path} is a WebSocket endpoint\n")
+        node, token = fleet.split_watch_target(link)
+        where = fleet.locate(
+            self.config.fleet,
+            node,
+            port=self.config.port if self.port is None else self.port,
+            relayed=fleet.is_relayed(headers),
+        )
+        if isinstance(where, fleet.Peer):
+            target = f"{path}?{query}" if query else path
+            relayed = await self.relay.get(where, target, headers)
+            if isinstance(relayed, protocol.Error):
+                return http.Answer(404, relayed.to_json(), "application/json")
+            return http.Answer(relayed.status, relayed.body, headers=relayed.headers)
+        window = self.watch.playlist(token) if isinstance(where, fleet.Local) else None
+        if window is None:
+            gone = protocol.Error(
+                ErrorCode.WATCH_NOT_FOUND, "no session at this link (it may have ended)"
+            )
+            return http.Answer(404, gone.to_json(), "application/json")
+        fields = parse_qsl(query, keep_blank_values=True, max_num_fields=8)
+        if len({name for name, _ in fields}) != len(fields):
+            return http.Answer(400, "a playlist query names each directive once\n")
+        answer = await window.respond(resource, dict(fields))
+        headers_out = {name.lower(): value for name, value in answer.headers.items()}
+        if self.config.watch.requires_key and "public" in headers_out.get("cache-control", ""):
+            # A link that needs a key is no shared cache's to keep and hand out.
+            headers_out["cache-control"] = headers_out["cache-control"].replace("public", "private")
+        return http.Answer(answer.status, answer.body, answer.content_type, headers_out)
 
     async def serve_websocket(self, request: WebSocketRequest, *, host: str | None = None) -> None:
         """An upgrade whose head passed the router's checks: a viewer of a watch link, or

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
+import h11
 import trio
 from trio_websocket import (
     ConnectionClosed,
@@ -62,6 +63,28 @@ FORWARDED_HEADERS: Final = frozenset({b"authorization", b"origin", b"x-forwarded
 
 MAX_RELAYED_MESSAGE: Final = 256 * 1024 * 1024
 """The largest message taken from an owner: above any chunk a session sends."""
+
+MAX_RELAYED_RESPONSE: Final = 64 * 1024 * 1024
+"""The largest plain response taken from an owner (an HLS segment of a few seconds)."""
+
+RELAYED_RESPONSE_HEADERS: Final = frozenset(
+    {b"content-type", b"cache-control", b"etag", b"retry-after", b"www-authenticate"}
+)
+"""An owner's response headers a relayed GET passes on (the rest are this server's)."""
+
+
+RELAYED_GET_SECONDS: Final = 30.0
+"""The most a relayed GET may take once connected (a blocking playlist reload holds
+its request for a few target durations at most)."""
+
+
+@attrs.frozen
+class RelayedResponse:
+    """An owner's answer to a relayed GET."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
 
 
 def node_name(text: str) -> str:
@@ -235,14 +258,77 @@ class Relay:
                 await owner.aclose()
         return None
 
-    async def _connect(
-        self, nursery: trio.Nursery, request: WebSocketRequest, peer: Peer, host: str | None
-    ) -> WebSocketConnection:
+    async def get(
+        self, peer: Peer, target: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> RelayedResponse | protocol.Error:
+        """A plain GET of a watch link's resource (its HLS playlist and parts) on the
+        owner, with the viewer's ``Host``, ``Authorization`` and ``X-Forwarded-For``; the
+        owner's answer, or the error that says it could not be had. A blocking playlist
+        reload waits on the owner as it would here, within the owner's own deadline."""
+        self._relaying += 1
+        try:
+            with trio.move_on_after(self._config.connect_timeout + RELAYED_GET_SECONDS):
+                try:
+                    return await self._get(peer, target, headers)
+                except (OSError, h11.ProtocolError, trio.BrokenResourceError) as exc:
+                    logger.warning("watch relay: node %s unreachable: %s", peer.name, exc)
+                    return _not_found()
+            logger.warning("watch relay: node %s did not answer in time", peer.name)
+            return _not_found()
+        finally:
+            self._relaying -= 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def _get(
+        self, peer: Peer, target: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> RelayedResponse | protocol.Error:
+        with trio.move_on_after(self._config.connect_timeout) as connecting:
+            stream = await self._open(peer)
+        if connecting.cancelled_caught:
+            return _not_found()
+        passed = FORWARDED_HEADERS | {b"host"}
+        forwarded = [(n, v) for n, v in headers if n.lower() in passed]
+        if not any(n.lower() == b"host" for n, _ in forwarded):
+            forwarded.append((b"host", f"{peer.host}:{peer.port}".encode()))
+        forwarded.append((RELAYED_HEADER, (self._config.node_name or "").encode()))
+        forwarded.append((b"connection", b"close"))
+        connection = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        async with stream:
+            request = h11.Request(method="GET", target=target, headers=forwarded)
+            await stream.send_all(connection.send(request) + connection.send(h11.EndOfMessage()))
+            status, kept, body = 0, {}, bytearray()
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    connection.receive_data(bytes(await stream.receive_some(65536)))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                    kept = {
+                        name.decode("latin-1"): value.decode("latin-1")
+                        for name, value in event.headers
+                        if name in RELAYED_RESPONSE_HEADERS
+                    }
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > MAX_RELAYED_RESPONSE:
+                        raise h11.ProtocolError("the owner's answer is too large to relay")
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return RelayedResponse(status, kept, bytes(body))
+
+    async def _open(self, peer: Peer) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+        """A connection to ``peer``: TLS when this server serves TLS."""
         stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
         stream = await trio.open_tcp_stream(peer.host, peer.port)
         if self._ssl_context is not None:
             stream = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=peer.host)
             await stream.do_handshake()
+        return stream
+
+    async def _connect(
+        self, nursery: trio.Nursery, request: WebSocketRequest, peer: Peer, host: str | None
+    ) -> WebSocketConnection:
+        stream = await self._open(peer)
         headers = [(n, v) for n, v in request.headers if n.lower() in FORWARDED_HEADERS]
         headers.append((RELAYED_HEADER, (self._config.node_name or "").encode()))
         return await wrap_client_stream(

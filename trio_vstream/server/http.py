@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import h11
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -278,6 +279,16 @@ def static_file(name: str) -> tuple[bytes, str] | None:
         return None
 
 
+@attrs.frozen
+class Answer:
+    """A plain-HTTP answer made away from the socket (`respond` sends it)."""
+
+    status: int
+    body: bytes | str
+    content_type: str | None = None
+    headers: Mapping[str, str] | None = None
+
+
 async def respond(
     stream: trio.abc.Stream,
     status: int,
@@ -305,7 +316,8 @@ async def respond(
         fields.append((b"content-length", str(len(payload)).encode()))
     fields.append((b"connection", b"close"))
     # ``no-cache`` unless ``headers`` say otherwise (a recording's segments are immutable).
-    extra = {"cache-control": "no-cache", **SECURITY_HEADERS, **(headers or {})}
+    given = {name.lower(): value for name, value in (headers or {}).items()}
+    extra = {"cache-control": "no-cache", **SECURITY_HEADERS, **given}
     fields += [(name.encode(), value.encode()) for name, value in extra.items()]
     data = connection.send(h11.Response(status_code=status, headers=fields))
     if status != 304:

@@ -20,6 +20,7 @@ reads what it needs through `Served`, which `VideoServer` is.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -82,6 +83,12 @@ class Served(Protocol):
 
     def models(self) -> dict[str, Any]:
         """``GET /v1/models``'s document."""
+        ...
+
+    async def serve_watch_get(
+        self, path: str, query: str, headers: Sequence[tuple[bytes, bytes]]
+    ) -> http.Answer:
+        """A plain GET under a watch link (its LL-HLS playlist and parts)."""
         ...
 
     async def serve_websocket(self, request: WebSocketRequest, *, host: str | None = None) -> None:
@@ -284,7 +291,17 @@ class Router:
                 await http.respond(stream, 200, found[0], content_type=found[1])
         elif path.startswith(RECORDINGS_PREFIX):
             await self._serve_recording(stream, request, path)
-        elif path == VIDEO_PATH or watching:
+        elif watching:  # a watch link's LL-HLS playlist and parts (a GET, not an upgrade)
+            query = urlsplit(request.target.decode("latin-1")).query
+            answer = await self._server.serve_watch_get(path, query, request.headers)
+            await http.respond(
+                stream,
+                answer.status,
+                answer.body,
+                content_type=answer.content_type,
+                headers=answer.headers,
+            )
+        elif path == VIDEO_PATH:
             await http.respond(stream, 426, f"{path} is a WebSocket endpoint\n")
         else:
             await http.respond(stream, 404, f"nothing at {path}\n")

@@ -154,6 +154,9 @@ class ShapesEngine:
         self.device = device
         self.settings = settings
         self.max_batch = settings.max_batch
+        self.max_chunk_frames: int = model.config.chunk_frames
+        """A session may ask for shorter chunks (``extra_params.chunk_frames``), never
+        longer (`interfaces.SupportsChunkFrames`)."""
         self._reported_words: set[str] = set()
         self._lock = threading.Lock()
         with torch.inference_mode():
