@@ -17,7 +17,9 @@ import trio
 from tests.conftest import Transcript, is_type, receive_into, receive_until
 from tests.security.raw_http import Response, request
 from trio_vstream.cli import build_parser
-from trio_vstream.engines.synthetic import SyntheticSettings
+from trio_vstream.engines import EngineConfigError
+from trio_vstream.engines.interfaces import max_chunk_frames
+from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
 from trio_vstream.outputs.hls import HlsSettings
 from trio_vstream.outputs.watch import HLS_MARKER, WatchConfig
 from trio_vstream.server.access import AccessPolicy
@@ -175,3 +177,21 @@ def test_the_command_line_sets_or_turns_off_the_playlists() -> None:
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
+
+
+async def test_the_part_target_is_the_engines_longest_chunk(start_server: Any) -> None:
+    # 4 frames at 8 fps: the engine's chunks are 0.5 s, so no part may be longer.
+    running = await start_server(CHUNKS, watch=HLS)
+    session = await running.run_session(START)
+    body = (await get(running.server.port, session.json[0]["hls_path"])).body.decode()
+    assert "#EXT-X-PART-INF:PART-TARGET=0.5" in body
+    assert "PART-HOLD-BACK=1.5" in body
+
+
+def test_an_engine_that_says_a_bad_longest_chunk_fails_at_start() -> None:
+    for bad in (0, -3, 2.5, True, "8"):
+        odd = SyntheticEngine()
+        odd.max_chunk_frames = bad  # type: ignore[assignment]
+        with pytest.raises(EngineConfigError, match="max_chunk_frames"):
+            max_chunk_frames(odd)
+    assert max_chunk_frames(SyntheticEngine(SyntheticSettings(chunk_frames=6))) == 6
