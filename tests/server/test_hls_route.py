@@ -104,6 +104,8 @@ async def test_an_unknown_link_and_a_hostile_resource_get_404(start_server: Any)
         assert answer.status in (400, 404), (hostile, answer.status)
     repeated = await get(port, f"{base}/index.m3u8?_HLS_msn=0&_HLS_msn=1")
     assert repeated.status == 400
+    crowded = await get(port, f"{base}/index.m3u8?" + "&".join(f"f{n}=1" for n in range(50)))
+    assert crowded.status == 400
     # The watch link itself is still a WebSocket endpoint to a plain GET.
     plain = await get(port, session.json[0]["watch_path"])
     assert plain.status == 426

@@ -420,7 +420,10 @@ class VideoServer:
                 ErrorCode.WATCH_NOT_FOUND, "no session at this link (it may have ended)"
             )
             return http.Answer(404, gone.to_json(), "application/json")
-        fields = parse_qsl(query, keep_blank_values=True, max_num_fields=8)
+        try:
+            fields = parse_qsl(query, keep_blank_values=True, max_num_fields=8)
+        except ValueError:  # more fields than any playlist request has
+            return http.Answer(400, "too many query fields for a playlist\n")
         if len({name for name, _ in fields}) != len(fields):
             return http.Answer(400, "a playlist query names each directive once\n")
         answer = await window.respond(resource, dict(fields))
