@@ -57,8 +57,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under tox the suite runs in two selections (tox.ini); arguments that pick tests of
-    only one of them leave the other empty, which is no failure there."""
+    """Under tox the suite runs in three selections (tox.ini); arguments that pick tests
+    of only some of them leave the others empty, which is no failure there."""
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and os.environ.get(
         "TRIO_VSTREAM_SPLIT_RUN"
     ):
