@@ -262,7 +262,9 @@ def test_the_renderer_moves_the_cache_and_says_when_it_cannot(tmp_path: Path) ->
         shipped, listen_port=8000, backend_ports=[9001], prefix=tmp_path, fewer_backends=True
     )
     assert f"proxy_cache_path {tmp_path}/hls-cache " in rendered
-    assert "/var/cache" not in rendered
+    # Nothing left under /var for nginx to write (an unprivileged test could not).
+    lines = [line for line in rendered.splitlines() if not line.strip().startswith("#")]
+    assert not [line for line in lines if "/var/" in line or "/run/" in line]
     moved = shipped.replace("/var/cache/nginx/trio-vstream ", "/srv/cache ")
     with pytest.raises(ValueError, match="proxy_cache_path"):
         render_nginx_conf(
