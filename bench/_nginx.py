@@ -28,13 +28,16 @@ from bench._settings import REPO_DIR
 
 NGINX: Final = Path("/usr/sbin/nginx")
 NGINX_CONF: Final = REPO_DIR / "deploy" / "nginx.conf"
+SHIPPED_CACHE_DIR: Final = "/var/cache/nginx/trio-vstream"
+"""Where the shipped configuration keeps its LL-HLS cache (``proxy_cache_path``)."""
 READY_TIMEOUT: Final = 15.0
 """Seconds for nginx to answer ``GET /health`` with 200 through a backend."""
 
 _SERVER_LINE: Final = re.compile(r"^\s*server 127\.0\.0\.1:(\d+) .*\n", flags=re.MULTILINE)
 _LOG_LINE: Final = re.compile(
     r'"GET (?P<path>\S+) HTTP/1\.1" (?P<status>\d{3}) \d+ rt=\S+ '
-    r"upstream=(?P<upstream>.*) ustatus=(?P<ustatus>.*) urt="
+    r"upstream=(?P<upstream>.*) ustatus=(?P<ustatus>.*) urt=.*?"
+    r"(?: cache=(?P<cache>\S+))?$"
 )
 
 
@@ -58,7 +61,8 @@ def render_nginx_conf(
 ) -> str:
     """deploy/nginx.conf, made runnable by an unprivileged process in a temporary directory.
 
-    Every path nginx would write under /var or /run moves under ``prefix``. As root, the
+    Every path nginx would write under /var or /run moves under ``prefix``, the HLS
+    cache's directory (``proxy_cache_path``) to ``prefix/hls-cache``. As root, the
     workers run as root too: the shipped ``www-data`` could not enter a private
     temporary directory. ``worker_processes 2`` rather than ``auto`` bounds the cost on a
     big machine, and still has two workers share least_conn's counts through the zone.
@@ -79,6 +83,9 @@ def render_nginx_conf(
         f"access_log {prefix}/access.log trio_vstream;",
     )
     text = _replace_once(text, "listen 80;", f"listen 127.0.0.1:{listen_port};")
+    text = _replace_once(
+        text, f"proxy_cache_path {SHIPPED_CACHE_DIR} ", f"proxy_cache_path {prefix}/hls-cache "
+    )
     # Each upstream block (the sessions', the watch links') lists the same servers.
     upstreams = len(re.findall(r"^\s*upstream \S+ \{$", text, flags=re.MULTILINE))
     lines = list(_SERVER_LINE.finditer(text))
@@ -143,10 +150,39 @@ class LogEntry:
     upstreams: tuple[str, ...]
     """Every backend nginx tried, in order; the last one answered."""
     upstream_statuses: tuple[str, ...]
+    cache: str = "-"
+    """What the HLS cache did (``HIT``, ``MISS``, ``BYPASS``, ...); ``-`` outside it."""
 
     @property
     def served_by(self) -> str:
         return self.upstreams[-1]
+
+    @property
+    def reached_a_backend(self) -> bool:
+        """Whether a backend was asked (nginx writes ``upstream=-`` for a request the cache
+        answered, a waiter on the cache lock's included)."""
+        return self.upstreams != ("-",)
+
+
+def _entry(match: re.Match[str]) -> LogEntry:
+    return LogEntry(
+        path=match["path"],
+        status=int(match["status"]),
+        upstreams=tuple(match["upstream"].split(", ")),
+        upstream_statuses=tuple(match["ustatus"].split(", ")),
+        cache=match["cache"] or "-",
+    )
+
+
+def read_requests(path: Path) -> list[LogEntry]:
+    """Every GET logged so far, in the order nginx wrote them (when each ended)."""
+    if not path.exists():
+        return []
+    return [
+        _entry(match)
+        for line in path.read_text().splitlines()
+        if (match := _LOG_LINE.search(line)) is not None
+    ]
 
 
 def read_access_log(path: Path, key: str) -> dict[str, LogEntry]:
@@ -163,12 +199,7 @@ def read_access_log(path: Path, key: str) -> dict[str, LogEntry]:
         names = parse_qs(urlsplit(match["path"]).query).get(key)
         if not names:
             continue
-        entries[names[0]] = LogEntry(
-            path=match["path"],
-            status=int(match["status"]),
-            upstreams=tuple(match["upstream"].split(", ")),
-            upstream_statuses=tuple(match["ustatus"].split(", ")),
-        )
+        entries[names[0]] = _entry(match)
     return entries
 
 

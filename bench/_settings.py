@@ -30,6 +30,7 @@ SCENARIOS: Final = (
     "glass",
     "overhead",
     "fleet",
+    "hls",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -46,6 +47,7 @@ OWN_SERVER_SCENARIOS: Final = (
     "glass",
     "overhead",
     "fleet",
+    "hls",
 )
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
@@ -54,8 +56,9 @@ ALL_SCENARIOS: Final = SCENARIOS[:5]
 default run, and they measure the shapes engine rather than the transport; so does
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
 for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
-encoder's, ~1.5 min a run), and ``fleet`` (one server and three behind nginx, ~8 s a
-run)."""
+encoder's, ~1.5 min a run), ``fleet`` (one server and three behind nginx, ~8 s a
+run), and ``hls`` (one session with 500 LL-HLS viewers through nginx's cache and with
+none, ~30 s a run)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -175,6 +178,19 @@ class Settings:
     fleet_size: int = 64
     """Width and height of the fleet sessions' video: small, so that the servers' event
     loops and the relay, not the encoder, are what two cores spend on."""
+    hls_viewers: int = 500
+    """The hls scenario's crowd: LL-HLS viewers of one session through nginx's cache."""
+    hls_frames: int = 240
+    """Frames of the hls scenario's session: 10 s at 24 fps, 20 parts."""
+    hls_chunk_frames: int = 12
+    """Frames per chunk, so per part: 0.5 s at 24 fps."""
+    hls_step_delay: float = 0.1
+    """The synthetic engine's step (4 a chunk): 0.4 s for 0.5 s of media, a little faster
+    than real time, as a live session is: viewers wait at the live edge, together."""
+    hls_width: int = 832
+    hls_height: int = 480
+    """The session's size: the harness's default, the size its CPU targets are stated
+    for (a session's own CPU is what the crowd's is compared with)."""
 
     @property
     def size(self) -> str:
@@ -218,6 +234,11 @@ class Settings:
             "fleet_max_sessions": 1,
             "fleet_viewers": 2,
             "fleet_frames": 48,
+            "hls_viewers": 40,
+            "hls_frames": 24,
+            "hls_step_delay": 0.05,
+            "hls_width": 64,
+            "hls_height": 48,
         }
         base.update(overrides)
         return cls(**base)

@@ -328,6 +328,42 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     "fleet.{F}.direct_delay_p95_ms": ("ms", "per run: the direct viewers' delay, p95"),
     "fleet.{F}.ttfc_ms": ("ms", "a completed session: session.start sent -> first media chunk"),
     "fleet.{F}.wave_s": ("s", "per run: the wave's first session opened -> its last client done"),
+    # The hls scenario (bench.scenarios.hls): S is `alone` (nobody watches) or `crowd`
+    # (hls_viewers LL-HLS viewers through nginx's cache).
+    "hls.{S}.cpu_ms_per_frame": (
+        "ms",
+        "per run: the server process's CPU (user + system) from the session's start to its "
+        "last client done, per frame the owner got",
+    ),
+    "hls.{S}.session_s": ("s", "per run: the session's start -> its last client done"),
+    "hls.cpu_ratio": ("ratio", "per run: crowd / alone, the server's CPU per frame"),
+    "hls.viewers_complete": (
+        "count",
+        "per run: viewers that got every part, in order, and the owner's bytes exactly",
+    ),
+    "hls.viewers_failed": ("count", "per run: viewers that did not"),
+    "hls.origin_per_part": (
+        "count",
+        "a part: its requests that reached the server (nginx's log: upstream not -)",
+    ),
+    "hls.origin_per_part_median": ("count", "per run: requests per part to the server, median"),
+    "hls.origin_per_part_max": ("count", "per run: requests per part to the server, max"),
+    "hls.origin_per_reload_max": (
+        "count",
+        "per run: requests for one blocking reload's query that reached the server, max",
+    ),
+    "hls.origin_requests": (
+        "count",
+        "per run: the crowd's requests that reached the server (first loads included)",
+    ),
+    "hls.viewer_requests": ("count", "per run: the crowd's requests to nginx"),
+    "hls.cache_hit_pct": ("%", "per run: the crowd's requests nginx's cache answered (HIT)"),
+    "hls.part_delay_ms": (
+        "ms",
+        "a part: received by a viewer - its chunk received by the owner",
+    ),
+    "hls.part_delay_p50_ms": ("ms", "per run: a part's delay behind the owner, median"),
+    "hls.part_delay_p95_ms": ("ms", "per run: a part's delay behind the owner, p95"),
 }
 
 CATALOGUE.update(
@@ -356,6 +392,7 @@ def catalogue_key(name: str) -> str:
     name = re.sub(r"^streaming\.(paced|unpaced)\.n\d+\.", "streaming.{M}.n{N}.", name)
     name = re.sub(r"^streaming\.paused\.(alone|paused|active)\.", "streaming.paused.{C}.", name)
     name = re.sub(r"^fleet\.(one|three)\.", "fleet.{F}.", name)
+    name = re.sub(r"^hls\.(alone|crowd)\.", "hls.{S}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
     name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)

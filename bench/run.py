@@ -38,6 +38,10 @@
   with viewers of its watch link, through nginx (the shipped deploy/nginx.conf) in front
   of one server and in front of three: sessions completed and refused, viewers that saw
   their session's end, and a viewer's delay behind the owner, relayed or direct.
+* ``hls`` (by name, not in ``all``; needs /usr/sbin/nginx): one session watched by 500
+  LL-HLS viewers through nginx's cache (the shipped deploy/nginx.conf) and by none:
+  requests per part that reach the server, viewers that got every part, and the
+  server's CPU per frame with the crowd over without.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -127,6 +131,7 @@ from bench.scenarios.effect import EffectScenario
 from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
 from bench.scenarios.fleet import FleetScenario
 from bench.scenarios.glass import GlassScenario
+from bench.scenarios.hls import HlsScenario
 from bench.scenarios.overhead import OverheadScenario
 from bench.scenarios.streaming import StreamingScenario
 from trio_vstream.client import check_startup
@@ -161,6 +166,7 @@ __all__ = [
     "Figure",
     "Figures",
     "FleetScenario",
+    "HlsScenario",
     "RunContext",
     "ServerProcess",
     "SessionClient",
@@ -233,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching, decode, effect, streaming, glass, overhead and fleet: "
+        "(all leaves out batching, decode, effect, streaming, glass, overhead, fleet and hls: "
         "name them)",
     )
     where = parser.add_mutually_exclusive_group()
@@ -482,6 +488,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 progress(f"fleet: skipped: {fleet.skipped}")
             for run in range(s.repeat if fleet.skipped is None else 0):
                 await fleet.run(run, Path(log_dir))
+        hls: HlsScenario | None = None
+        if "hls" in s.scenarios:
+            hls = HlsScenario(s, args.server_arg)
+            if hls.skipped is not None:
+                progress(f"hls: skipped: {hls.skipped}")
+            for run in range(s.repeat if hls.skipped is None else 0):
+                await hls.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -522,6 +535,7 @@ async def main_async(args: argparse.Namespace) -> int:
         | GlassScenario
         | OverheadScenario
         | FleetScenario
+        | HlsScenario
     )
     sections: list[Section] = []
     section_verdicts: list[dict[str, Any]] = []
@@ -533,6 +547,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ("glass", glass),
         ("overhead", overhead),
         ("fleet", fleet),
+        ("hls", hls),
     )
     for name, section in named:
         if section is not None:

@@ -97,7 +97,9 @@ Cache headers, so that a cache in front of many viewers answers nearly everythin
   session's one place in its stream): ``public, max-age=31536000, immutable``, with a
   strong ``ETag`` made of a random tag of this window and the resource's place.
 * A plain playlist: ``max-age`` of whole seconds no longer than a part (0 for parts
-  under a second: a cache may still collapse concurrent requests into one).
+  under a second, which no cache keeps: nginx's cache lock would then pass a crowd's
+  requests on one at a time, so deploy/nginx.conf sends this one around its cache,
+  and each viewer's first load reaches the server).
 * A blocking reload's answer: the playlist at that point of the stream, which a cache
   may give to whoever asks the same query for ``ceil(PART-HOLD-BACK)`` seconds (a
   player asks for the part after the last it saw, so duplicates come from players a
