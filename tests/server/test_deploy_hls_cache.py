@@ -163,9 +163,11 @@ async def test_500_viewers_through_the_cache_cost_the_server_a_request_or_two_pe
     mine = [e for e in log if e.path.startswith(prefix)]
     hits = sum(e.cache == "HIT" for e in mine)
     assert hits >= VIEWERS * PARTS, Counter(e.cache for e in mine)
-    # The live playlist without _HLS_msn (each viewer's first load) is never cached.
+    # The live playlist without _HLS_msn (each viewer's first load) is kept a second:
+    # 500 viewers joining at once cost the server a request or two, not 500.
     plain = [e for e in mine if e.path == viewers[0].playlist_path]
-    assert len(plain) == VIEWERS and {e.cache for e in plain} == {"BYPASS"}
+    assert len(plain) == VIEWERS
+    assert sum(e.reached_a_backend for e in plain) <= ORIGIN_LIMIT, Counter(e.cache for e in plain)
     assert sum(v.requests for v in viewers) == len(mine)
     assert cached.status == keyed.status == 200 and cached.body == viewers[0].init
     assert cached.headers["x-cache-status"] == "HIT", cached.headers
@@ -213,9 +215,9 @@ def test_the_shipped_config_caches_hls_as_the_server_answers() -> None:
     assert hls["proxy_cache_lock"] == "on"
     assert seconds(hls["proxy_cache_lock_timeout"]) > hold + 0.5, hold
     assert seconds(hls["proxy_cache_lock_age"]) > hold, hold
-    # Never the cache's: upgrades, credentials, the live playlist without _HLS_msn.
+    # Never the cache's: upgrades, credentials.
     for name in ("proxy_cache_bypass", "proxy_no_cache"):
-        assert hls[name].split() == ["$http_upgrade", "$http_authorization", "$hls_live_playlist"]
+        assert hls[name].split() == ["$http_upgrade", "$http_authorization"]
     # A blocking reload's 503 (a stalled stream) is not retried, nor a server's failure.
     assert "http_503" not in hls["proxy_next_upstream"].split()
     assert hls["proxy_ignore_client_abort"] == "on"
@@ -236,24 +238,6 @@ def test_the_hls_location_takes_hls_paths_only(path: str, hls: bool) -> None:
     """The location's regex (PCRE in nginx, the same in Python for this one)."""
     pattern = HLS_LOCATION.split()[2]
     assert bool(re.search(pattern, path)) is hls
-
-
-@pytest.mark.parametrize(
-    ("uri_and_msn", "live"),
-    [
-        ("/w/t/hls/index.m3u8", True),  # a player's first load
-        ("/w/t/hls/index.m3u8?", True),  # a query without _HLS_msn
-        ("/w/t/hls/index.m3u8?12", False),  # a blocking reload
-        ("/w/t/hls/part/1.0.m4s", False),
-        ("/w/t/hls/part/1.0.m4s?", False),
-    ],
-)
-def test_only_the_live_playlist_goes_around_the_cache(uri_and_msn: str, live: bool) -> None:
-    """The map's regex, on what nginx gives it: ``$uri$is_args$arg__HLS_msn``."""
-    text = NGINX_CONF.read_text()
-    block = text.split("map $uri$is_args$arg__HLS_msn $hls_live_playlist {", 1)[1]
-    (pattern,) = re.findall(r'^\s*"~(.+)"\s+1;$', block.split("}", 1)[0], re.MULTILINE)
-    assert bool(re.search(pattern, uri_and_msn)) is live
 
 
 def test_the_renderer_moves_the_cache_and_says_when_it_cannot(tmp_path: Path) -> None:

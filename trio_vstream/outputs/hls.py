@@ -96,10 +96,12 @@ Cache headers, so that a cache in front of many viewers answers nearly everythin
 * The init segment, parts and segments never change at their URL (a URL names one
   session's one place in its stream): ``public, max-age=31536000, immutable``, with a
   strong ``ETag`` made of a random tag of this window and the resource's place.
-* A plain playlist: ``max-age`` of whole seconds no longer than a part (0 for parts
-  under a second, which no cache keeps: nginx's cache lock would then pass a crowd's
-  requests on one at a time, so deploy/nginx.conf sends this one around its cache,
-  and each viewer's first load reaches the server).
+* A plain playlist (a player's first load): ``max-age`` of a part's duration in whole
+  seconds, and at least 1. A crowd joining at once then costs the server one request a
+  second, not one each (a cache does not keep ``max-age=0``, and nginx's cache lock
+  would pass such requests on one at a time). A second-old playlist is still a good
+  place to join: the player's next request is a blocking reload for the part after
+  its last, which comes as soon as that part exists.
 * A blocking reload's answer: the playlist at that point of the stream, which a cache
   may give to whoever asks the same query for ``ceil(PART-HOLD-BACK)`` seconds (a
   player asks for the part after the last it saw, so duplicates come from players a
@@ -585,7 +587,7 @@ class HlsWindow:
         elif blocking:
             max_age = math.ceil(self._timeline.part_hold_back)
         else:
-            max_age = math.floor(self._timeline.part_target)
+            max_age = max(1, math.floor(self._timeline.part_target))
         return HlsResponse(
             200,
             self.playlist().encode(),
