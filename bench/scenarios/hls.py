@@ -23,8 +23,8 @@ What is measured, per run:
 * how many requests reached the server (nginx's access log: ``upstream=`` not ``-``)
   for each part (``hls.origin_per_part``, every part; per run its median and max),
   for each blocking reload's query (``hls.origin_per_reload_max``), and in all
-  (``hls.origin_requests``: the viewers' first loads included, which the cache passes
-  through); the viewers' requests (``hls.viewer_requests``) and the cache's share
+  (``hls.origin_requests``: the viewers' first loads included, which the cache keeps a
+  second); the viewers' requests (``hls.viewer_requests``) and the cache's share
   (``hls.cache_hit_pct``);
 * viewers **complete** (every part from the first to the last, in order, none missed,
   and their bytes the owner's, byte for byte: one SHA-256) and **failed**;
