@@ -16,7 +16,6 @@ or the owner reports, never a sleep.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,13 +27,7 @@ from playwright.sync_api import Browser, Page
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.player import hlsjs as hlsjs_module
-from tests.player.hlsjs import (
-    HLSJS_VERSION,
-    HlsJsMismatch,
-    HlsJsUnavailable,
-    hlsjs_script,
-    route_page,
-)
+from tests.player.hlsjs import HLSJS_VERSION, HlsJsMismatch, hlsjs_script, route_page
 from tests.player.test_player import (
     CHROMIUM,
     SYNTHETIC,
@@ -60,19 +53,6 @@ FRAMES = 5 * FPS
 plays, so hls.js joins a live playlist and plays it out to its end."""
 PRESENTED_SHARE = 0.99
 """The issue's bar: at least this share of the session's frames presented."""
-
-
-@pytest.fixture(scope="session")
-def hlsjs() -> bytes:
-    """hls.min.js of the pinned release. Without network: a skip, except in CI (``CI=true``,
-    which CI services set), where the tests must run; a tarball other than the pinned
-    one fails everywhere."""
-    try:
-        return hlsjs_script()
-    except HlsJsUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI needs hls.js {HLSJS_VERSION} from the npm registry: {exc}")
-        pytest.skip(f"hls.js {HLSJS_VERSION} is not cached and cannot be downloaded: {exc}")
 
 
 @pytest.fixture(scope="module")
