@@ -31,6 +31,7 @@ SCENARIOS: Final = (
     "overhead",
     "fleet",
     "hls",
+    "hls_latency",
 )
 """In the order they run: resources first, so that its RSS figures start from a fresh
 server rather than from whatever memory the other scenarios left to the allocator.
@@ -48,6 +49,7 @@ OWN_SERVER_SCENARIOS: Final = (
     "overhead",
     "fleet",
     "hls",
+    "hls_latency",
 )
 """Scenarios that start servers of their own (so neither --url nor --compare applies)."""
 ALL_SCENARIOS: Final = SCENARIOS[:5]
@@ -57,8 +59,9 @@ default run, and they measure the shapes engine rather than the transport; so do
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
 for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
 encoder's, ~1.5 min a run), ``fleet`` (one server and three behind nginx, ~8 s a
-run), and ``hls`` (one session with 500 LL-HLS viewers through nginx's cache and with
-none, ~30 s a run)."""
+run), ``hls`` (one session with 500 LL-HLS viewers through nginx's cache and with
+none, ~30 s a run), and ``hls_latency`` (hls.js in chromium through nginx, ~30 s a
+run)."""
 PROMPT: Final = "a lighthouse on a cliff at dusk, waves rolling in"
 
 DEFAULT_ENGINE: Final = "synthetic"
@@ -191,6 +194,15 @@ class Settings:
     hls_height: int = 480
     """The session's size: the harness's default, the size its CPU targets are stated
     for (a session's own CPU is what the crowd's is compared with)."""
+    hls_seconds: float = 20.0
+    """The hls_latency session's length, paced to media time (so as long in wall time):
+    hls.js joins a couple of seconds in and is measured on the rest."""
+    hls_join_s: float = 6.0
+    """When the hls_latency scenario's second viewer is given the playlist: once this much
+    of the stream has been sent (the first is given it at video.start)."""
+    hls_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
+    """The hls_latency server's shapes engine: one torch thread, as ``glass``'s, so that
+    chromium has the other core of a 2-core machine."""
 
     @property
     def size(self) -> str:
@@ -239,6 +251,8 @@ class Settings:
             "hls_step_delay": 0.05,
             "hls_width": 64,
             "hls_height": 48,
+            "hls_seconds": 8.0,
+            "hls_join_s": 4.0,
         }
         base.update(overrides)
         return cls(**base)

@@ -364,6 +364,33 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     ),
     "hls.part_delay_p50_ms": ("ms", "per run: a part's delay behind the owner, median"),
     "hls.part_delay_p95_ms": ("ms", "per run: a part's delay behind the owner, p95"),
+    # The hls_latency scenario (bench.scenarios.hls_latency): hls.js through nginx; V is
+    # the viewer, `first` (given the URL at video.start) or `joined` (later).
+    "hls_latency.{V}.chunk_delay_ms": (
+        "ms",
+        "a media chunk: the owner's receipt on the WebSocket -> its first frame presented "
+        "by hls.js (LL-HLS through nginx)",
+    ),
+    "hls_latency.{V}.delay_p50_ms": ("ms", "per run: the chunks' delay, median"),
+    "hls_latency.{V}.delay_p95_ms": ("ms", "per run: the chunks' delay, p95"),
+    "hls_latency.{V}.chunks_presented": (
+        "count",
+        "per run: chunks whose first frame hls.js presented (those after it joined)",
+    ),
+    "hls_latency.{V}.chunks_missed": (
+        "count",
+        "per run: chunks after the first presented whose first frame never showed",
+    ),
+    "hls_latency.{V}.hlsjs_latency_ms": (
+        "ms",
+        "hls.js's own estimate of its distance behind the live edge, every 250 ms",
+    ),
+    "hls_latency.{V}.hlsjs_target_ms": ("ms", "the distance behind the live edge hls.js aims at"),
+    "hls_latency.{V}.stalls": ("count", "per run: hls.js's bufferStalledError events"),
+    "hls_latency.engine_chunk_ms": (
+        "ms",
+        "per run: the engine's mean time per chunk (the server's /metrics)",
+    ),
 }
 
 CATALOGUE.update(
@@ -393,6 +420,7 @@ def catalogue_key(name: str) -> str:
     name = re.sub(r"^streaming\.paused\.(alone|paused|active)\.", "streaming.paused.{C}.", name)
     name = re.sub(r"^fleet\.(one|three)\.", "fleet.{F}.", name)
     name = re.sub(r"^hls\.(alone|crowd)\.", "hls.{S}.", name)
+    name = re.sub(r"^hls_latency\.(first|joined)\.", "hls_latency.{V}.", name)
     name = re.sub(r"^abort\.(idle|load)\.", "abort.{P}.", name)
     name = re.sub(r"^diffusers\.(inproc|engine|server)\.(faults|cpu)_", r"diffusers.{D}.\2_", name)
     return re.sub(r"^encoder\.\d+x\d+\.", "encoder.{S}.", name)

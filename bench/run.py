@@ -42,6 +42,10 @@
   LL-HLS viewers through nginx's cache (the shipped deploy/nginx.conf) and by none:
   requests per part that reach the server, viewers that got every part, and the
   server's CPU per frame with the crowd over without.
+* ``hls_latency`` (by name, not in ``all``; needs chromium, nginx and hls.js): a paced
+  session on the shapes model, its LL-HLS playlist played live by hls.js in chromium
+  through nginx: each chunk's delay from the owner's receipt on the WebSocket to its first
+  frame presented by hls.js.
 
 It talks to a server only through the WebSocket protocol and ``GET /stats``, so it works
 against any server of the protocol; figures that need ``/stats`` are reported as
@@ -132,6 +136,7 @@ from bench.scenarios.encoder import ENCODER_SIZES, scenario_encoder
 from bench.scenarios.fleet import FleetScenario
 from bench.scenarios.glass import GlassScenario
 from bench.scenarios.hls import HlsScenario
+from bench.scenarios.hls_latency import HlsLatencyScenario
 from bench.scenarios.overhead import OverheadScenario
 from bench.scenarios.streaming import StreamingScenario
 from trio_vstream.client import check_startup
@@ -166,6 +171,7 @@ __all__ = [
     "Figure",
     "Figures",
     "FleetScenario",
+    "HlsLatencyScenario",
     "HlsScenario",
     "RunContext",
     "ServerProcess",
@@ -239,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching, decode, effect, streaming, glass, overhead, fleet and hls: "
-        "name them)",
+        "(all leaves out batching, decode, effect, streaming, glass, overhead, fleet, hls and "
+        "hls_latency: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -495,6 +501,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 progress(f"hls: skipped: {hls.skipped}")
             for run in range(s.repeat if hls.skipped is None else 0):
                 await hls.run(run, Path(log_dir))
+        hls_latency: HlsLatencyScenario | None = None
+        if "hls_latency" in s.scenarios:
+            hls_latency = HlsLatencyScenario(s, args.server_arg)
+            if hls_latency.skipped is not None:
+                progress(f"hls_latency: skipped: {hls_latency.skipped}")
+            for run in range(s.repeat if hls_latency.skipped is None else 0):
+                await hls_latency.run(run, Path(log_dir))
     verdicts = {
         t.label: evaluate(per_target[t.label], t, s, checks[t.label], runs[t.label])
         for t in targets
@@ -536,6 +549,7 @@ async def main_async(args: argparse.Namespace) -> int:
         | OverheadScenario
         | FleetScenario
         | HlsScenario
+        | HlsLatencyScenario
     )
     sections: list[Section] = []
     section_verdicts: list[dict[str, Any]] = []
@@ -548,6 +562,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ("overhead", overhead),
         ("fleet", fleet),
         ("hls", hls),
+        ("hls_latency", hls_latency),
     )
     for name, section in named:
         if section is not None:

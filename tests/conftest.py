@@ -21,6 +21,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from tests.instrumented import InstrumentedEngine
+from tests.player.hlsjs import HLSJS_VERSION, HlsJsUnavailable, hlsjs_script
 from trio_vstream.engines.synthetic import SyntheticSettings
 from trio_vstream.outputs.taps import TapFactory
 from trio_vstream.outputs.watch import WatchConfig
@@ -279,3 +280,17 @@ async def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         return RunningServer(server, engine, ended)
 
     return start
+
+
+@pytest.fixture(scope="session")
+def hlsjs() -> bytes:
+    """hls.min.js of the release pinned in ``tests/player/hlsjs.py``, for the tests that
+    play HLS with it. Not cached and no network: a skip, except in CI (``CI=true``, which
+    CI services set), where the tests must run; a tarball other than the pinned one fails
+    everywhere."""
+    try:
+        return hlsjs_script()
+    except HlsJsUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs hls.js {HLSJS_VERSION} from the npm registry: {exc}")
+        pytest.skip(f"hls.js {HLSJS_VERSION} is not cached and cannot be downloaded: {exc}")

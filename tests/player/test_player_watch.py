@@ -1,15 +1,21 @@
 """The player page's share link, in a real browser (see ``tests/player/test_player.py``): the
 owner's page shows a watch link; a second page opened from it plays the same stream
-live, read-only, from where it joined, and saves what it received. Every wait is on
-state the pages show."""
+live, read-only, from where it joined, and saves what it received. Beside the link, "Share
+as HLS" offers the session's playlist URL (``hls_path``) when the server names one on
+itself (hls.js playing it: ``tests/player/test_player_hls.py``). Every wait is on state
+the pages show."""
 
 from __future__ import annotations
 
+import json
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, expect
+from playwright.sync_api import Browser, WebSocketRoute, expect
 
 from tests.conftest import decode_video
 from tests.player.test_player import (
@@ -147,3 +153,79 @@ def test_a_share_link_of_an_ended_session_says_so(browser: Browser, base_url: st
     page.goto(f"{base_url}/?watch=//example.org/x")
     expect(page.locator("#start-form")).to_be_visible()
     context.close()
+
+
+def test_the_page_offers_the_hls_url_beside_the_watch_link(browser: Browser, base_url: str) -> None:
+    with open_player(browser, base_url) as page:
+        started: list[dict[str, Any]] = []
+
+        def on_socket(socket: Any) -> None:
+            def on_frame(payload: str | bytes) -> None:
+                if isinstance(payload, str) and '"video.start"' in payload:
+                    started.append(json.loads(payload))
+
+            socket.on("framereceived", on_frame)
+
+        page.on("websocket", on_socket)
+        start(page, seconds=20)
+        field = page.locator("#share-hls-url")
+        expect(field).to_be_visible()
+        expect(page.locator("#share-link")).to_be_visible()
+        hls_path = started[0]["hls_path"]
+        assert field.input_value() == base_url + hls_path
+        # The URL is the playlist, as any HTTP client gets it.
+        with urllib.request.urlopen(field.input_value(), timeout=10) as response:
+            assert response.read().startswith(b"#EXTM3U")
+        page.click("#share-hls-copy")
+        # Either: headless chromium may deny the clipboard.
+        expect(page.locator("#share-hls-copy")).to_have_text(
+            re.compile(r"^(Copied|Press Ctrl\+C)$")
+        )
+        page.click("#stop")
+        expect(page.locator("#status")).to_contain_text("session.done")
+
+
+@pytest.mark.parametrize(
+    "hls_path",
+    [None, "https://evil.example/x.m3u8"],
+)
+def test_no_hls_url_without_a_path_on_this_server(
+    browser: Browser, base_url: str, hls_path: object
+) -> None:
+    """``hls_path`` is what the server says: absent (``--no-hls``) or not a path on this
+    server, the page offers no HLS URL, and still the watch link."""
+
+    def rewrite(ws: WebSocketRoute) -> None:
+        server = ws.connect_to_server()
+
+        def to_page(message: str | bytes) -> None:
+            if isinstance(message, str) and '"video.start"' in message:
+                decoded = json.loads(message)
+                decoded.pop("hls_path", None)
+                if hls_path is not None:
+                    decoded["hls_path"] = hls_path
+                message = json.dumps(decoded)
+            ws.send(message)
+
+        server.on_message(to_page)
+
+    with open_player(browser, base_url) as page:
+        page.route_web_socket("**/v1/realtime/video", rewrite)
+        start(page, seconds=20)
+        expect(page.locator("#share-link")).to_be_visible()
+        expect(page.locator("#share-hls")).to_be_hidden()
+        assert page.locator("#share-hls-url").input_value() == ""
+        page.click("#stop")
+        expect(page.locator("#status")).to_contain_text("session.done")
+
+
+def test_the_hls_url_is_checked_like_a_watch_path(browser: Browser, base_url: str) -> None:
+    with open_player(browser, base_url) as page:
+        urls = page.evaluate(
+            """async (paths) => {
+                const { hlsUrl } = await import("/static/player.js");
+                return paths.map((path) => hlsUrl(path));
+            }""",
+            ["/v1/realtime/video/watch/abc/hls/index.m3u8", "//evil", "javascript:x", "", "/a b"],
+        )
+    assert urls == [f"{base_url}/v1/realtime/video/watch/abc/hls/index.m3u8", *[None] * 4]

@@ -123,6 +123,14 @@ export function shareUrl(watchPath) {
   return url.href;
 }
 
+// "Share as HLS": the session's Low-Latency HLS playlist (video.start's hls_path, this
+// server's extension) as an absolute URL on this server, for players that are not this
+// page. The path is checked like a watch path: only a path on this origin is offered.
+export function hlsUrl(hlsPath) {
+  if (typeof hlsPath !== "string" || !WATCH_PATH_RE.test(hlsPath)) return null;
+  return location.origin + hlsPath;
+}
+
 const watchPath = readWatchPath(location.search);
 
 const server = {
@@ -766,7 +774,7 @@ class Session {
         setStatus("Streaming.", "streaming");
         this.running = true;
         setCameraEnabled(true);
-        showShare(message.watch_path);
+        showShare(message.watch_path, message.hls_path);
         break;
       }
       case "watch.start": {
@@ -1140,11 +1148,17 @@ function setSaveEnabled(enabled) {
   for (const id of ["save", "watch-save"]) $(id).disabled = !enabled;
 }
 
-// The share field: shown while a session with a watch link runs.
-function showShare(path) {
+// The share fields: shown while a session with a watch link runs; the HLS URL beside it
+// when the session has a playlist too.
+function showShare(path, hlsPath) {
   const offered = typeof path === "string" && WATCH_PATH_RE.test(path);
   $("share").hidden = !offered;
   $("share-link").value = offered ? shareUrl(path) : "";
+  const hls = offered ? hlsUrl(hlsPath) : null;
+  $("share-hls").hidden = hls == null;
+  $("share-hls-url").value = hls ?? "";
+  $("share-copy").textContent = "Copy link";
+  $("share-hls-copy").textContent = "Copy HLS URL";
 }
 
 // A stream with sound starts muted (browsers play sound only after a person asks for it):
@@ -1162,15 +1176,15 @@ function renderUnmute() {
   $("unmute").setAttribute("aria-pressed", String(!muted));
 }
 
-async function copyShareLink() {
-  const field = $("share-link");
+async function copyField(fieldId, buttonId) {
+  const field = $(fieldId);
   field.select();
   try {
     await navigator.clipboard.writeText(field.value);
-    $("share-copy").textContent = "Copied";
+    $(buttonId).textContent = "Copied";
   } catch {
     // No clipboard permission (plain http, say): the link stays selected to copy by hand.
-    $("share-copy").textContent = "Press Ctrl+C";
+    $(buttonId).textContent = "Press Ctrl+C";
   }
 }
 
@@ -1390,7 +1404,8 @@ $("key-forget").addEventListener("click", () => {
   // Asks again if the server needs a key (it answers 401 without one).
   loadDefaults();
 });
-$("share-copy").addEventListener("click", copyShareLink);
+$("share-copy").addEventListener("click", () => copyField("share-link", "share-copy"));
+$("share-hls-copy").addEventListener("click", () => copyField("share-hls-url", "share-hls-copy"));
 $("unmute")?.addEventListener("click", () => {
   $("video").muted = !$("video").muted;
   renderUnmute();
