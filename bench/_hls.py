@@ -33,6 +33,7 @@ import m3u8
 import trio
 
 from bench._nginx import LogEntry
+from trio_vstream.outputs.hls import FIRST_MSN
 
 PART_URI: Final = re.compile(r"part/(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.m4s")
 """The server's part names (``trio_vstream.outputs.hls``): ``part/<msn>.<index>.m4s``."""
@@ -40,6 +41,8 @@ RECEIVE: Final = 65536
 
 Place = tuple[int, int]
 """A part's place: (Media Sequence Number of its segment, its index in the segment)."""
+FIRST_PLACE: Final[Place] = (FIRST_MSN, 0)
+"""The stream's first part: part 0 of the server's first segment (``FIRST_MSN``)."""
 
 
 class HlsViewerError(Exception):
@@ -194,7 +197,9 @@ class HlsViewer:
         if self.failure is not None or self.final is None or not self.places:
             return False
         listed = [place for place, _ in self.final.parts]
-        return self.places[0] == (0, 0) and bool(listed) and self.places[-len(listed) :] == listed
+        return (
+            self.places[0] == FIRST_PLACE and bool(listed) and self.places[-len(listed) :] == listed
+        )
 
     def media(self) -> bytes:
         """The init segment and every part, one after the other: a fragmented MP4."""
@@ -259,8 +264,8 @@ class HlsViewer:
         for place, uri in new:
             if self.places and place != next_place(listing, self.places[-1]):
                 raise HlsViewerError(f"part {place} listed after {self.places[-1]}")
-            if not self.places and place != (0, 0):
-                raise HlsViewerError(f"the first part listed is {place}, not (0, 0)")
+            if not self.places and place != FIRST_PLACE:
+                raise HlsViewerError(f"the first part listed is {place}, not {FIRST_PLACE}")
             self.data.append(await self._get(client, f"{self.base}/{uri}"))
             self.arrived.append(trio.current_time())
             self.places.append(place)

@@ -27,6 +27,7 @@ from bench._hls import (
 from bench._nginx import NGINX, LogEntry, read_requests
 from bench.scenarios import hls
 from bench.scenarios.hls import SETUPS, HlsScenario
+from trio_vstream.outputs.hls import FIRST_MSN
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "bench" / "run.py"
@@ -76,7 +77,9 @@ def _viewer(places: list[tuple[int, int]], failure: str | None = None) -> HlsVie
 
 
 def test_a_viewer_is_complete_from_the_first_part_to_the_last_listed() -> None:
-    whole = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0)]
+    # From the stream's first part (FIRST_MSN's part 0) to the final listing's last.
+    assert FIRST_MSN <= 3  # the final listing below begins at segment 3
+    whole = [(msn, index) for msn in range(FIRST_MSN, 4) for index in range(2)] + [(4, 0)]
     assert _viewer(whole).complete
     assert not _viewer(whole[1:]).complete  # did not start at the first part
     assert not _viewer(whole[:-1]).complete  # missed the last
@@ -195,5 +198,5 @@ def test_a_quick_run_reports_both_setups_and_judges_every_target(quick: dict[str
 
 
 def _places(parts: int) -> list[tuple[int, int]]:
-    """Places of the quick run's parts: one segment (2 s) holds them all."""
-    return [(0, index) for index in range(parts)]
+    """Places of the quick run's parts: one segment (2 s), the first, holds them all."""
+    return [(FIRST_MSN, index) for index in range(parts)]

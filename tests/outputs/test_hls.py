@@ -21,7 +21,7 @@ import trio.testing
 from tests.conftest import decode_video
 from trio_vstream import protocol
 from trio_vstream.media.encoding import FragmentedMP4Encoder
-from trio_vstream.outputs.hls import HlsResponse, HlsSettings, HlsWindow
+from trio_vstream.outputs.hls import FIRST_MSN, HlsResponse, HlsSettings, HlsWindow
 
 FPS = 24
 FRAMES = 8  # a third of a second per chunk
@@ -122,6 +122,21 @@ def all_parts(playlist: m3u8.M3U8) -> Iterator[m3u8.PartialSegment]:
         yield from segment.parts
 
 
+def msn(n: int) -> str:
+    """The n-th segment's Media Sequence Number (from 0), as a directive's value."""
+    return str(FIRST_MSN + n)
+
+
+def seg(n: int) -> str:
+    """The n-th segment's name (from 0): numbered from FIRST_MSN."""
+    return f"seg/{FIRST_MSN + n}.m4s"
+
+
+def part(n: int, index: int) -> str:
+    """The name of part ``index`` of the n-th segment (from 0)."""
+    return f"part/{FIRST_MSN + n}.{index}.m4s"
+
+
 def part_place(uri: str) -> tuple[int, int]:
     msn, index = uri.removeprefix("part/").removesuffix(".m4s").split(".")
     return int(msn), int(index)
@@ -144,18 +159,18 @@ def test_the_playlist_has_every_low_latency_tag_with_its_value() -> None:
     assert playlist.target_duration == 2
     assert int(playlist.version) >= 6  # EXT-X-MAP needs 6
     assert [m.uri for m in playlist.segment_map] == ["init.mp4"]
-    assert playlist.media_sequence in (None, 0)
+    assert playlist.media_sequence == FIRST_MSN
     assert not playlist.is_endlist
     whole, open_one = playlist.segments
-    assert (whole.uri, whole.duration) == ("seg/0.m4s", 2.0)
+    assert (whole.uri, whole.duration) == (seg(0), 2.0)
     assert open_one.uri is None  # parts only: its segment is still being made
-    assert [p.uri for p in all_parts(playlist)] == [f"part/0.{i}.m4s" for i in range(6)] + [
-        f"part/1.{i}.m4s" for i in range(3)
+    assert [p.uri for p in all_parts(playlist)] == [part(0, i) for i in range(6)] + [
+        part(1, i) for i in range(3)
     ]
     assert all(p.independent == "YES" for p in all_parts(playlist))
     assert (playlist.preload_hint.hint_type, playlist.preload_hint.uri) == (
         "PART",
-        "part/1.3.m4s",
+        part(1, 3),
     )
     assert text.count("#EXT-X-PROGRAM-DATE-TIME:") == 2  # one per segment
     assert whole.program_date_time == datetime.fromtimestamp(T0, UTC)
@@ -222,10 +237,10 @@ def test_m3u8_reads_back_the_segments_and_parts_it_was_given() -> None:
     per_segment = 6
     expected = [
         (
-            f"seg/{m}.m4s" if (m + 1) * per_segment <= 16 else None,
+            seg(m) if (m + 1) * per_segment <= 16 else None,
             2.0 if (m + 1) * per_segment <= 16 else None,
             [
-                (f"part/{m}.{i}.m4s", float(Fraction(FRAMES, FPS)))
+                (part(m, i), float(Fraction(FRAMES, FPS)))
                 for i in range(min(per_segment, 16 - m * per_segment))
             ],
         )
@@ -284,7 +299,7 @@ async def test_what_never_changes_is_cached_for_good_and_the_rest_briefly() -> N
     feeder.feed_many(7)
     window = feeder.window
     tags = set()
-    for name in ("init.mp4", "part/0.0.m4s", "part/1.0.m4s", "seg/0.m4s"):
+    for name in ("init.mp4", part(0, 0), part(1, 0), seg(0)):
         answer = await get(window, name)
         assert (answer.status, answer.content_type) == (200, "video/mp4")
         assert answer.headers["Cache-Control"] == "public, max-age=31536000, immutable"
@@ -295,7 +310,7 @@ async def test_what_never_changes_is_cached_for_good_and_the_rest_briefly() -> N
     # A second window of the same bytes: other ETags.
     other = Feeder()
     other.feed_many(1)
-    assert (await get(other.window, "part/0.0.m4s")).headers["ETag"] not in tags
+    assert (await get(other.window, part(0, 0))).headers["ETag"] not in tags
 
     plain = await get(window, "index.m3u8")
     assert plain.content_type == "application/vnd.apple.mpegurl"
@@ -303,10 +318,10 @@ async def test_what_never_changes_is_cached_for_good_and_the_rest_briefly() -> N
     # At most a part's duration (a third of a second: whole seconds make that 0).
     # Kept a second even with parts under one: a crowd's first loads cost one request.
     assert plain.headers["Cache-Control"] == "public, max-age=1"
-    blocking = await get(window, "index.m3u8", _HLS_msn="1", _HLS_part="0")
+    blocking = await get(window, "index.m3u8", _HLS_msn=msn(1), _HLS_part="0")
     assert blocking.status == 200
     assert blocking.headers["Cache-Control"] == f"public, max-age={math.ceil(3 * 0.334)}"
-    missing = await get(window, "part/9.0.m4s")
+    missing = await get(window, part(9, 0))
     assert (missing.status, missing.headers) == (404, {"Cache-Control": "no-store"})
 
 
@@ -335,7 +350,7 @@ async def test_a_chunk_longer_than_part_target_is_a_segment_and_one_too_long_a_g
     for index in range(2):
         window.chunk(metadata(index, chunks[index], counts[index]), chunks[index], init)
     hinted = m3u8.loads(window.playlist()).preload_hint.uri
-    assert hinted == "part/0.2.m4s"
+    assert hinted == part(0, 2)
     for index in range(2, len(counts)):
         window.chunk(metadata(index, chunks[index], counts[index]), chunks[index], init)
     window.ended("completed", None)
@@ -343,11 +358,11 @@ async def test_a_chunk_longer_than_part_target_is_a_segment_and_one_too_long_a_g
     playlist = m3u8.loads(text)
     durations = [float(Fraction(n, FPS)) for n in counts]
     assert [(s.uri, s.duration, len(s.parts)) for s in playlist.segments] == [
-        ("seg/0.m4s", durations[0] + durations[1], 2),
-        ("seg/1.m4s", durations[2], 0),  # a segment of its own, without parts
-        ("seg/2.m4s", durations[3], 1),
-        ("seg/3.m4s", durations[4], 0),  # a gap: longer than TARGETDURATION
-        ("seg/4.m4s", durations[5], 1),
+        (seg(0), durations[0] + durations[1], 2),
+        (seg(1), durations[2], 0),  # a segment of its own, without parts
+        (seg(2), durations[3], 1),
+        (seg(3), durations[4], 0),  # a gap: longer than TARGETDURATION
+        (seg(4), durations[5], 1),
     ]
     assert [bool(s.gap_tag) for s in playlist.segments] == [False, False, False, True, False]
     assert "#EXT-X-GAP" in text
@@ -356,8 +371,8 @@ async def test_a_chunk_longer_than_part_target_is_a_segment_and_one_too_long_a_g
     assert all(p.duration <= playlist.part_inf.part_target for p in all_parts(playlist))
     assert all(s.duration <= playlist.target_duration for s in playlist.segments if not s.gap_tag)
     assert (await get(window, hinted)).status == 404  # the hint was not published
-    assert (await get(window, "seg/1.m4s")).body == chunks[2]
-    assert (await get(window, "seg/3.m4s")).status == 404
+    assert (await get(window, seg(1))).body == chunks[2]
+    assert (await get(window, seg(3))).status == 404
     served = [(await get(window, s.uri)).body for s in playlist.segments if not s.gap_tag]
     frames = decode_video(init + b"".join(served))
     assert frames.shape[0] == sum(counts) - 72
@@ -370,14 +385,14 @@ async def test_a_blocking_reload_waits_for_the_part_then_lists_it(nursery: trio.
     feeder = Feeder()
     feeder.feed_many(8)  # segment 0 (six parts) and parts 0 and 1 of segment 1
     answers = await ask_in_background(
-        nursery, feeder.window, "index.m3u8", _HLS_msn="1", _HLS_part="2"
+        nursery, feeder.window, "index.m3u8", _HLS_msn=msn(1), _HLS_part="2"
     )
     assert answers == []
     feeder.feed_many(1)
     await trio.testing.wait_all_tasks_blocked()
     [answer] = answers
     assert answer.status == 200
-    assert "part/1.2.m4s" in [p.uri for p in all_parts(m3u8.loads(answer.body.decode()))]
+    assert part(1, 2) in [p.uri for p in all_parts(m3u8.loads(answer.body.decode()))]
 
 
 async def test_a_part_index_past_a_segments_last_waits_for_the_next_segment(
@@ -387,10 +402,10 @@ async def test_a_part_index_past_a_segments_last_waits_for_the_next_segment(
     feeder.feed_many(6)  # segment 0 is whole with parts 0 to 5
     # RFC 8216bis §6.2.5.2: part 6 of segment 0 is part 0 of segment 1.
     by_part = await ask_in_background(
-        nursery, feeder.window, "index.m3u8", _HLS_msn="0", _HLS_part="6"
+        nursery, feeder.window, "index.m3u8", _HLS_msn=msn(0), _HLS_part="6"
     )
-    by_msn = await ask_in_background(nursery, feeder.window, "index.m3u8", _HLS_msn="1")
-    assert (await get(feeder.window, "index.m3u8", _HLS_msn="0")).status == 200
+    by_msn = await ask_in_background(nursery, feeder.window, "index.m3u8", _HLS_msn=msn(1))
+    assert (await get(feeder.window, "index.m3u8", _HLS_msn=msn(0))).status == 200
     feeder.feed_many(1)
     await trio.testing.wait_all_tasks_blocked()
     assert [a.status for a in by_part] == [200]
@@ -398,18 +413,18 @@ async def test_a_part_index_past_a_segments_last_waits_for_the_next_segment(
     feeder.feed_many(5)
     await trio.testing.wait_all_tasks_blocked()
     [answer] = by_msn
-    assert "seg/1.m4s" in [s.uri for s in m3u8.loads(answer.body.decode()).segments]
+    assert seg(1) in [s.uri for s in m3u8.loads(answer.body.decode()).segments]
 
 
 async def test_what_exists_is_answered_at_once(autojump_clock: trio.testing.MockClock) -> None:
     feeder = Feeder(HlsSettings(window_segments=1))
     feeder.feed_many(60)  # long enough for the first segments to have left the playlist
     start = trio.current_time()
-    for query in ({"_HLS_msn": "0", "_HLS_part": "0"}, {"_HLS_msn": "9", "_HLS_part": "5"}):
+    for query in ({"_HLS_msn": msn(0), "_HLS_part": "0"}, {"_HLS_msn": msn(9), "_HLS_part": "5"}):
         answer = await get(feeder.window, "index.m3u8", **query)
         # The whole playlist, even though segment 0 is no longer in it (§6.2.5.2).
         assert answer.status == 200 and answer.body == feeder.window.playlist().encode()
-    assert (await get(feeder.window, "part/9.5.m4s")).status == 200
+    assert (await get(feeder.window, part(9, 5))).status == 200
     assert trio.current_time() == start  # no waiting: the mock clock never moved
 
 
@@ -419,19 +434,19 @@ async def test_too_far_ahead_is_400_at_once_and_the_limit_itself_waits(
     feeder = Feeder()
     feeder.feed_many(9)  # segment 0 whole; parts 0 to 2 of segment 1
     window = feeder.window
-    last_msn = 0  # the last whole segment
+    last_msn = FIRST_MSN  # the last whole segment
     start = trio.current_time()
     refused = await get(window, "index.m3u8", _HLS_msn=str(last_msn + 3))
     assert refused.status == 400 and refused.headers["Cache-Control"] == "no-store"
     # The Advance Part Limit: 3 / PART-TARGET parts when PART-TARGET is under a second.
     limit = math.floor(3 / 0.334)
-    far = await get(window, "index.m3u8", _HLS_msn="1", _HLS_part=str(2 + limit + 1))
+    far = await get(window, "index.m3u8", _HLS_msn=msn(1), _HLS_part=str(2 + limit + 1))
     assert far.status == 400
     assert trio.current_time() == start
     # At the limits: held, then 503 after three target durations (§6.2.5.2).
     for query in (
         {"_HLS_msn": str(last_msn + 2)},
-        {"_HLS_msn": "1", "_HLS_part": str(2 + limit)},
+        {"_HLS_msn": msn(1), "_HLS_part": str(2 + limit)},
     ):
         start = trio.current_time()
         answer = await get(window, "index.m3u8", **query)
@@ -453,14 +468,14 @@ async def test_the_session_ending_answers_whoever_waits(nursery: trio.Nursery) -
     feeder = Feeder()
     feeder.feed_many(3)
     window = feeder.window
-    reload = await ask_in_background(nursery, window, "index.m3u8", _HLS_msn="0", _HLS_part="3")
-    hinted = await ask_in_background(nursery, window, "part/0.3.m4s")
+    reload = await ask_in_background(nursery, window, "index.m3u8", _HLS_msn=msn(0), _HLS_part="3")
+    hinted = await ask_in_background(nursery, window, part(0, 3))
     window.ended("completed", None)
     await trio.testing.wait_all_tasks_blocked()
     [answer] = reload
     final = m3u8.loads(answer.body.decode())
     assert answer.status == 200 and final.is_endlist and final.preload_hint is None
-    assert [s.uri for s in final.segments] == ["seg/0.m4s"]
+    assert [s.uri for s in final.segments] == [seg(0)]
     assert [a.status for a in hinted] == [404]
     # With EXT-X-ENDLIST the directives are ignored (§6.2.5.2), too far or not.
     late = await get(window, "index.m3u8", _HLS_msn="99", _HLS_part="99")
@@ -473,11 +488,11 @@ async def test_a_wait_that_runs_out_is_503_after_three_target_durations(
     feeder = Feeder(HlsSettings(segment_seconds=3.0))
     feeder.feed_many(2)
     start = trio.current_time()
-    answer = await get(feeder.window, "index.m3u8", _HLS_msn="0", _HLS_part="2")
+    answer = await get(feeder.window, "index.m3u8", _HLS_msn=msn(0), _HLS_part="2")
     assert answer.status == 503
     assert trio.current_time() - start == pytest.approx(3 * 3)
     start = trio.current_time()
-    assert (await get(feeder.window, "part/0.2.m4s")).status == 503
+    assert (await get(feeder.window, part(0, 2))).status == 503
     assert trio.current_time() - start == pytest.approx(3 * 3)
 
 
@@ -487,9 +502,9 @@ async def test_the_hinted_part_waits_and_any_other_missing_part_is_404(
     feeder = Feeder()
     feeder.feed_many(4)
     window = feeder.window
-    assert feeder.parsed().preload_hint.uri == "part/0.4.m4s"
-    hinted = await ask_in_background(nursery, window, "part/0.4.m4s")
-    for name in ("part/0.5.m4s", "part/1.0.m4s", "seg/0.m4s"):
+    assert feeder.parsed().preload_hint.uri == part(0, 4)
+    hinted = await ask_in_background(nursery, window, part(0, 4))
+    for name in (part(0, 5), part(1, 0), seg(0)):
         assert (await get(window, name)).status == 404
     assert hinted == []
     feeder.feed_many(1)
@@ -508,24 +523,25 @@ async def test_the_window_slides_and_holds_a_bounded_number_of_segments() -> Non
     per_segment = 6  # two seconds of thirds of a second
     for _ in range(40):
         feeder.feed_many(per_segment)
-        served = [n for n in range(60) if (await get(window, f"seg/{n}.m4s")).status == 200]
+        # From msn 0 on: none before FIRST_MSN is served either.
+        served = [n for n in range(-FIRST_MSN, 60) if (await get(window, seg(n))).status == 200]
         playlist = feeder.parsed()
         listed = [s for s in playlist.segments if s.uri]
         whole = feeder.sent // per_segment
         # The last window_segments whole segments (4 x 2 s >= 3 target durations).
         first = max(0, whole - settings.window_segments)
-        assert (playlist.media_sequence or 0) == first
-        assert [s.uri for s in listed] == [f"seg/{n}.m4s" for n in range(first, whole)]
+        assert playlist.media_sequence == FIRST_MSN + first
+        assert [s.uri for s in listed] == [seg(n) for n in range(first, whole)]
         assert set(range(first, whole)) <= set(served)
         assert len(served) <= settings.window_segments + 2
-    assert (await get(window, "seg/0.m4s")).status == 404
-    assert (await get(window, "part/0.0.m4s")).status == 404
+    assert (await get(window, seg(0))).status == 404
+    assert (await get(window, part(0, 0))).status == 404
     # EXT-X-PART only for the segments that begin within three target durations of the
     # end (RFC 8216bis §6.2.2); the parts of older ones are still served.
     with_parts = [s.uri for s in listed if s.parts]
-    assert with_parts == [f"seg/{n}.m4s" for n in range(first, whole) if (whole - n) * 2 <= 3 * 2]
-    assert f"seg/{first}.m4s" not in with_parts
-    assert (await get(window, f"part/{first}.0.m4s")).status == 200
+    assert with_parts == [seg(n) for n in range(first, whole) if (whole - n) * 2 <= 3 * 2]
+    assert seg(first) not in with_parts
+    assert (await get(window, part(first, 0))).status == 200
 
 
 def test_the_playlist_never_lasts_less_than_three_target_durations() -> None:
@@ -534,7 +550,7 @@ def test_the_playlist_never_lasts_less_than_three_target_durations() -> None:
     playlist = feeder.parsed()
     listed = sum(s.duration for s in playlist.segments if s.uri)
     assert listed >= 3 * playlist.target_duration
-    assert (playlist.media_sequence or 0) > 0
+    assert playlist.media_sequence > FIRST_MSN
 
 
 async def test_endlist_after_the_end_and_404_once_the_linger_is_over(
@@ -550,17 +566,17 @@ async def test_endlist_after_the_end_and_404_once_the_linger_is_over(
     assert playlist.is_endlist and playlist.preload_hint is None
     # The segment being made when the session ended is whole now.
     assert [(s.uri, s.duration) for s in playlist.segments] == [
-        ("seg/0.m4s", 2.0),
-        ("seg/1.m4s", float(Fraction(2 * FRAMES, FPS))),
+        (seg(0), 2.0),
+        (seg(1), float(Fraction(2 * FRAMES, FPS))),
     ]
     answer = await get(window, "index.m3u8")
     assert answer.headers["Cache-Control"] == "public, max-age=30"
     feeder.feed_many(1)  # nothing after the end
-    assert feeder.parsed().segments[-1].uri == "seg/1.m4s"
+    assert feeder.parsed().segments[-1].uri == seg(1)
     await trio.sleep(29.5)
-    assert (await get(window, "seg/1.m4s")).status == 200
+    assert (await get(window, seg(1))).status == 200
     await trio.sleep(0.5)
-    for name in ("index.m3u8", "init.mp4", "seg/1.m4s", "part/1.0.m4s"):
+    for name in ("index.m3u8", "init.mp4", seg(1), part(1, 0)):
         assert (await get(window, name)).status == 404
 
 
@@ -582,19 +598,20 @@ HOSTILE_NAMES = [
     "part/..%2f..%2fetc/passwd",
     "part/-1.0.m4s",
     "part/01.0.m4s",
-    "part/0.00.m4s",
-    "part/0.0.m4s/",
-    "part/0.0.M4S",
-    "part/0.0",
-    "part/0..m4s",
+    # Mangled spellings of a part and a segment that exist (FIRST_MSN's).
+    f"part/{FIRST_MSN}.00.m4s",
+    f"part/{FIRST_MSN}.0.m4s/",
+    f"part/{FIRST_MSN}.0.M4S",
+    f"part/{FIRST_MSN}.0",
+    f"part/{FIRST_MSN}..m4s",
     "part/\u0661.\u0660.m4s",  # Arabic-Indic digits: \d would take them
     "part/" + "9" * 30 + ".0.m4s",
     "seg/" + "9" * 10 + ".m4s",
     "seg/+1.m4s",
     "seg/1e3.m4s",
     "seg/0x1.m4s",
-    "seg/0.m4s?x=1",
-    "seg/0.m4s\n",
+    f"seg/{FIRST_MSN}.m4s?x=1",
+    f"seg/{FIRST_MSN}.m4s\n",
     "\N{FULLWIDTH DIGIT ZERO}",
     "part/" + "0" * 5000 + ".0.m4s",
     "x" * 100_000,
@@ -615,7 +632,9 @@ HOSTILE_QUERIES = [
     {"_HLS_msn": "9999999999"},  # ten digits: a number, far too far ahead
     {"_HLS_msn": "0", "_HLS_part": "-1"},
     {"_HLS_msn": "0", "_HLS_part": "9" * 11},
-    {"_HLS_msn": "1", "_HLS_part": "9999999999"},  # ten digits, far past the last part
+    # Ten digits, far past the open segment's last part (the first whole one's would be
+    # answered at once: RFC 8216bis §6.2.5.2).
+    {"_HLS_msn": str(FIRST_MSN + 1), "_HLS_part": "9999999999"},
     {"_HLS_msn": "0", "_HLS_part": "\N{FULLWIDTH DIGIT ONE}"},
     {"_HLS_part": "0"},
 ]
@@ -636,16 +655,16 @@ async def test_hostile_names_are_404_and_hostile_queries_400() -> None:
     not_text: Any = {"_HLS_msn": ["1"]}
     assert (await feeder.window.respond("index.m3u8", not_text)).status == 400
     # A query on anything but the playlist changes nothing.
-    answer = await feeder.window.respond("part/0.0.m4s", {"_HLS_msn": "x" * 1000})
+    answer = await feeder.window.respond(part(0, 0), {"_HLS_msn": "x" * 1000})
     assert answer.status == 200
 
 
 async def test_before_the_first_chunk() -> None:
     window = HlsWindow(HlsSettings(), max_part_seconds=FRAMES / FPS)
     assert (await window.respond("init.mp4", {})).status == 404
-    assert (await window.respond("seg/0.m4s", {})).status == 404
+    assert (await window.respond(seg(0), {})).status == 404
     playlist = m3u8.loads((await window.respond("index.m3u8", {})).body.decode())
-    assert playlist.segments == [] and playlist.preload_hint.uri == "part/0.0.m4s"
+    assert playlist.segments == [] and playlist.preload_hint.uri == part(0, 0)
     # A chunk before started() (no fps yet) is not guessed at.
     window.chunk(metadata(0, CHUNKS[0], FRAMES), CHUNKS[0], INIT)
     assert m3u8.loads(window.playlist()).segments == []

@@ -46,7 +46,7 @@ from bench._hls import (
 from bench._nginx import NGINX_CONF, read_requests, render_nginx_conf
 from tests.server.test_deploy_nginx import CONDITION, Cluster, needs_nginx, open_cluster
 from trio_vstream.client import StreamOutcome, StreamResult, stream_video, watch_video
-from trio_vstream.outputs.hls import HlsSettings, HlsWindow
+from trio_vstream.outputs.hls import FIRST_MSN, HlsSettings, HlsWindow
 from trio_vstream.outputs.watch import WATCH_PREFIX, WatchConfig
 from trio_vstream.server.app import VIDEO_PATH
 
@@ -140,7 +140,8 @@ async def test_500_viewers_through_the_cache_cost_the_server_a_request_or_two_pe
     failed = [(v.name, v.failure) for v in viewers if not v.complete]
     assert not failed, f"{len(failed)} viewers incomplete, e.g. {failed[:5]}"
     places = viewers[0].places
-    assert places == [(msn, index) for msn in range(2) for index in range(PARTS // 2)], places
+    segments = range(FIRST_MSN, FIRST_MSN + 2)
+    assert places == [(msn, index) for msn in segments for index in range(PARTS // 2)], places
     assert all(v.places == places for v in viewers)
     # Byte for byte the owner's: one digest for every viewer, the owner's.
     media = owner_media(owner)

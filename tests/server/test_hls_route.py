@@ -20,7 +20,7 @@ from trio_vstream.cli import build_parser
 from trio_vstream.engines import EngineConfigError
 from trio_vstream.engines.interfaces import max_chunk_frames
 from trio_vstream.engines.synthetic import SyntheticEngine, SyntheticSettings
-from trio_vstream.outputs.hls import HlsSettings
+from trio_vstream.outputs.hls import FIRST_MSN, HlsSettings
 from trio_vstream.outputs.watch import HLS_MARKER, WatchConfig
 from trio_vstream.server.access import AccessPolicy
 from trio_vstream.server.fleet import FleetConfig
@@ -56,11 +56,11 @@ async def test_the_playlist_serves_the_owners_own_chunks_and_ffmpeg_plays_them(
         hls_path = video_start["hls_path"]
         assert hls_path == f"{video_start['watch_path']}{HLS_MARKER}index.m3u8"
         # A blocking reload for the first part waits for it, then lists it.
-        first = await get(port, f"{hls_path}?_HLS_msn=0&_HLS_part=0")
+        first = await get(port, f"{hls_path}?_HLS_msn={FIRST_MSN}&_HLS_part=0")
         assert first.status == 200, first.body
         assert first.headers["content-type"].startswith("application/vnd.apple.mpegurl")
         listed = m3u8.loads(first.body.decode())
-        assert listed.segments[0].parts or listed.segments[-1].parts or listed.preload_hint
+        assert listed.segments[0].parts[0].uri == f"part/{FIRST_MSN}.0.m4s"
         await receive_into(ws, owner)
     assert owner.json[-1]["type"] == "session.done"
     final = await get(port, hls_path)

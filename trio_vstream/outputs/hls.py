@@ -146,6 +146,12 @@ _PLAYLIST_TYPE: Final = "application/vnd.apple.mpegurl"
 _MEDIA_TYPE: Final = "video/mp4"
 _TEXT_TYPE: Final = "text/plain; charset=utf-8"
 
+FIRST_MSN: Final = 1
+"""The first segment's media sequence number. 1, not 0: hls.js 1.6 takes a playlist
+whose last segment is number 0 for one it cannot block on (it tests the number for
+truth), and so polls instead of holding a blocking reload, which left a viewer who
+joined in a stream's first seconds 4 s behind, not 1. The RFC allows any start."""
+
 _IMMUTABLE: Final = "public, max-age=31536000, immutable"
 _NO_STORE: Final = "no-store"
 _VERSION: Final = 6
@@ -248,12 +254,12 @@ class _Timeline:
         self.advance_part_limit = 3 / part_target if part_target < 1 else Fraction(3)
         self.segments: deque[_Segment] = deque()
         """Complete segments still served: listed from ``media_sequence`` on."""
-        self.media_sequence = 0
-        self.open = _Segment(0)
+        self.media_sequence = FIRST_MSN
+        self.open = _Segment(FIRST_MSN)
         self.last: tuple[int, int] | None = None
         """The place of the newest media: (msn, part index); a segment without parts is
         at its part 0."""
-        self.last_complete = -1
+        self.last_complete = FIRST_MSN - 1
         self._next_date = -math.inf
         """The earliest date the next segment may have (the last one's end)."""
 
