@@ -252,7 +252,10 @@ class Settings:
             "hls_width": 64,
             "hls_height": 48,
             "hls_seconds": 8.0,
-            "hls_join_s": 4.0,
+            # Well after the first viewer has started (hls.js waits for a whole 2 s
+            # segment, then starts a second behind the edge): the two see clearly
+            # different shares of the stream.
+            "hls_join_s": 5.5,
         }
         base.update(overrides)
         return cls(**base)
