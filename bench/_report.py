@@ -18,7 +18,7 @@ import trio
 
 from bench._output import markdown_table, read_file
 from bench._settings import REPO_DIR, SERVER_SCENARIOS, Settings, Target
-from bench._stats import Figures, summarize
+from bench._stats import Figures, percentile, summarize
 
 if TYPE_CHECKING:
     from bench.scenarios.diffusers import DiffusersScenario
@@ -139,6 +139,21 @@ def format_figure(value: Any) -> str:
     magnitude = abs(value)
     digits = 3 if magnitude < 1 else 2 if magnitude < 10 else 1 if magnitude < 1000 else 0
     return f"{value:.{digits}f}"
+
+
+def median_and_range(values: Sequence[float]) -> str:
+    """A report cell: the median over runs, and their range where they differ; whole
+    numbers (counts) as they are."""
+    if not values:
+        return "n/a"
+
+    def shown(value: float) -> str:
+        return f"{value:g}" if float(value).is_integer() else format_figure(value)
+
+    text = shown(percentile(list(values), 50))
+    if min(values) != max(values):
+        text += f" ({shown(min(values))} - {shown(max(values))})"
+    return text
 
 
 def figure_rows(figures: Figures) -> list[tuple[str, ...]]:

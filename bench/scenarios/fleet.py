@@ -54,7 +54,13 @@ import trio
 
 from bench._nginx import NGINX, LogEntry, Nginx, free_port, read_access_log, running_nginx
 from bench._output import markdown_table, now, progress
-from bench._report import cleanup_verdict, figure_rows, format_figure, make_verdict
+from bench._report import (
+    cleanup_verdict,
+    figure_rows,
+    format_figure,
+    make_verdict,
+    median_and_range,
+)
 from bench._server import Endpoint, http_get
 from bench._settings import Settings, Target, make_target
 from bench._stats import Figures, percentile
@@ -608,18 +614,8 @@ class FleetScenario:
         return [] if figure is None else [v for run in figure.runs for v in run]
 
     def _cell(self, name: str) -> str:
-        """The median over runs, and their range where they differ; counts as counts."""
-        values = self._values(name)
-        if not values:
-            return "n/a"
-
-        def shown(value: float) -> str:
-            return f"{value:g}" if value.is_integer() else format_figure(value)
-
-        text = shown(percentile(values, 50))
-        if min(values) != max(values):
-            text += f" ({shown(min(values))} - {shown(max(values))})"
-        return text
+        """The median over runs, and their range where they differ (`median_and_range`)."""
+        return median_and_range(self._values(name))
 
     def _counts_cell(self, setup: str, what: str, keys: Sequence[str]) -> str:
         names = [f"fleet.{setup}.{what}_{key}" for key in keys]

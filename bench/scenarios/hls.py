@@ -56,7 +56,7 @@ from bench._hls import (
 )
 from bench._nginx import NGINX, LogEntry, Nginx, read_requests, running_nginx
 from bench._output import markdown_table, now, progress
-from bench._report import cleanup_verdict, figure_rows, format_figure, make_verdict
+from bench._report import cleanup_verdict, figure_rows, make_verdict, median_and_range
 from bench._server import cpu_seconds
 from bench._settings import Settings, Target, make_target
 from bench._stats import Figures, percentile
@@ -388,18 +388,8 @@ class HlsScenario:
         ]
 
     def _cell(self, name: str) -> str:
-        """The median over runs, and their range where they differ."""
-        values = self._values(name)
-        if not values:
-            return "n/a"
-
-        def shown(value: float) -> str:
-            return f"{value:g}" if value.is_integer() else format_figure(value)
-
-        text = shown(percentile(values, 50))
-        if min(values) != max(values):
-            text += f" ({shown(min(values))} - {shown(max(values))})"
-        return text
+        """The median over runs, and their range where they differ (`median_and_range`)."""
+        return median_and_range(self._values(name))
 
     def _pair(self, first: str, second: str) -> str:
         return f"{self._cell(first)} / {self._cell(second)}"

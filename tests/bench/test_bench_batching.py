@@ -19,7 +19,7 @@ import pytest
 
 from bench import run as bench
 from bench._client import SessionClient
-from bench._report import make_verdict
+from bench._report import make_verdict, median_and_range
 from bench._server import Endpoint
 from bench.scenarios._own_server import chunk_rate
 from bench.scenarios.batching import MODES
@@ -254,3 +254,10 @@ def test_a_verdict_can_require_at_least() -> None:
     assert make_verdict("x", 1.2, 1.3, "", at_least=True)["status"] == "FAIL"
     assert make_verdict("x", 1.2, 1.3, "")["status"] == "PASS"
     assert make_verdict("x", None, 1.3, "")["status"] == "N/A"
+
+
+def test_a_report_cell_is_the_median_and_the_range_where_runs_differ() -> None:
+    assert median_and_range([]) == "n/a"
+    assert median_and_range([6.0, 6.0, 6.0]) == "6"  # counts stay counts
+    assert median_and_range([12.0, 11.0, 12.0]) == "12 (11 - 12)"
+    assert median_and_range([1.234, 0.5, 2.0]) == "1.23 (0.500 - 2)"  # 3 figures or so
