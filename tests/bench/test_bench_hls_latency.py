@@ -106,9 +106,9 @@ def test_a_quick_run_measures_both_viewers_and_judges_them(quick: dict[str, Any]
         assert all(ms > 0 for ms in viewer["delays_ms"]), viewer["delays_ms"]
         # The two clocks were read within a few milliseconds of each other.
         assert all(uncertainty < 0.02 for _, uncertainty in viewer["clock_offset_s"])
-    # The later viewer joined later: fewer chunks to present.
-    first, joined = (len(run["viewers"][name]["delays_ms"]) for name in VIEWERS)
-    assert joined < first
+    # Not compared: how many chunks each presented. hls.js starts the first viewer
+    # anywhere from 1 to 4 s into a quick session on a loaded machine, so the one given
+    # the link later may see as many (CI saw 13 and 13).
     verdicts = section["targets"]
     assert len(verdicts) == len(VIEWERS)
     assert all(v["status"] in ("PASS", "FAIL") for v in verdicts), verdicts
