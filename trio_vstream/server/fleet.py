@@ -29,9 +29,10 @@ fleet's shared access rules to them; an owner that refuses the handshake (401, 4
 
 from __future__ import annotations
 
+import contextlib
 import re
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -207,6 +208,17 @@ class Relay:
         while self._relaying:
             await self._changed.wait()
 
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Count a relay while inside, for `wait_none`."""
+        self._relaying += 1
+        try:
+            yield
+        finally:
+            self._relaying -= 1
+            self._changed.set()
+            self._changed = trio.Event()
+
     async def serve(
         self, request: WebSocketRequest, peer: Peer, host: str | None
     ) -> protocol.Error | None:
@@ -218,19 +230,15 @@ class Relay:
         ``host``: the viewer's Host header, which the owner checks as this server did
         (the fleet's servers share ``--allowed-hosts``); without it, the owner's address.
         """
-        self._relaying += 1
-        try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    return await self._serve(nursery, request, peer, host)
-                finally:
-                    nursery.cancel_scope.cancel()
-        except* ConnectionRejected as group:
-            rejected = group.exceptions[0]
-        finally:
-            self._relaying -= 1
-            self._changed.set()
-            self._changed = trio.Event()
+        with self._counted():
+            try:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        return await self._serve(nursery, request, peer, host)
+                    finally:
+                        nursery.cancel_scope.cancel()
+            except* ConnectionRejected as group:
+                rejected = group.exceptions[0]
         # The owner refused the handshake (its connection's task raised that).
         assert isinstance(rejected, ConnectionRejected)
         await _pass_rejection(request, rejected)
@@ -265,20 +273,17 @@ class Relay:
         owner, with the viewer's ``Host``, ``Authorization`` and ``X-Forwarded-For``; the
         owner's answer, or the error that says it could not be had. A blocking playlist
         reload waits on the owner as it would here, within the owner's own deadline."""
-        self._relaying += 1
-        try:
-            with trio.move_on_after(self._config.connect_timeout + RELAYED_GET_SECONDS):
-                try:
-                    return await self._get(peer, target, headers)
-                except (OSError, h11.ProtocolError, trio.BrokenResourceError) as exc:
-                    logger.warning("watch relay: node %s unreachable: %s", peer.name, exc)
-                    return _not_found()
-            logger.warning("watch relay: node %s did not answer in time", peer.name)
-            return _not_found()
-        finally:
-            self._relaying -= 1
-            self._changed.set()
-            self._changed = trio.Event()
+        with (
+            self._counted(),
+            trio.move_on_after(self._config.connect_timeout + RELAYED_GET_SECONDS),
+        ):
+            try:
+                return await self._get(peer, target, headers)
+            except (OSError, h11.ProtocolError, trio.BrokenResourceError) as exc:
+                logger.warning("watch relay: node %s unreachable: %s", peer.name, exc)
+                return _not_found()
+        logger.warning("watch relay: node %s did not answer in time", peer.name)
+        return _not_found()
 
     async def _get(
         self, peer: Peer, target: str, headers: Sequence[tuple[bytes, bytes]]
