@@ -239,6 +239,22 @@ class SamplingSettings:
 
 
 @attrs.frozen(kw_only=True)
+class VideoInput:
+    """A session that follows an input video (video-to-video): what its engine is told.
+
+    Only an engine that declares `interfaces.SupportsVideoInput` gets a request with one;
+    its stream is then fed the input's frames chunk by chunk (`interfaces.FollowsInput`).
+    """
+
+    fps: int
+    """The input's frame rate as the client declared it. The frames a stream is fed are
+    already resampled to the output's rate: one input frame per output frame."""
+    strength: float
+    """In [0, 1]: how far the output may depart from its input. 0 keeps the input (as
+    far as the model can), 1 ignores it; video-to-video pipelines call it ``strength``."""
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     """One validated session.start, resolved to what an engine needs.
 
@@ -266,6 +282,9 @@ class GenerationRequest:
     lora: Mapping[str, Any] | None = None
     extra_params: Mapping[str, Any] = attrs.field(factory=dict)
     """Model-specific options from the request (``video_codec_options`` removed)."""
+    input_video: VideoInput | None = None
+    """Set when the session follows an input video (``session.start``'s ``input_video``),
+    for an engine that declares `interfaces.SupportsVideoInput` only."""
 
 
 @attrs.frozen

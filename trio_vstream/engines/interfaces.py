@@ -15,6 +15,8 @@ its models) rather than with ``getattr`` and a default scattered through the ser
   steered) sessions, where a chunk's time is a person's wait; read with `live_settings`.
 * `SupportsAudio`: it makes sound, at this sample rate and channel count; every chunk then
   carries its ``audio`` (`trio_vstream.engines.contract.Chunk`); read with `audio_format`.
+* `SupportsVideoInput`: its streams follow a live input video (video-to-video); such a
+  stream is `FollowsInput`, fed each chunk's input frames; read with `supports_video_input`.
 
 Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
 capability existed (before cameras, before batching) still satisfies
@@ -32,6 +34,7 @@ from collections.abc import Mapping
 from typing import Protocol, TypeGuard, runtime_checkable
 
 import attrs
+import numpy as np
 
 from trio_vstream.engines.contract import Engine, EngineConfigError
 from trio_vstream.values import AUDIO_MAX_CHANNELS, AUDIO_SAMPLE_RATES
@@ -40,6 +43,7 @@ __all__ = [
     "DEFAULT_INTERACTION_KINDS",
     "INTERACTION_KINDS",
     "AudioFormat",
+    "FollowsInput",
     "SupportsAudio",
     "SupportsBatching",
     "SupportsChunkFrames",
@@ -47,6 +51,7 @@ __all__ = [
     "SupportsInteractionKinds",
     "SupportsLiveSettings",
     "SupportsSeed",
+    "SupportsVideoInput",
     "audio_format",
     "interaction_kinds",
     "live_settings",
@@ -58,6 +63,7 @@ __all__ = [
     "supports_device",
     "supports_interaction_kinds",
     "supports_seed",
+    "supports_video_input",
 ]
 
 INTERACTION_KINDS: frozenset[str] = frozenset({"prompt", "camera"})
@@ -166,6 +172,44 @@ class SupportsAudio(Protocol):
     """1 (mono) or 2 (stereo)."""
 
 
+@runtime_checkable
+class SupportsVideoInput(Protocol):
+    """An engine whose streams can follow a live input video (video-to-video).
+
+    A client asks for it with ``session.start``'s ``input_video``; the server refuses that
+    (``invalid_request``) for an engine without this capability. A request that has it
+    carries ``GenerationRequest.input_video``, and the stream `open_stream` returns for it
+    must be `FollowsInput`: before each chunk the server hands it that chunk's input.
+    """
+
+    video_input: bool
+    """True when this engine, as configured, takes input video (a diffusers engine does
+    only for a family that has a video-to-video pipeline)."""
+
+
+@runtime_checkable
+class FollowsInput(Protocol):
+    """A stream that follows an input video: the server feeds it each chunk's frames.
+
+    For every chunk the server reads ``next_chunk_frames``, gathers that many input
+    frames (the ones whose media time falls in the chunk's window, resampled to the
+    output's frame rate: see docs/protocol.md for late, early and missing input), then
+    calls ``feed_input(frames)`` and ``next_chunk`` in one worker thread, one after the
+    other. The chunk that call returns must have exactly ``next_chunk_frames`` frames:
+    output frame ``j`` is made from input frame ``frames[j]``.
+    """
+
+    next_chunk_frames: int
+    """How many frames the next chunk will have. Read by the server between calls, from
+    its event loop: a plain value, not work."""
+
+    def feed_input(self, frames: np.ndarray) -> None:
+        """The next chunk's input: (next_chunk_frames, H, W, 3) uint8 RGB at the
+        request's size. Keep it for the ``next_chunk`` call that follows (the array is the
+        stream's; the server never touches it again)."""
+        ...
+
+
 @attrs.frozen
 class AudioFormat:
     """What an engine's sound is: its sample rate and channel count."""
@@ -203,6 +247,11 @@ def audio_format(engine: Engine) -> AudioFormat | None:
     ):
         raise EngineConfigError(f"engine {name}: audio_channels must be 1 or 2, got {channels!r}")
     return AudioFormat(rate, channels)
+
+
+def supports_video_input(engine: object) -> bool:
+    """Whether ``engine`` takes input video: it declares ``video_input`` True."""
+    return isinstance(engine, SupportsVideoInput) and engine.video_input is True
 
 
 def supports_interaction_kinds(engine: object) -> TypeGuard[SupportsInteractionKinds]:
