@@ -367,3 +367,45 @@ class StoppingCheckpoint(SessionCheckpoint):
                 return step(row)
 
             yield counted
+
+
+class EchoInputStream(InstrumentedStream):
+    """A stream that follows its input video by showing it: each chunk's frames are the
+    input frames it was fed, exactly, so what the server fed is what a client decodes."""
+
+    def __init__(self, engine: InstrumentedEngine, inner: SyntheticStream) -> None:
+        super().__init__(engine, inner)
+        self._done = 0
+        self._fed: Any = None
+        self.fed: list[Any] = []
+        """Every input the server fed, in order."""
+
+    @property
+    def next_chunk_frames(self) -> int:
+        chunk_frames = self._engine.settings.chunk_frames
+        return min(chunk_frames, self.request.num_frames - self._done)
+
+    def feed_input(self, frames: Any) -> None:
+        self._fed = frames
+        self.fed.append(frames)
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        chunk = super().next_chunk(checkpoint)
+        if chunk is None:
+            return None
+        frames, self._fed = self._fed, None
+        if frames is None or len(frames) != len(chunk.frames):
+            raise EngineError("EchoInputStream: no input, or not the chunk's length")
+        self._done += len(frames)
+        return attrs.evolve(chunk, frames=frames)
+
+
+class EchoInputEngine(InstrumentedEngine):
+    """Takes input video, and shows it (`EchoInputStream`)."""
+
+    video_input = True
+
+    def open_stream(self, request: GenerationRequest) -> InstrumentedStream:  # type: ignore[override]
+        stream = EchoInputStream(self, SyntheticEngine.open_stream(self, request))
+        self.streams.append(stream)
+        return stream

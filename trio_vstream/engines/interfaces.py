@@ -200,8 +200,9 @@ class FollowsInput(Protocol):
     """
 
     next_chunk_frames: int
-    """How many frames the next chunk will have. Read by the server between calls, from
-    its event loop: a plain value, not work."""
+    """How many frames the next chunk will have; 0 once the video is complete (the next
+    ``next_chunk`` returns None, and is called without input). Read by the server
+    between calls, from its event loop: a plain value, not work."""
 
     def feed_input(self, frames: np.ndarray) -> None:
         """The next chunk's input: (next_chunk_frames, H, W, 3) uint8 RGB at the

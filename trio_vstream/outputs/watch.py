@@ -503,7 +503,7 @@ class _ViewerConnection:
             return protocol.Error.from_protocol_error(exc, request_id)
         if isinstance(message, protocol.Ping):
             return protocol.Pong()
-        if isinstance(message, protocol.Stop | protocol.Playback):
+        if isinstance(message, protocol.Stop | protocol.Playback | protocol.InputEnd):
             what, event_id = message.TYPE, None
         else:
             what, event_id = "session.interaction", message.event_id

@@ -17,6 +17,8 @@ concern each, and their dependencies point one way, down (the import-linter cont
 
 * ``_client``: `ClientProtocol`, a client's side of a session as events;
 * ``_start``: ``session.start``, its request model and its resolution into settings;
+* ``_input_video``: ``session.start``'s ``input_video``, a session that follows a live
+  input video (this project's extension);
 * ``_interaction_script``: ``extra_params.interaction_script``, each entry parsed as a
   live interaction is;
 * ``_control``: `parse_control`, what a client may send during a session;
@@ -60,6 +62,12 @@ from trio_vstream.protocol._codec_options import (
 from trio_vstream.protocol._control import parse_control
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._image_reference import ImageInput, ImageURL
+from trio_vstream.protocol._input_video import (
+    INPUT_FRAME_FORMATS,
+    MAX_INPUT_FPS,
+    InputVideoRequest,
+    InputVideoSettings,
+)
 from trio_vstream.protocol._interaction_script import (
     INTERACTION_SCRIPT_PARAM,
     ScriptedInteraction,
@@ -73,11 +81,14 @@ from trio_vstream.protocol._limits import (
 from trio_vstream.protocol._messages import (
     AUDIO_CODEC,
     DEFAULT_TRANSITION_CHUNKS,
+    INPUT_END_MESSAGE,
     PING_MESSAGE,
     STOP_MESSAGE,
     ChunkMetadata,
     ControlMessage,
     Error,
+    InputEnd,
+    InputFrameCounts,
     Interaction,
     InteractionQueued,
     Ping,
@@ -125,8 +136,11 @@ __all__ = [
     "DEFAULT_TRANSITION_CHUNKS",
     "DEFAULT_VIDEO_DEFAULTS",
     "FRAMES_PER_SCRIPT_CHUNK",
+    "INPUT_END_MESSAGE",
+    "INPUT_FRAME_FORMATS",
     "INTERACTION_SCRIPT_PARAM",
     "MAX_FPS",
+    "MAX_INPUT_FPS",
     "MAX_PENDING_INTERACTIONS",
     "MAX_STREAMING_BUFFER_SECONDS",
     "PACING_PARAMS",
@@ -150,6 +164,10 @@ __all__ = [
     "ImageInput",
     "ImageReference",
     "ImageURL",
+    "InputEnd",
+    "InputFrameCounts",
+    "InputVideoRequest",
+    "InputVideoSettings",
     "Interaction",
     "InteractionAccepted",
     "InteractionQueued",

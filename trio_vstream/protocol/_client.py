@@ -99,6 +99,9 @@ CONTROL_ERROR_CODES: Final = frozenset(
         ErrorCode.EVENT_ID_CONFLICT,
         ErrorCode.INTERACTION_FAILED,
         ErrorCode.READ_ONLY,
+        # Not strict, a refused input frame is counted and the session goes on; strict,
+        # the session ends with it, and the close that follows says so.
+        ErrorCode.INVALID_INPUT_FRAME,
     }
 )
 

@@ -22,6 +22,7 @@ from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._limits import DEFAULT_LIMITS, Limits
 from trio_vstream.protocol._messages import (
     ControlMessage,
+    InputEnd,
     Interaction,
     InteractionBody,
     InteractionEvent,
@@ -238,7 +239,9 @@ def _parse_playback(msg: dict[str, Any]) -> Playback:
     return Playback(position)
 
 
-_CONTROL_TYPES: Final[Mapping[str, type[Stop | Ping]]] = {cls.TYPE: cls for cls in (Stop, Ping)}
+_CONTROL_TYPES: Final[Mapping[str, type[Stop | Ping | InputEnd]]] = {
+    cls.TYPE: cls for cls in (Stop, Ping, InputEnd)
+}
 
 
 def parse_control(raw: str | bytes, *, limits: Limits = DEFAULT_LIMITS) -> ControlMessage:

@@ -37,6 +37,12 @@ class ErrorCode(enum.StrEnum):
     """The engine has calls stuck after their sessions ended, as many as the server
     tolerates (``--max-stuck-calls``): new sessions are refused (an HTTP 503 before the
     upgrade, this code after it) so that a client tries another server."""
+    # This project's extension: a session that follows an input video (``input_video``).
+    INVALID_INPUT_FRAME = "invalid_input_frame"
+    """An input frame was refused before or while decoding (not the declared format or
+    size, malformed, over the decode rate is not this: that is only counted). The session
+    goes on (the frame counts as dropped), or ends with this error if it asked for
+    ``input_video.strict``."""
     # This project's extensions, for viewers of a watch link (trio_vstream.outputs.watch):
     READ_ONLY = "read_only"
     """A viewer sent a control message only the session's owner may send."""

@@ -31,6 +31,11 @@ class Limits:
     max_height: int = 1920
     max_num_frames: int = 2400
     max_total_pixels: int = 1920 * 1080 * 600
+    max_input_pixels: int = 1920 * 1080
+    """The largest frame of an input video (``input_video``): each is decoded, so each
+    costs its pixels in memory and time."""
+    max_input_frame_bytes: int = 1024 * 1024
+    """The largest input frame message: a 1080p JPEG at quality 90 is a few hundred KB."""
 
 
 DEFAULT_LIMITS: Final = Limits()

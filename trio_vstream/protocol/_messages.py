@@ -34,11 +34,14 @@ from trio_vstream.values import Camera
 __all__ = [
     "AUDIO_CODEC",
     "DEFAULT_TRANSITION_CHUNKS",
+    "INPUT_END_MESSAGE",
     "PING_MESSAGE",
     "STOP_MESSAGE",
     "ChunkMetadata",
     "ControlMessage",
     "Error",
+    "InputEnd",
+    "InputFrameCounts",
     "Interaction",
     "InteractionQueued",
     "Ping",
@@ -124,9 +127,20 @@ class Playback(_Message):
 #: on the wire means "let the engine decide").
 DEFAULT_TRANSITION_CHUNKS: Final = 3
 
-ControlMessage: TypeAlias = Stop | Ping | Interaction | Playback
+
+@attrs.frozen
+class InputEnd(_Message):
+    """``input_video.end`` (this project's extension): the client has sent its last input
+    frame. What follows is the session's ``input_video.on_end``: ``hold`` goes on from
+    the last frame, ``end`` completes the video once its output reaches the input's end."""
+
+    TYPE: ClassVar[str] = "input_video.end"
+
+
+ControlMessage: TypeAlias = Stop | Ping | Interaction | Playback | InputEnd
 
 STOP_MESSAGE: Final = '{"type":"session.stop"}'
+INPUT_END_MESSAGE: Final = '{"type":"input_video.end"}'
 PING_MESSAGE: Final = '{"type":"session.ping"}'
 
 
@@ -223,6 +237,32 @@ class WatchStart(_Message):
     config: dict[str, Any]
 
 
+@attrs.frozen(kw_only=True)
+class InputFrameCounts:
+    """What a chunk made of the input video: ``video.chunk_metadata``'s ``input_frames``.
+
+    Every input frame the client sent is, in the end, in exactly one chunk's ``used`` or
+    ``dropped`` (a frame refused with ``invalid_input_frame`` counts as dropped too), so a
+    client can account for each one; ``reused`` counts output frames that had no input of
+    their own in time and were made from the last frame before them.
+    """
+
+    used: int
+    """Input frames this chunk was made from, first used here."""
+    dropped: int
+    """Input frames that will never be used, noticed while gathering this chunk: too late
+    (their output frames were already made), between output frames (an input faster than
+    the output), over the buffer or the decode rate, or malformed."""
+    reused: int
+    """Output frames of this chunk made from an earlier input frame because theirs had not
+    arrived within ``max_wait_ms`` (or the input has ended)."""
+    first: int | None
+    """The index of the first input frame in this chunk's window (None: none yet)."""
+    last: int | None
+    """The index of the input frame its last output frame was made from (None: none yet):
+    a client keeping its input a few frames ahead of this paces itself to the engine."""
+
+
 @attrs.frozen
 class ChunkMetadata(_Message):
     """Describes the binary message that immediately follows it."""
@@ -244,6 +284,9 @@ class ChunkMetadata(_Message):
     frame or two, their timestamps say where each belongs. Left out without sound."""
     audio_sample_rate: int | None = None
     """A stream with sound only (vllm-omni's name): its samples per second."""
+    input_frames: InputFrameCounts | None = None
+    """A session that follows an input video only (this project's extension): what became
+    of the input frames for this chunk. Left out otherwise, and on a trailer."""
 
 
 AUDIO_CODEC: Final = "mp4a.40.2"

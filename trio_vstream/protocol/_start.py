@@ -23,6 +23,12 @@ from trio_vstream.protocol._codec_options import (
 )
 from trio_vstream.protocol._errors import ErrorCode, ProtocolError
 from trio_vstream.protocol._image_reference import ImageInput, ImageURL, decode_image_url
+from trio_vstream.protocol._input_video import (
+    InputVideoRequest,
+    InputVideoSettings,
+    lift_input_video_aliases,
+    resolve_input_video,
+)
 from trio_vstream.protocol._interaction_script import ScriptedInteraction, interaction_script_of
 from trio_vstream.protocol._limits import DEFAULT_LIMITS, MAX_STREAMING_BUFFER_SECONDS, Limits
 from trio_vstream.protocol._wire import (
@@ -119,6 +125,8 @@ class VideoRequest:
     """vllm-omni's playback pacing: generation stays at most this many seconds of media
     ahead of the playhead the client reports with ``session.playback`` (see
     `trio_vstream.session.pacing.PlaybackGate`). None: unpaced, as before."""
+    input_video: InputVideoRequest | None = None
+    """This project's extension: the session follows a live input video (`_input_video`)."""
 
 
 _REQUEST_FIELDS: Final = frozenset(f.name for f in attrs.fields(VideoRequest))
@@ -170,6 +178,8 @@ class SessionStart:
     """``extra_params.camera_action_script``, one camera per chunk (see `_camera_script`)."""
     interaction_script: tuple[ScriptedInteraction, ...] = ()
     """``extra_params.interaction_script``: interactions applied before given chunks."""
+    input_video: InputVideoSettings | None = None
+    """``input_video``, resolved: the session follows the frames the client sends."""
     sound: bool | None = None
     """``generate_sound`` as the client gave it, as vllm-omni reads it: None when left out
     (the engine's own way: a video with sound from an engine that makes it), True for
@@ -390,6 +400,8 @@ def parse_start(
         )
 
     request_data = _lift_sampling_params(msg)
+    problems: list[str] = []
+    lift_input_video_aliases(request_data, problems)
     try:
         request = REQUEST_CONVERTER.structure(request_data, VideoRequest)
     except cattrs.ClassValidationError as exc:
@@ -405,7 +417,6 @@ def parse_start(
             f"but server is running '{served_model}'.",
         )
 
-    problems: list[str] = []
     # Whether the engine makes sound is the session's to check (this module knows no
     # engine): here, only whether the client said anything of it.
     sound = request.generate_sound if "generate_sound" in request_data else None
@@ -430,8 +441,18 @@ def parse_start(
     pacing = _pacing_of(request.extra_params, problems)
 
     video = _resolve_video(request, limits, defaults, problems)
+    input_video = None
     if video is not None:
         _check_sound_duration(request.sound_duration, sound, video, problems)
+        if request.input_video is not None:
+            input_video = resolve_input_video(
+                request.input_video,
+                width=video.width,
+                height=video.height,
+                fps=video.fps,
+                limits=limits,
+                problems=problems,
+            )
     num_frames = video.num_frames if video is not None else None
     camera_script = camera_script_of(request.extra_params, num_frames, problems)
     interaction_script = interaction_script_of(
@@ -451,5 +472,6 @@ def parse_start(
         codec_options=codec_options,
         camera_script=camera_script,
         interaction_script=interaction_script,
+        input_video=input_video,
         sound=sound,
     )

@@ -30,8 +30,9 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import numpy as np
 import outcome
 import trio
 
@@ -44,6 +45,7 @@ from trio_vstream.engines.contract import (
     release_frames,
 )
 from trio_vstream.engines.frames import audio_to_float32_array, frames_to_uint8_array
+from trio_vstream.engines.interfaces import FollowsInput
 from trio_vstream.logsafe import get_logger
 from trio_vstream.media.encoding import EncodingAbandoned, FragmentedMP4Encoder
 from trio_vstream.scheduling.checkpoint import SessionCheckpoint
@@ -81,11 +83,20 @@ class SessionCalls:
         self._res.stats.streams_open += 1
         return self.stream
 
-    async def next_chunk(self, stream: EngineStream, checkpoint: SessionCheckpoint) -> Chunk | None:
+    async def next_chunk(
+        self, stream: EngineStream, checkpoint: SessionCheckpoint, feed: np.ndarray | None = None
+    ) -> Chunk | None:
         """The engine's next chunk. Cancelled while the engine still runs, the call keeps
         the stream and the step slot: it closes the one and gives back the other when it
-        returns (the engine's step limit holds even for a stuck step)."""
-        call = EngineCall(stream.next_chunk, checkpoint)
+        returns (the engine's step limit holds even for a stuck step).
+
+        ``feed``: the chunk's input frames, for a stream that follows an input video,
+        handed over in the same thread just before (`interfaces.FollowsInput`)."""
+        if feed is None:
+            call = EngineCall(stream.next_chunk, checkpoint)
+        else:
+            assert isinstance(stream, FollowsInput)
+            call = EngineCall(_fed_chunk, stream, feed, checkpoint)
 
         def closed() -> None:
             checkpoint.release()
@@ -373,3 +384,11 @@ def close_quietly(encoder: FragmentedMP4Encoder) -> None:
         encoder.close()
     except Exception:
         logger.debug("encoder close failed", exc_info=True)
+
+
+def _fed_chunk(
+    stream: FollowsInput, frames: np.ndarray, checkpoint: SessionCheckpoint
+) -> Chunk | None:
+    """A stream's input for its next chunk, then that chunk: one engine call, one thread."""
+    stream.feed_input(frames)
+    return cast(EngineStream, stream).next_chunk(checkpoint)

@@ -75,6 +75,9 @@ class Delivery:
         self.encoder: FragmentedMP4Encoder | None = None
         self.audio: tuple[int, int] | None = None
         """The stream's sound: (sample rate, channels); None for a stream without it."""
+        self.input_frames: dict[int, protocol.InputFrameCounts] = {}
+        """A session that follows an input video: each chunk's input counts, by its
+        generation index, for its ``video.chunk_metadata`` (the generation loop fills it)."""
         self.taps = TapSet("", ())
         self.chunks_sent = 0
         self.frames_generated = 0
@@ -239,6 +242,7 @@ class Delivery:
             # in the next chunk; a trailer covers none, though it carries the last ones).
             num_audio_samples=(audio_samples or 0) if self.audio else None,
             audio_sample_rate=self.audio[0] if self.audio else None,
+            input_frames=self.input_frames.pop(chunk.index, None) if chunk is not None else None,
         )
         await self._sender.send(metadata, data, deadline=deadline)
         if self.taps:

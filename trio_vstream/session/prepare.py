@@ -27,7 +27,14 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
 from trio_vstream.engines.contract import Engine, GenerationRequest, InvalidRequestError
-from trio_vstream.engines.interfaces import AudioFormat, audio_format, interaction_kinds
+from trio_vstream.engines.interfaces import (
+    AudioFormat,
+    FollowsInput,
+    audio_format,
+    interaction_kinds,
+    missing_members,
+    supports_video_input,
+)
 from trio_vstream.logsafe import get_logger
 from trio_vstream.media.encoding import EncodingError, FragmentedMP4Encoder
 from trio_vstream.media.image_decode import decode_image
@@ -152,6 +159,10 @@ async def prepare(
     """
     video = start.video
     sound = session_sound(start, resources.engine)
+    if start.input_video is not None and not supports_video_input(resources.engine):
+        raise invalid_start(
+            f"input_video is not supported by {resources.engine.name}: it takes no video input"
+        )
     pacer = Pacer(start.pacing) if start.pacing is not None else None
     buffer = start.request.streaming_buffer_seconds
     gate = PlaybackGate(buffer, video.fps, video.num_frames) if buffer is not None else None
@@ -210,4 +221,13 @@ async def prepare(
         )
         ending.end(Outcome.STALLED, STALLED_OPENING)
         raise StartFailure(*STALLED_OPENING)
+    if request.input_video is not None and not isinstance(calls.stream, FollowsInput):
+        missing = ", ".join(missing_members(calls.stream, FollowsInput))
+        logger.error(
+            "session %s: the engine's stream does not follow input (%s)", request_id, missing
+        )
+        raise StartFailure(
+            ErrorCode.GENERATION_FAILED,
+            f"{resources.engine.name} declares video input, but its stream lacks {missing}",
+        )
     return Prepared(request, scripts, pacer, gate, queue)

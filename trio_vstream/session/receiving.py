@@ -26,6 +26,7 @@ from trio_vstream.protocol import ErrorCode
 from trio_vstream.session.calls import SessionCalls
 from trio_vstream.session.early_messages import EarlyMessages
 from trio_vstream.session.endings import Ending, Outcome, SessionError
+from trio_vstream.session.input_video import InputVideo
 from trio_vstream.session.interactions import Interactions
 from trio_vstream.session.pacing import PlaybackGate
 from trio_vstream.session.sending import Sender
@@ -74,6 +75,7 @@ class Receiver:
         stop: Callable[[Outcome, SessionError], None],
         disconnected: Callable[[], None],
         progress: Callable[[], None],
+        input_video: InputVideo | None = None,
     ) -> None:
         self._ws = ws
         self._request_id = request_id
@@ -88,6 +90,7 @@ class Receiver:
         self._stop = stop
         self._disconnected = disconnected
         self._progress = progress
+        self._input = input_video
 
     async def run(self, early: EarlyMessages) -> None:
         """Read until the client closes: the messages held while preparing, then the socket."""
@@ -97,9 +100,20 @@ class Receiver:
             except ConnectionClosed:
                 self._disconnected()
                 return
+            if isinstance(raw, bytes) and self._input is not None:
+                refusal = self._input.offer(raw)  # vetted, queued: never waits for a decode
+                if refusal is not None:
+                    await self.refuse_frame(refusal)
+                continue
             try:
                 if isinstance(raw, protocol.ProtocolError):
                     raise raw  # refused while the session prepared
+                if isinstance(raw, bytes):
+                    raise protocol.ProtocolError(
+                        ErrorCode.INVALID_MESSAGE,
+                        "Binary messages are input video frames, and this session asked "
+                        "for no input_video",
+                    )
                 message = protocol.parse_control(raw, limits=self._limits)
             except protocol.ProtocolError as exc:
                 await self._sender.reply(protocol.Error.from_protocol_error(exc, self._request_id))
@@ -110,11 +124,32 @@ class Receiver:
             elif isinstance(message, protocol.Ping):
                 self._progress()
                 await self._sender.reply(protocol.Pong())  # queued: a stop behind it is read now
+            elif isinstance(message, protocol.InputEnd):
+                if self._input is None:
+                    error = protocol.ProtocolError(
+                        ErrorCode.INVALID_MESSAGE,
+                        "input_video.end: this session asked for no input_video",
+                    )
+                    await self._sender.reply(
+                        protocol.Error.from_protocol_error(error, self._request_id)
+                    )
+                else:
+                    self._input.end()
             elif isinstance(message, protocol.Playback):
                 if self._gate is not None:  # ignored unless the client asked for a buffer
                     self._gate.report(message.position_seconds)
             else:
                 await self._interact(message)
+
+    async def refuse_frame(self, refusal: protocol.ProtocolError) -> None:
+        """An input frame was refused (here, or by the decoder): the client is told, and a
+        session that asked for ``input_video.strict`` ends with the same error."""
+        assert self._input is not None
+        if self._input.settings.strict and self._ending.outcome is None:
+            logger.info("session %s: %s (strict input)", self._request_id, refusal.message)
+            self._stop(Outcome.FAILED, (refusal.code, refusal.message))
+            return
+        await self._sender.reply(protocol.Error.from_protocol_error(refusal, self._request_id))
 
     async def _interact(self, message: protocol.Interaction) -> None:
         # The protocol stays pure: an id the client left out is minted here.

@@ -19,7 +19,7 @@ from typing import Any, Final
 import numpy as np
 
 from trio_vstream import protocol
-from trio_vstream.engines.contract import GenerationRequest, SamplingSettings
+from trio_vstream.engines.contract import GenerationRequest, SamplingSettings, VideoInput
 
 SERVER_PARAMS: Final = frozenset(
     {
@@ -71,6 +71,11 @@ def generation_request(
         image=image,
         lora=request.lora,
         extra_params=engine_extra_params(start),
+        input_video=(
+            VideoInput(fps=start.input_video.fps, strength=start.input_video.strength)
+            if start.input_video is not None
+            else None
+        ),
     )
 
 

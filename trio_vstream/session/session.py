@@ -55,6 +55,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
@@ -76,6 +77,7 @@ from trio_vstream.session.endings import (
     SessionSummary,
     engine_failure,
 )
+from trio_vstream.session.input_video import InputVideo
 from trio_vstream.session.interactions import Interactions
 from trio_vstream.session.pacing import PlaybackGate, sleep_until_keeping_alive
 from trio_vstream.session.prepare import StartFailure, first_failure, prepare, receive_start
@@ -169,6 +171,8 @@ class Session:
         """The deliverer, its encoder and its counts (`trio_vstream.session.delivery`)."""
         self._interactions = Interactions(interaction_kinds(resources.engine))
         """Its live interactions and scripts (`trio_vstream.session.interactions`)."""
+        self._input: InputVideo | None = None
+        """The input video it follows, if it asked for one (`trio_vstream.session.input_video`)."""
 
     # ----------------------------------------------------------------- entry
 
@@ -312,6 +316,14 @@ class Session:
             )
             preparing.cancel_scope.cancel()
         request, self._gate = prepared.request, prepared.gate
+        if start.input_video is not None:
+            self._input = InputVideo(
+                start.input_video,
+                (start.video.height, start.video.width),
+                start.video.fps,
+                in_thread=self._calls.in_thread,
+                limiter=self._res.image_limiter,
+            )
         self._interactions.prepared(prepared.scripts, prepared.queue)
         self._fps = start.video.fps
         # From here a shutdown lets the session say goodbye properly, rather than
@@ -349,7 +361,10 @@ class Session:
             request.fps,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receiver().run, early)
+            receiver = self._receiver()
+            nursery.start_soon(receiver.run, early)
+            if self._input is not None:
+                nursery.start_soon(self._input.decode_frames, receiver.refuse_frame)
             nursery.start_soon(self._stall_guard)
             nursery.start_soon(self._sender.send_replies)  # the receive loop's replies
             await self._generate()
@@ -376,6 +391,7 @@ class Session:
             stop=self.stop,
             disconnected=self._disconnected,
             progress=self._touch,
+            input_video=self._input,
         )
 
     def _stop_requested(self) -> None:
@@ -456,12 +472,18 @@ class Session:
         index = 0  # of the chunk about to be generated
         while True:
             await self._before_chunk(stream)
+            feed = counts = None
+            if self._input is not None:
+                window = await self._input_window(stream)
+                if window is None:
+                    return
+                feed, counts = window
             began = trio.current_time()
             try:
                 # The scripts' entries for this chunk, queued at its boundary.
                 for change in self._interactions.scripts.before_chunk(index):
                     stream.interact(change)
-                chunk = await self._calls.next_chunk(stream, self._checkpoint)
+                chunk = await self._calls.next_chunk(stream, self._checkpoint, feed)
             except trio.Cancelled:
                 raise
             except Exception as exc:
@@ -478,6 +500,18 @@ class Session:
                 return
             index += 1
             frames = frame_count(chunk.frames)
+            if feed is not None and counts is not None:
+                if frames != len(feed):
+                    release_chunk(chunk, self.request_id)
+                    self._ending.engine_failed(
+                        (
+                            ErrorCode.GENERATION_FAILED,
+                            f"{self._res.engine.name} made {frames} frames "
+                            f"from {len(feed)} input frames",
+                        )
+                    )
+                    return
+                self._delivery.input_frames[chunk.index] = counts
             self._interactions.chunk_generated(
                 chunk.started_event_ids, began, frames / self._fps, 1 / self._fps
             )
@@ -491,6 +525,31 @@ class Session:
             except BaseException:  # cancelled, or the deliverer is gone: never sent
                 release_chunk(chunk, self.request_id)
                 raise
+
+    async def _input_window(
+        self, stream: EngineStream
+    ) -> tuple[np.ndarray | None, protocol.InputFrameCounts | None] | None:
+        """The next chunk's input, for a session that follows an input video (none for
+        the call that ends a complete video); None when generation ends here instead: its
+        input has ended and the client asked to end with it, or the engine's
+        ``next_chunk_frames`` is not a whole number (a broken engine)."""
+        assert self._input is not None
+        if self._input.finished:
+            self._ending.generated_all = True
+            return None
+        wanted = getattr(stream, "next_chunk_frames", None)  # FollowsInput: checked at start
+        if wanted == 0 and not isinstance(wanted, bool):
+            return None, None  # the video is complete: next_chunk says so, with no input
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+            self._ending.engine_failed(
+                (
+                    ErrorCode.GENERATION_FAILED,
+                    f"{self._res.engine.name}: next_chunk_frames must be a whole "
+                    f"number, got {wanted!r}",
+                )
+            )
+            return None
+        return await self._input.window(wanted)
 
     async def _before_chunk(self, stream: EngineStream) -> None:
         """A paced session's waits at a chunk boundary, then the live changes due.
