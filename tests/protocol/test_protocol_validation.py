@@ -77,6 +77,7 @@ def test_error_code_values_are_the_wire_strings() -> None:
         "READ_ONLY": "read_only",
         "WATCH_NOT_FOUND": "watch_not_found",
         "VIEWER_TOO_SLOW": "viewer_too_slow",
+        "INVALID_INPUT_FRAME": "invalid_input_frame",
     }
 
 
