@@ -34,7 +34,9 @@ def png(value: int, size: int = SIZE) -> bytes:
     return b"".join(bytes(p) for p in codec.encode(frame))
 
 
-async def run_with_input(running: Any, start: dict[str, Any], frames: list[bytes], end: bool = True) -> Transcript:
+async def run_with_input(
+    running: Any, start: dict[str, Any], frames: list[bytes], end: bool = True
+) -> Transcript:
     transcript = Transcript()
     async with running.connect() as ws:
         await ws.send_message(json.dumps(start))
@@ -62,7 +64,165 @@ async def test_the_engine_is_fed_each_frame_in_order(start_server: Any) -> None:
     assert [m["input_frames"]["used"] for m in media] == [4, 4, 4, 4]
     assert sum(m["input_frames"]["dropped"] + m["input_frames"]["reused"] for m in media) == 0
     assert [(m["input_frames"]["first"], m["input_frames"]["last"]) for m in media] == [
-        (0, 3), (4, 7), (8, 11), (12, 15)
+        (0, 3),
+        (4, 7),
+        (8, 11),
+        (12, 15),
     ]
     shown = decode_video(transcript.video_bytes)[:, SIZE // 2, SIZE // 2, 0].astype(int)
     assert np.abs(shown - np.array(values)).max() <= 3
+
+
+def media_counts(transcript: Transcript) -> list[dict[str, Any]]:
+    return [
+        m["input_frames"]
+        for m in transcript.of_type("video.chunk_metadata")
+        if m["kind"] == "media"
+    ]
+
+
+async def test_an_engine_without_video_input_refuses_it_by_name(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4))
+    transcript = await running.run_session(START)
+    (error,) = transcript.terminal
+    assert error["code"] == "invalid_request"
+    assert "input_video" in error["message"] and "synthetic" in error["message"]
+    assert not transcript.of_type("video.start")
+
+
+async def test_a_binary_message_without_input_video_is_refused_and_the_session_goes_on(
+    start_server: Any,
+) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4))
+    start = {k: v for k, v in START.items() if k != "input_video"}
+    transcript = await run_with_input(running, start, [png(1)], end=False)
+    errors = transcript.of_type("error")
+    assert errors[0]["code"] == "invalid_message" and "input_video" in errors[0]["message"]
+    assert transcript.terminal[-1]["type"] == "session.done"
+
+
+async def test_refused_frames_are_coded_counted_and_the_session_goes_on(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    frames = [png(50), b"not an image", png(60, size=32), png(70), *(png(80) for _ in range(12))]
+    transcript = await run_with_input(running, START, frames)
+    assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+    refused = [e for e in transcript.of_type("error") if e["code"] == "invalid_input_frame"]
+    assert len(refused) == 2
+    assert "input frame 1" in refused[0]["message"]
+    assert "32x32" in refused[1]["message"] and "64x64" in refused[1]["message"]
+    counts = media_counts(transcript)
+    # Every frame sent is used or dropped, once.
+    assert sum(c["used"] + c["dropped"] for c in counts) == len(frames)
+    assert sum(c["dropped"] for c in counts) == 2
+    # The refused frames' output frames repeat the frame before them.
+    (stream,) = running.engine.streams
+    fed = np.concatenate(stream.fed)[:, 0, 0, 0].tolist()
+    assert fed[:4] == [50, 50, 50, 70]
+
+
+async def test_a_strict_session_ends_at_its_first_refused_frame(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {**START, "input_video": {**START["input_video"], "strict": True}}
+    transcript = await run_with_input(running, start, [png(50), b"\xff\xd8\xff garbage"], end=False)
+    (error,) = transcript.terminal
+    assert error["code"] == "invalid_input_frame" and "input frame 1" in error["message"]
+
+
+async def test_a_frame_over_the_byte_limit_is_refused_unread(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    big = png(1) + b"\0" * (1024 * 1024)
+    transcript = await run_with_input(running, START, [big, *(png(9) for _ in range(15))])
+    (error,) = [e for e in transcript.of_type("error")]
+    assert error["code"] == "message_too_large" and "input frame 0" in error["message"]
+    assert transcript.terminal[-1]["type"] == "session.done"
+
+
+async def test_on_end_end_completes_the_video_with_its_input(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {**START, "input_video": {**START["input_video"], "on_end": "end"}}
+    transcript = await run_with_input(running, start, [png(10 * (i + 1)) for i in range(6)])
+    (done,) = transcript.terminal
+    assert done["type"] == "session.done", done
+    counts = media_counts(transcript)  # two chunks of the 16 frames asked for
+    assert [c["used"] for c in counts] == [4, 2]
+    assert counts[1]["reused"] == 2  # past the input's end: its last frame, counted
+
+
+async def test_on_end_hold_goes_on_from_the_last_frame(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    transcript = await run_with_input(running, START, [png(10 * (i + 1)) for i in range(6)])
+    assert transcript.terminal[-1]["type"] == "session.done"
+    assert len(media_counts(transcript)) == 4
+    (stream,) = running.engine.streams
+    fed = np.concatenate(stream.fed)[:, 0, 0, 0].tolist()
+    assert fed == [10, 20, 30, 40, 50, 60] + [60] * 10
+
+
+async def test_no_input_in_time_reuses_and_counts(start_server: Any) -> None:
+    """A client that sends nothing: each chunk waits max_wait_ms, then goes on from black."""
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {**START, "num_frames": 8, "input_video": {**START["input_video"], "max_wait_ms": 0}}
+    transcript = await run_with_input(running, start, [], end=False)
+    counts = media_counts(transcript)
+    assert (
+        counts
+        == [
+            {"used": 0, "dropped": 0, "reused": 4, "first": None, "last": None},
+        ]
+        * 2
+    )
+    assert transcript.terminal[-1]["type"] == "session.done"
+
+
+async def test_an_input_twice_the_output_rate_uses_every_other_frame(start_server: Any) -> None:
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {**START, "num_frames": 8, "input_video": {**START["input_video"], "fps": 16}}
+    transcript = await run_with_input(running, start, [png(10 + i) for i in range(16)])
+    (stream,) = running.engine.streams
+    fed = np.concatenate(stream.fed)[:, 0, 0, 0].tolist()
+    assert fed == [10 + i for i in range(0, 16, 2)]
+    counts = media_counts(transcript)
+    assert sum(c["used"] for c in counts) == 8
+    assert sum(c["used"] + c["dropped"] for c in counts) <= 16  # the last ones: no chunk left
+
+
+async def test_the_receive_loop_never_waits_for_a_decode(
+    start_server: Any, monkeypatch: Any
+) -> None:
+    """Decodes held in their thread: a ping sent behind frames is still answered, and a
+    stop still ends the session."""
+    import threading
+
+    from trio_vstream.session import input_video
+
+    held = threading.Event()
+    decoding = threading.Event()
+    real = input_video.decode_frame
+
+    def slow(*args: Any) -> Any:
+        decoding.set()
+        held.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(input_video, "decode_frame", slow)
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    try:
+        async with running.connect() as ws:
+            await ws.send_message(json.dumps(START))
+            assert json.loads(await ws.get_message())["type"] == "video.start"
+            for value in range(8):
+                await ws.send_message(png(value))
+            await trio.to_thread.run_sync(decoding.wait, 30)
+            await ws.send_message('{"type":"session.ping"}')
+            with trio.fail_after(10):
+                while json.loads(await ws.get_message())["type"] != "session.pong":
+                    pass
+            assert not held.is_set()  # answered while the decode was still held
+            await ws.send_message('{"type":"session.stop"}')
+            held.set()
+            transcript = Transcript()
+            await receive_into(ws, transcript)
+        assert transcript.terminal[-1]["type"] == "session.done"
+        assert transcript.terminal[-1]["stopped"] is True
+    finally:
+        held.set()

@@ -241,10 +241,12 @@ class WatchStart(_Message):
 class InputFrameCounts:
     """What a chunk made of the input video: ``video.chunk_metadata``'s ``input_frames``.
 
-    Every input frame the client sent is, in the end, in exactly one chunk's ``used`` or
-    ``dropped`` (a frame refused with ``invalid_input_frame`` counts as dropped too), so a
-    client can account for each one; ``reused`` counts output frames that had no input of
-    their own in time and were made from the last frame before them.
+    Every input frame the client sent is in at most one chunk's ``used`` or ``dropped``
+    (a frame refused with ``invalid_input_frame`` counts as dropped too), and in exactly
+    one once the video has ended with its input (``on_end: "end"``); frames still waiting
+    when a video ends at its ``num_frames`` are in none, since no chunk was made from
+    them. ``reused`` counts output frames that had no input of their own in time and were
+    made from the last frame before them.
     """
 
     used: int
