@@ -3,7 +3,7 @@
 (`tests.hung_engines`), and `LastResort` itself.
 
 The bounds: after a first SIGTERM the process exits within the drain's bound (the grace
-and two close timeouts of 5 s) plus `last_resort.MARGIN_SECONDS`; after a second, within
+and two close timeouts, `CLOSE_TIMEOUT`) plus `last_resort.MARGIN_SECONDS`; after a second, within
 `last_resort.SECOND_SIGNAL_SECONDS`. Each test allows a few seconds more for a loaded
 machine to start and end a Python process; what it checks is that the process ends, and
 how (its status, its log), not how fast.
@@ -33,7 +33,9 @@ from trio_vstream.server import last_resort
 from trio_vstream.server.app import WEDGED_EXIT_STATUS
 from trio_vstream.server.last_resort import LastResort
 
-CLOSE_TIMEOUT = 5.0
+CLOSE_TIMEOUT = 1.0
+"""The servers' ``--close-timeout``: the bounds scale with it, and the tests that wait
+out a close take a fifth of the default's time."""
 GRACE = 0.5
 SLACK = 10.0
 """What a loaded 2-core machine may add to a bound (a process start and exit)."""
@@ -56,6 +58,8 @@ def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, IO[str]]]:
                 "0",
                 "--shutdown-grace",
                 str(GRACE),
+                "--close-timeout",
+                str(CLOSE_TIMEOUT),
                 *args,
             ],
             stdout=subprocess.PIPE,

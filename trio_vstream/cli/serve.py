@@ -120,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         session=SessionConfig(
             start_timeout=args.start_timeout,
             stall_timeout=args.stall_timeout,
+            close_timeout=args.close_timeout,
             limits=limits,
             served_model=args.model or engine.name,
             image_urls=image_urls,

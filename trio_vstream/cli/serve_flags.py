@@ -191,6 +191,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without progress before a session is aborted (default %(default)s)",
     )
     parser.add_argument(
+        "--close-timeout",
+        type=_positive(float),
+        default=session.close_timeout,
+        help="seconds a session's last message and close may take, and a stopped "
+        "engine call to return, before the session is left (default %(default)s)",
+    )
+    parser.add_argument(
         "--encode-concurrency",
         type=_positive(int),
         default=defaults.encode_concurrency,
