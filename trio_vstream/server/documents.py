@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from trio_vstream.engines.contract import Engine
-from trio_vstream.engines.interfaces import interaction_kinds
+from trio_vstream.engines.interfaces import interaction_kinds, supports_video_input
 from trio_vstream.protocol import Limits
 from trio_vstream.scheduling.batcher import StepBatcher
 from trio_vstream.server.config import VIDEO_PATH
@@ -90,6 +90,7 @@ def models_document(
                     "interaction_kinds": sorted(interaction_kinds(engine)),
                     "live_defaults": live_defaults,
                     "max_batch": max_batch,
+                    "video_input": supports_video_input(engine),
                 },
             }
         ],

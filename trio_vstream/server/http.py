@@ -36,7 +36,7 @@ LINGER_SECONDS = 1.0
 CONTENT_SECURITY_POLICY = "; ".join(
     (
         "default-src 'none'",
-        # The page is its own three files: no inline script or style, no eval.
+        # The page is its own files: no inline script or style, no eval.
         "script-src 'self'",
         "style-src 'self'",
         # The favicon is "data:," (a saved video's blob: link is a download, not an image).

@@ -2,6 +2,8 @@
 // MP4 chunks with Media Source Extensions as they arrive. No framework, no build step:
 // this file is served as is from the package.
 
+import { CameraIn } from "/static/camera_in.js";
+
 const $ = (id) => document.getElementById(id);
 
 // Keep this much video behind the playhead (for a short rewind); trim down to
@@ -135,7 +137,7 @@ const watchPath = readWatchPath(location.search);
 
 const server = {
   model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
-  formFilled: false, interactionKinds: null, liveDefaults: {},
+  formFilled: false, interactionKinds: null, liveDefaults: {}, videoInput: false,
 };
 let session = null;
 
@@ -359,8 +361,10 @@ function videoCodecFromInit(buffer) {
 
 class Session {
   // `watching`: a viewer of a watch link at that path (read-only; nothing is sent to start).
-  constructor(request, exact, fps, expectedFrames, live, watching = null) {
+  // `camera`: a CameraIn whose frames are the session's input video (Camera in), or null.
+  constructor(request, exact, fps, expectedFrames, live, watching = null, camera = null) {
     this.request = request;
+    this.camera = camera;
     this.watching = watching;
     this.fps = fps;
     this.expectedFrames = expectedFrames;
@@ -590,6 +594,7 @@ class Session {
       slacks: [...this.slacks],
       unsticks: this.unsticks,
       keyParts: this.keyParts.map((pair) => [...pair]),
+      cameraIn: this.camera?.stats() ?? null,
       arrivals: this.arrivals.map((pair) => [...pair]),
     };
   }
@@ -643,9 +648,13 @@ class Session {
   }
 
   frameShown(mediaTime, when) {
-    if (this.awaitingFrame.length === 0) return;
     // Frame k starts at k / fps; a little slack for the container's time rounding.
     const slack = Math.min(1e-3, 0.25 / this.fps);
+    if (this.camera) {
+      this.camera.frameShown(mediaTime, when, slack);
+      this.renderCameraLatency();
+    }
+    if (this.awaitingFrame.length === 0) return;
     const shown = this.awaitingFrame.filter((record) => mediaTime >= record.startTime - slack);
     if (shown.length === 0) return;
     this.awaitingFrame = this.awaitingFrame.filter((record) => !shown.includes(record));
@@ -775,6 +784,7 @@ class Session {
         this.running = true;
         setCameraEnabled(true);
         showShare(message.watch_path, message.hls_path);
+        this.camera?.start(this.ws);
         break;
       }
       case "watch.start": {
@@ -792,6 +802,7 @@ class Session {
       }
       case "video.chunk_metadata":
         this.pendingMeta = message;
+        if (message.kind === "media") this.camera?.onChunk(message, this.mediaFrames, this.fps, performance.now());
         this.onChunkEvents(message);
         break;
       case "session.interaction.queued":
@@ -855,6 +866,7 @@ class Session {
   onClose(event) {
     this.closed = true;
     this.running = false;
+    this.camera?.stop();
     clearInterval(this.ticker);
     clearInterval(this.reporter);
     const how = `code ${event.code}${event.reason ? `, ${event.reason}` : ""}`;
@@ -973,6 +985,19 @@ class Session {
     }
   }
 
+  // Camera in: an input frame drawn -> the output frame made from it presented.
+  renderCameraLatency() {
+    const latencies = this.camera.latencies;
+    const last = latencies.at(-1);
+    $("fig-camera-latency").textContent = formatMs(last);
+    const p50 = median(latencies);
+    const figure = $("fig-camera-p50");
+    figure.textContent = p50 == null ? "–" : `${formatMs(p50)} (of ${latencies.length})`;
+    if (p50 == null) delete figure.dataset.ms;
+    else figure.dataset.ms = p50.toFixed(1);
+    figure.dataset.count = String(latencies.length);
+  }
+
   renderLatency() {
     const last = this.keyLatencies.at(-1);
     const figure = $("fig-key-latency");
@@ -1020,6 +1045,7 @@ class Session {
   }
 
   dispose() {
+    this.camera?.stop();
     clearInterval(this.ticker);
     clearInterval(this.reporter);
     if (this.frameCallback != null) this.video.cancelVideoFrameCallback(this.frameCallback);
@@ -1077,6 +1103,17 @@ function buildRequest() {
     if ($("length-unit").value === "seconds") request.seconds = $("length").value.trim();
     else request.num_frames = length;
   }
+  if (cameraWanted()) {
+    // Frames at the session's size and rate (the server would scale others).
+    const d = server.defaults ?? { width: 256, height: 256, fps: 24 };
+    const [w, h] = (request.size ?? "").split("x").map(Number);
+    request.input_video = {
+      frame_format: "jpeg",
+      fps: Math.max(1, Math.min(60, request.fps ?? d.fps)),
+      width: w > 0 ? w : d.width,
+      height: h > 0 ? h : d.height,
+    };
+  }
   if ($("live").checked) {
     // Generation paced by the playhead this page reports (session.playback), and the
     // chunks sent at the pace they play.
@@ -1115,7 +1152,12 @@ function fillLength() {
   $("length").value = Number.isInteger(seconds) ? seconds : frames;
 }
 
-function start() {
+// Camera in is asked for, and the engine takes video input.
+function cameraWanted() {
+  return server.videoInput && $("camera-in").checked;
+}
+
+async function start() {
   let built;
   try {
     built = buildRequest();
@@ -1124,6 +1166,21 @@ function start() {
     return;
   }
   session?.dispose();
+  let camera = null;
+  if (built.request.input_video) {
+    const input = built.request.input_video;
+    $("start").disabled = true;
+    setStatus("Asking for the camera…", "connecting");
+    try {
+      camera = await CameraIn.open(input.width, input.height);
+    } catch (error) {
+      $("start").disabled = false;
+      setStatus("Idle.", "idle");
+      showError("camera", `no camera for Camera in: ${error.message}`);
+      return;
+    }
+    camera.request(input.fps);
+  }
   $("errors").replaceChildren();
   $("timeline").replaceChildren();
   $("track").querySelectorAll(".marker").forEach((m) => m.remove());
@@ -1139,7 +1196,8 @@ function start() {
   $("start").disabled = true;
   $("stop").disabled = false;
   $("send").disabled = false;
-  session = new Session(built.request, built.exact, fps, frames, $("live").checked);
+  session = new Session(built.request, built.exact, fps, frames, $("live").checked, null, camera);
+  for (const element of document.querySelectorAll(".camera-in-only")) element.hidden = camera == null;
 }
 
 // Save is the owner's button in the request form, and a viewer's own (the form is
@@ -1323,6 +1381,8 @@ async function loadDefaults() {
     server.defaults = info.video_defaults ?? null;
     server.interactionKinds = Array.isArray(info.interaction_kinds) ? info.interaction_kinds : null;
     server.liveDefaults = liveDefaults(info.live_defaults);
+    server.videoInput = info.video_input === true;
+    $("camera-in-row").hidden = !server.videoInput;
     showCameraControls();
     const d = server.defaults;
     // Once per page: a later reload of the defaults (after a key is entered or
