@@ -8,7 +8,6 @@ from typing import Any
 
 import av
 import numpy as np
-import trio
 
 from tests.conftest import Transcript, decode_video, receive_into
 from tests.instrumented import EchoInputEngine, EchoInputStream
@@ -34,7 +33,9 @@ def png(value: int, size: int = SIZE) -> bytes:
     return b"".join(bytes(p) for p in codec.encode(frame))
 
 
-async def run_with_input(running: Any, start: dict[str, Any], frames: list[bytes], end: bool = True) -> Transcript:
+async def run_with_input(
+    running: Any, start: dict[str, Any], frames: list[bytes], end: bool = True
+) -> Transcript:
     transcript = Transcript()
     async with running.connect() as ws:
         await ws.send_message(json.dumps(start))
@@ -62,7 +63,10 @@ async def test_the_engine_is_fed_each_frame_in_order(start_server: Any) -> None:
     assert [m["input_frames"]["used"] for m in media] == [4, 4, 4, 4]
     assert sum(m["input_frames"]["dropped"] + m["input_frames"]["reused"] for m in media) == 0
     assert [(m["input_frames"]["first"], m["input_frames"]["last"]) for m in media] == [
-        (0, 3), (4, 7), (8, 11), (12, 15)
+        (0, 3),
+        (4, 7),
+        (8, 11),
+        (12, 15),
     ]
     shown = decode_video(transcript.video_bytes)[:, SIZE // 2, SIZE // 2, 0].astype(int)
     assert np.abs(shown - np.array(values)).max() <= 3
