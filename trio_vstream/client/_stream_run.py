@@ -312,14 +312,14 @@ class StreamRun:
                 async with frames:
                     async for data in frames:
                         await self._when_pacer_allows(pacer)
-                        if self.finished.is_set():
-                            break
+                        if self.finished.is_set() or self.stop_event.is_set():
+                            break  # checked here too: the stop's cancel may come later
                         pacer.sending(trio.current_time())
                         await ws.send_message(data)
                         result.input_frames_sent = (result.input_frames_sent or 0) + 1
                     else:
                         await self._when_pacer_allows(None)  # after video.start, even so
-                        if not self.finished.is_set():
+                        if not (self.finished.is_set() or self.stop_event.is_set()):
                             await ws.send_message(protocol.INPUT_END_MESSAGE)
                             result.input_ended = True
             except ConnectionClosed:
