@@ -42,9 +42,10 @@ FLAGS = {
         --shutdown-grace --ssl-certfile --ssl-keyfile --stall-timeout --start-timeout
         --watch-requires-key""",
     "client": """--api-key --buffer-seconds --camera --connect-timeout --fps
-        --guidance-scale --image --interact --json --keys --model --negative-prompt
-        --num-frames --output -o --param --playback --raw --seconds --seed --size
-        --startup-seconds --steps --stop-timeout --transition-chunks --url""",
+        --guidance-scale --image --input-end --input-fps --input-size --input-video
+        --interact --json --keys --model --negative-prompt --num-frames --output -o
+        --param --playback --raw --seconds --seed --size --startup-seconds --steps
+        --stop-timeout --strength --transition-chunks --url""",
     "watch": "--api-key --connect-timeout --json --output -o --raw --url",
     "replay": "--api-key --connect-timeout --image --keep-codec-options --output -o --url",
 }

@@ -8,7 +8,6 @@ from typing import Any
 
 import av
 import numpy as np
-import trio
 
 from tests.conftest import Transcript, decode_video, receive_into
 from tests.instrumented import EchoInputEngine, EchoInputStream, InstrumentedEngine

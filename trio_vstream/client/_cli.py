@@ -226,6 +226,7 @@ async def _run_async(
             api_key=api_key,
             playback=args.playback,
             startup_seconds=args.startup_seconds or 0.0,
+            input_video=args.input_video,
         ),
     )
 
@@ -386,6 +387,16 @@ def _print_summary(summary: dict[str, Any], out: TextIO) -> None:
             (
                 "interactions",
                 f"{len(summary['interactions'])} planned, {sent} sent, {queued} queued",
+            )
+        )
+    video_in = summary["input_video"]
+    if video_in is not None:
+        rows.append(
+            (
+                "input frames",
+                f"{video_in['sent']} sent, {video_in['used']} used, "
+                f"{video_in['dropped']} dropped, {video_in['reused']} reused"
+                + ("" if video_in["ended"] else " (the session ended before the file)"),
             )
         )
     playback = summary["playback"]

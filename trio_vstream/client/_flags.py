@@ -22,6 +22,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from trio_vstream import protocol
+from trio_vstream.client._input_video import VideoFile, input_request, probe_video
 from trio_vstream.client._stream import bearer
 from trio_vstream.client._viewer import check_startup
 from trio_vstream.values import CAMERA_MODES, Camera
@@ -90,6 +91,26 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _input_fps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= protocol.MAX_INPUT_FPS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {protocol.MAX_INPUT_FPS}, got {value}")
     return value
 
 
@@ -309,6 +330,40 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --playback: media to buffer before the playhead starts; below "
         "--buffer-seconds (default 0: at the first frame)",
     )
+    video_in = parser.add_argument_group("video in (input_video, for engines that take it)")
+    video_in.add_argument(
+        "--input-video",
+        type=Path,
+        metavar="FILE",
+        help="follow this video file: its frames go to the server as JPEG, paced, after "
+        "video.start (read a frame at a time)",
+    )
+    video_in.add_argument(
+        "--strength",
+        type=_unit_float,
+        metavar="X",
+        help="how far the output may depart from the input: 0 keeps it, 1 ignores it "
+        "(input_video.strength; default: the server's)",
+    )
+    video_in.add_argument(
+        "--input-end",
+        choices=("end", "hold"),
+        help="when the file ends: end the video with it, or hold its last frame until "
+        "the video's length (default end)",
+    )
+    video_in.add_argument(
+        "--input-fps",
+        type=_input_fps,
+        metavar="N",
+        help=f"the rate to send the file at, 1..{protocol.MAX_INPUT_FPS} (default: the "
+        "file's, rounded); frames are repeated or skipped by their timestamps",
+    )
+    video_in.add_argument(
+        "--input-size",
+        type=_size,
+        metavar="WxH",
+        help="the size to send frames at (default: the output's --size, else the file's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument(
         "--stop-timeout",
@@ -343,6 +398,7 @@ def _start_fields(args: argparse.Namespace) -> dict[str, Any]:
     elif args.buffer_seconds is not None or args.startup_seconds is not None:
         flag = "--buffer-seconds" if args.buffer_seconds is not None else "--startup-seconds"
         raise _UsageError(f"{flag} goes with --playback")
+    video = _input_video(args, fields)
     flagged = dict(fields)
     for key, value in args.params:
         if key == "type":
@@ -350,7 +406,58 @@ def _start_fields(args: argparse.Namespace) -> dict[str, Any]:
         if key in flagged:
             raise _UsageError(f"--param {key} conflicts with a value given by another flag")
         fields[key] = value
+    if video is not None:
+        _complete_input_video(fields, video)
     return fields
+
+
+_INPUT_FLAGS: Final = {
+    "strength": "--strength",
+    "input_end": "--input-end",
+    "input_fps": "--input-fps",
+    "input_size": "--input-size",
+}
+
+
+def _input_video(args: argparse.Namespace, fields: dict[str, Any]) -> VideoFile | None:
+    """``--input-video`` and its flags into ``fields``' ``input_video`` block; the file
+    probed now, so that one that is not a video is a usage error, not a failed session."""
+    if args.input_video is None:
+        for attr, flag in _INPUT_FLAGS.items():
+            if getattr(args, attr) is not None:
+                raise _UsageError(f"{flag} goes with --input-video")
+        return None
+    try:
+        video = probe_video(args.input_video)
+    except ValueError as exc:
+        raise _UsageError(f"--input-video {args.input_video}: {exc}") from None
+    block: dict[str, Any] = {"on_end": args.input_end or "end"}
+    if args.strength is not None:
+        block["strength"] = args.strength
+    if args.input_fps is not None:
+        block["fps"] = args.input_fps
+    if args.input_size is not None:
+        width, _, height = args.input_size.partition("x")
+        block["width"], block["height"] = int(width), int(height)
+    fields["input_video"] = block
+    return video
+
+
+def _complete_input_video(fields: dict[str, Any], video: VideoFile) -> None:
+    """The block completed as `stream_video` will complete it (so that what it would
+    refuse is a usage error here), and, for ``--input-end end`` without a length, a
+    length that covers the file: the server's default might end the video first."""
+    try:
+        fields["input_video"] = block = input_request(fields, video)
+    except ValueError as exc:
+        raise _UsageError(f"--input-video {video.path}: {exc}") from None
+    nested = fields.get("video_params")
+    lengths = ("num_frames", "seconds")
+    given = any(key in fields for key in lengths) or (
+        isinstance(nested, dict) and "num_frames" in nested
+    )
+    if block.get("on_end") == "end" and not given and video.duration is not None:
+        fields["seconds"] = str(max(1, math.ceil(video.duration)))
 
 
 def _buffer_seconds(args: argparse.Namespace) -> float:

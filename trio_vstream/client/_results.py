@@ -202,6 +202,10 @@ class StreamResult:
     playback_sent: list[tuple[float, float]] = attrs.field(factory=list, repr=False)
     """(time, position) of each ``session.playback`` sent (only to a session that opted
     into pacing)."""
+    input_frames_sent: int | None = None
+    """Input video frames sent (``stream_video(input_video=...)``); None without one."""
+    input_ended: bool = False
+    """``input_video.end`` was sent: the whole file went, not cut short by the session's end."""
 
     @property
     def request_id(self) -> str | None:
@@ -261,6 +265,27 @@ class StreamResult:
             "reports": len(self.playback_sent),
             **figures.summary(),
         }
+
+    @property
+    def input_frames(self) -> protocol.InputFrameCounts | None:
+        """What the chunks made of the input video, summed: every frame sent ends in one
+        chunk's ``used`` or ``dropped``, once the session has used the input up. ``first``
+        and ``last`` are the first chunk's and the last chunk's; None when no chunk
+        reported input (a session without one)."""
+        counts = [
+            chunk.metadata.input_frames
+            for chunk in self.chunks
+            if chunk.metadata is not None and chunk.metadata.input_frames is not None
+        ]
+        if not counts:
+            return None
+        return protocol.InputFrameCounts(
+            used=sum(c.used for c in counts),
+            dropped=sum(c.dropped for c in counts),
+            reused=sum(c.reused for c in counts),
+            first=counts[0].first,
+            last=counts[-1].last,
+        )
 
     @property
     def video(self) -> bytes:
@@ -358,8 +383,24 @@ class StreamResult:
                 for record in self.interactions
             ],
             "playback": self.playback_figures(),
+            "input_video": _input_summary(self),
             "problems": list(self.problems),
         }
+
+
+def _input_summary(result: StreamResult) -> dict[str, Any] | None:
+    """The input video's figures for ``--json``: the frames sent, and what the chunks
+    reported of them; None when no input video was sent."""
+    if result.input_frames_sent is None:
+        return None
+    counts = result.input_frames
+    return {
+        "sent": result.input_frames_sent,
+        "ended": result.input_ended,
+        "used": counts.used if counts is not None else 0,
+        "dropped": counts.dropped if counts is not None else 0,
+        "reused": counts.reused if counts is not None else 0,
+    }
 
 
 def _since(start: float | None, end: float | None) -> float | None:

@@ -16,6 +16,7 @@ result once it closes; what happens on it, message by message, is `StreamRun`'s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -28,6 +29,7 @@ from trio_websocket import (
 )
 
 from trio_vstream import protocol
+from trio_vstream.client._input_video import InputSource, VideoFile, input_request, probe_video
 from trio_vstream.client._results import (
     InteractionRecord,
     ScheduledInteraction,
@@ -68,6 +70,7 @@ async def stream_video(
     api_key: str | None = None,
     playback: bool = False,
     startup_seconds: float = 0.0,
+    input_video: str | os.PathLike[str] | None = None,
 ) -> StreamResult:
     """Run one session and return what arrived, however it ended.
 
@@ -91,8 +94,27 @@ async def stream_video(
     ``session.playback`` about every 100 ms: the real one, never moved on to hide a
     stall. A startup threshold at or above that window raises `ValueError` (the server
     would stop before the viewer starts, and both would wait for ever).
+
+    ``input_video``, a video file's path, makes the session follow it (for engines that
+    take video input): ``session.start`` gets an ``input_video`` block, the caller's own
+    in ``start_fields`` (``strength``, ``on_end``, ...) completed with the format (JPEG),
+    the file's frame rate (rounded, 1..60) and a size (the output's when ``start_fields``
+    give it, else the file's within the default limits). After ``video.start`` the file's
+    frames go one binary message each, read lazily, resampled to that rate, paced to
+    stay about a second ahead of what the chunks report using (``input_frames``) and no
+    faster than the rate; then ``input_video.end``. A stop ends the sending. The file
+    is opened before connecting: one that is not a video raises `ValueError`.
+    ``result.input_frames_sent`` and ``result.input_frames`` count what went and what
+    the chunks made of it.
     """
     fields = dict(start_fields)
+    source = None
+    if input_video is not None:
+        video = await trio.to_thread.run_sync(_probe, input_video)
+        fields["input_video"] = block = input_request(fields, video)
+        source = InputSource(
+            video=video, fps=block["fps"], width=block["width"], height=block["height"]
+        )
     buffer_seconds = fields.get("streaming_buffer_seconds")
     if playback and isinstance(buffer_seconds, int | float):
         check_startup(startup_seconds, float(buffer_seconds))
@@ -102,6 +124,8 @@ async def stream_video(
     start_text = machine.start(**fields)  # raises ValueError on a malformed request
 
     result = StreamResult(url=url, request=fields, started_at=trio.current_time())
+    if source is not None:
+        result.input_frames_sent = 0
     result.interactions = [
         InteractionRecord(interaction=item, event_id=item.event_id or f"interaction-{number}")
         for number, item in enumerate(sorted(interactions, key=lambda i: i.at), start=1)
@@ -114,6 +138,7 @@ async def stream_video(
         on_chunk=on_chunk,
         on_message=on_message,
     )
+    session.input = source
     if playback:
         session.viewer_startup = startup_seconds
         session.reports = "streaming_buffer_seconds" in fields
@@ -225,6 +250,14 @@ async def _connect_and_run(
         raise StreamConnectError(url, session.connect_failure, session.connect_status)
     result.outcome = session.outcome()
     session.explain_unsent()
+
+
+def _probe(path: str | os.PathLike[str]) -> VideoFile:
+    """`probe_video`, its `ValueError` naming the file (the caller may have several)."""
+    try:
+        return probe_video(path)
+    except ValueError as exc:
+        raise ValueError(f"input video {os.fspath(path)}: {exc}") from None
 
 
 def bearer(key: str) -> bytes:

@@ -21,6 +21,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trio_vstream import protocol
+from trio_vstream.client._input_video import InputPacer, InputSource
 from trio_vstream.client._mp4 import StreamTiming
 from trio_vstream.client._results import (
     ReceivedChunk,
@@ -70,6 +71,8 @@ class StreamRun:
         self.announced_rate: Fraction | None = None  # config.fps, else the requested fps
         self.viewer_startup: float | None = None  # set: simulate a real-time viewer
         self.reports = False  # send the viewer's playhead (the session opted into pacing)
+        self.input: InputSource | None = None  # set: send this input video
+        self.pacer: InputPacer | None = None
 
     def outcome(self) -> StreamOutcome:
         result = self.result
@@ -151,6 +154,8 @@ class StreamRun:
                 nursery.start_soon(self._report_playback, ws)
             if self.result.viewer is not None and self.result.interactions:
                 nursery.start_soon(self._interact_at_playhead, ws, self.result.viewer)
+            if self.input is not None:
+                nursery.start_soon(self._send_input, ws, self.input)
             await self._receive(ws)
             nursery.cancel_scope.cancel()
 
@@ -260,6 +265,8 @@ class StreamRun:
             rate = result.frame_rate
             if result.viewer is not None and rate is not None:
                 result.viewer.receive(now, chunk.num_frames * rate.denominator / rate.numerator)
+        if metadata is not None and metadata.input_frames is not None and self.pacer is not None:
+            self.pacer.acknowledge(metadata.input_frames.last)
         if metadata is not None:
             for event_id in metadata.started_event_ids:
                 record = self.records.get(event_id)
@@ -283,6 +290,76 @@ class StreamRun:
         self.result.stop_timed_out = True
         self.aborted = True
         scope.cancel()
+
+    async def _send_input(self, ws: WebSocketConnection, source: InputSource) -> None:
+        """The input video: its frames after ``video.start``, each when the pacer lets
+        it go, then ``input_video.end``. A task of its own, so that receiving never
+        waits on a decode or on the pacing; a stop ends it (the server ends the session
+        soon, and frames would only be dropped), and so does the session's end."""
+        result = self.result
+        pacer = self.pacer = InputPacer(source.fps)
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_stop() -> None:
+                await self.stop_event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_on_stop)
+            # One frame waits in the channel while the next decodes: prefetched, bounded.
+            send_frames, frames = trio.open_memory_channel[bytes](1)
+            nursery.start_soon(self._read_input, source, send_frames)
+            try:
+                async with frames:
+                    async for data in frames:
+                        await self._when_pacer_allows(pacer)
+                        if self.finished.is_set() or self.stop_event.is_set():
+                            break  # checked here too: the stop's cancel may come later
+                        pacer.sending(trio.current_time())
+                        await ws.send_message(data)
+                        result.input_frames_sent = (result.input_frames_sent or 0) + 1
+                    else:
+                        await self._when_pacer_allows(None)  # after video.start, even so
+                        if not (self.finished.is_set() or self.stop_event.is_set()):
+                            await ws.send_message(protocol.INPUT_END_MESSAGE)
+                            result.input_ended = True
+            except ConnectionClosed:
+                pass  # the receive loop learns why
+            nursery.cancel_scope.cancel()
+
+    async def _when_pacer_allows(self, pacer: InputPacer | None) -> None:
+        """Return once the session streams and the pacer (if any) lets the next frame
+        go, or the session has ended; wakes at each message, for its acknowledgement."""
+        while not self.finished.is_set():
+            now = trio.current_time()
+            at = None  # before video.start: wait for it
+            if self.result.video_start is not None:
+                if pacer is None:
+                    return
+                at = pacer.send_at(now)
+            if at is not None and at <= now:
+                return
+            received = self._received
+            with trio.move_on_at(math.inf if at is None else at):
+                await received.wait()
+
+    async def _read_input(
+        self, source: InputSource, send_frames: trio.MemorySendChannel[bytes]
+    ) -> None:
+        """Decode and encode the file's frames, one at a time in a worker thread, into
+        ``send_frames``; a file that fails part way ends there, with a problem saying
+        so (the frames before it were good, and the input still ends properly)."""
+        async with send_frames:
+            frames = source.frames()
+            try:
+                while (data := await trio.to_thread.run_sync(next, frames, None)) is not None:
+                    await send_frames.send(data)
+            except ValueError as exc:  # how frames() says why
+                self.result.problems.append(
+                    f"input video {source.video.path}: stopped after "
+                    f"{self.result.input_frames_sent} frames sent: {exc}"
+                )
+            finally:
+                frames.close()
 
     async def _report_playback(self, ws: WebSocketConnection) -> None:
         """Send the viewer's playhead whenever it has a report (every 100 ms while it
