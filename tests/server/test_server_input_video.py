@@ -8,6 +8,7 @@ from typing import Any
 
 import av
 import numpy as np
+import trio
 
 from tests.conftest import Transcript, decode_video, receive_into
 from tests.instrumented import EchoInputEngine, EchoInputStream, InstrumentedEngine
@@ -240,3 +241,33 @@ async def test_models_says_whether_the_engine_takes_video_input(start_server: An
         running = await start_server(SyntheticSettings(), engine_class=engine_class)
         _, _, body = await http_get_with_headers(running.server.port, "/v1/models")
         assert json.loads(body)["data"][0]["trio_vstream"]["video_input"] is takes
+
+
+async def test_an_end_that_comes_while_a_chunk_waits_ends_the_video(start_server: Any) -> None:
+    """on_end "end": the end may come while the next chunk waits for frames past it; that
+    chunk is not made of repeated frames, the video ends."""
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {
+        **START,
+        "num_frames": 40,
+        "input_video": {**START["input_video"], "on_end": "end", "max_wait_ms": 5000},
+    }
+    transcript = Transcript()
+    async with running.connect() as ws:
+        await ws.send_message(json.dumps(start))
+        for value in range(8):
+            await ws.send_message(png(value))
+        media = 0
+        while media < 2:
+            message = await ws.get_message()
+            transcript.messages.append(
+                message if isinstance(message, bytes) else json.loads(message)
+            )
+            if isinstance(message, str) and '"kind":"media"' in message:
+                media += 1
+        # The third chunk now waits (up to 5 s) for frames 8..11, which never come.
+        await ws.send_message('{"type":"input_video.end"}')
+        with trio.fail_after(4):  # well before the wait's own end
+            await receive_into(ws, transcript)
+    assert transcript.terminal[-1]["type"] == "session.done"
+    assert [c["used"] for c in media_counts(transcript)] == [4, 4]

@@ -103,3 +103,35 @@ def test_an_ended_input_is_exhausted_once_every_frame_is_used() -> None:
     frames, counts = timeline.take(4, SHAPE)
     assert values(frames) == [1, 2, 2, 2] and counts.reused == 2
     assert timeline.exhausted
+
+
+def test_at_the_largest_size_two_seconds_wait_compressed_beyond_the_decoded_buffer() -> None:
+    """A 1080p frame is 6 MB decoded: the decoded buffer holds ten, the rest of two seconds
+    of input waits compressed, so a client a second ahead loses nothing."""
+    from trio_vstream import protocol
+    from trio_vstream.session.input_video import buffer_frames, timeline_capacity
+
+    settings = protocol.InputVideoSettings(
+        frame_format="jpeg",
+        fps=24,
+        width=1920,
+        height=1080,
+        strength=0.6,
+        on_end="end",
+        max_wait_seconds=0.25,
+        strict=False,
+        max_frame_bytes=1 << 20,
+    )
+    assert buffer_frames(settings) == 48
+    assert 2 <= timeline_capacity(settings, (1080, 1920)) < 24
+
+
+def test_a_skipped_frame_moves_the_output_past_it() -> None:
+    timeline = InputTimeline(8, 8, capacity=16)
+    arrive(timeline, 1, 2)
+    skipped = timeline.arrived()
+    timeline.skip(skipped)
+    arrive(timeline, 4)
+    frames, counts = timeline.take(1, SHAPE)
+    assert values(frames) == [4]
+    assert (counts.used, counts.dropped) == (1, 3)

@@ -9,8 +9,10 @@ messages, one frame each, numbered as they arrive. Three parties touch them:
   once;
 * a decoder task (`InputVideo.decode_frames`) decodes the queued frames one at a time in
   a worker thread, under the server's image limiter, at most `DECODE_RATE_FACTOR` times
-  the declared rate (a burst of a buffer's frames is let through). A frame the queue
-  has no room for (`PENDING_BYTES`) is dropped, the oldest first;
+  the declared rate (a burst of a buffer's frames is let through), and only as far
+  ahead of the output as the decoded buffer holds (`BUFFER_BYTES`): the rest of the
+  `BUFFER_SECONDS` wait compressed, in the queue (`PENDING_BYTES`). A frame the queue
+  has no room for drops the oldest, and the output skips past it;
 * the generation loop asks for each chunk's `InputVideo.window`: as many frames as the
   chunk will have, one input frame per output frame, on `InputTimeline`'s clock.
 
@@ -50,11 +52,13 @@ client may send this far ahead (a file streamed, a camera while the engine catch
 beyond it the oldest frames are dropped and the output skips ahead to the rest."""
 
 BUFFER_BYTES: Final = 64 * 1024 * 1024
-"""And at most this many bytes of decoded frames (at the output's size), whatever the rate."""
+"""Decoded frames (at the output's size) kept ahead of the output, at most this many bytes
+of them (and at most `BUFFER_SECONDS`): the decoder waits for room, so the rest of the
+buffer waits compressed (a 1080p frame is 6 MB decoded, a few hundred KB as JPEG)."""
 
-PENDING_BYTES: Final = 16 * 1024 * 1024
+PENDING_BYTES: Final = 32 * 1024 * 1024
 """Frames received and vetted but not yet decoded, at most this many bytes of them (and
-no more frames than the buffer holds): one more drops the oldest."""
+at most `BUFFER_SECONDS` of them): one more drops the oldest."""
 
 DECODE_RATE_FACTOR: Final = 2.0
 """A session decodes at most this many times its declared frame rate, on average: a
@@ -108,6 +112,11 @@ class InputTimeline:
         """The input has ended and every frame of it has been used or dropped."""
         return self.ended and self.resolved == self.received and self.position >= self.received
 
+    @property
+    def buffered(self) -> int:
+        """Decoded frames waiting for the output."""
+        return len(self._frames)
+
     def arrived(self) -> int:
         """A frame message arrived: its index."""
         index = self.received
@@ -125,6 +134,12 @@ class InputTimeline:
         decoder): resolved as soon as every frame before it is."""
         self._failed.add(index)
         self._settle()
+
+    def skip(self, index: int) -> None:
+        """Frame ``index`` is dropped unread because the buffer is full: refused, and the
+        output skips past it (and past every frame before it)."""
+        self._cursor = max(self._cursor, Fraction(index + 1))
+        self.refuse(index)
 
     def _settle(self) -> None:
         while self.resolved in self._failed:
@@ -188,11 +203,15 @@ class InputTimeline:
         return out, counts
 
 
+def buffer_frames(settings: protocol.InputVideoSettings) -> int:
+    """How many frames a session buffers, decoded or not: `BUFFER_SECONDS` of its input."""
+    return max(2, math.ceil(settings.fps * BUFFER_SECONDS))
+
+
 def timeline_capacity(settings: protocol.InputVideoSettings, shape: tuple[int, int]) -> int:
-    """How many decoded frames a session keeps: `BUFFER_SECONDS` of its input, within
-    `BUFFER_BYTES`, and never fewer than two."""
+    """How many of them may be decoded at once: within `BUFFER_BYTES`, never fewer than two."""
     frame_bytes = shape[0] * shape[1] * 3
-    return max(2, min(math.ceil(settings.fps * BUFFER_SECONDS), BUFFER_BYTES // frame_bytes))
+    return max(2, min(buffer_frames(settings), BUFFER_BYTES // frame_bytes))
 
 
 class InputVideo:
@@ -214,10 +233,11 @@ class InputVideo:
     ) -> None:
         self.settings = settings
         self._shape = shape
-        self._timeline = InputTimeline(settings.fps, out_fps, timeline_capacity(settings, shape))
+        self._decoded_capacity = timeline_capacity(settings, shape)
+        self._timeline = InputTimeline(settings.fps, out_fps, self._decoded_capacity)
         self._in_thread = in_thread
         self._limiter = limiter
-        self._capacity = timeline_capacity(settings, shape)
+        self._capacity = buffer_frames(settings)
         self._pending: deque[tuple[int, bytes, ImageHeader]] = deque()
         self._pending_bytes = 0
         self._changed = trio.Event()
@@ -251,7 +271,10 @@ class InputVideo:
         while self._pending_bytes > PENDING_BYTES or len(self._pending) > self._capacity:
             dropped, old, _ = self._pending.popleft()
             self._pending_bytes -= len(old)
-            self._refuse(dropped)  # counted; no error: the client sends faster than decodes
+            # Counted, no error: the client is a whole buffer ahead of the output, which
+            # skips past what is dropped rather than show a repeated frame for it.
+            self._timeline.skip(dropped)
+            self._wake()
         self._wake()
         return None
 
@@ -267,7 +290,8 @@ class InputVideo:
     ) -> None:
         """Decode the queued frames in order, for the session's life (cancel it to end)."""
         while True:
-            while not self._pending:
+            # Decoded no further ahead of the output than the decoded buffer holds.
+            while not self._pending or self._timeline.buffered >= self._decoded_capacity:
                 await self._wait()
             index, data, header = self._pending.popleft()
             self._pending_bytes -= len(data)
@@ -310,12 +334,16 @@ class InputVideo:
         """The session asked to end with its input (``on_end: "end"``), and it has."""
         return self.settings.on_end == "end" and self._timeline.exhausted
 
-    async def window(self, count: int) -> tuple[np.ndarray, protocol.InputFrameCounts]:
-        """The next chunk's input: ``count`` frames, once they are here or late.
+    async def window(self, count: int) -> tuple[np.ndarray, protocol.InputFrameCounts] | None:
+        """The next chunk's input: ``count`` frames, once they are here or late; None
+        when the session asked to end with its input and it has (before or during the
+        wait: an ``input_video.end`` that comes while a chunk waits ends the video).
 
         The wait is for the frames the window needs that have not arrived, at the
         declared rate, plus ``max_wait_ms``: a camera sending in real time is never
         late, and a client that stops costs each chunk that long at most."""
+        if self.finished:
+            return None
         timeline = self._timeline
         missing = max(0, timeline.due(count) + 1 - timeline.received)
         deadline = (
@@ -324,7 +352,11 @@ class InputVideo:
         with trio.move_on_at(deadline):
             while not timeline.ready(count):
                 await self._wait()
-        return timeline.take(count, self._shape)
+        if self.finished:
+            return None
+        taken = timeline.take(count, self._shape)
+        self._wake()  # room in the decoded buffer: the decoder may go on
+        return taken
 
     # ----------------------------------------------------------------- helpers
 

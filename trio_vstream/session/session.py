@@ -549,7 +549,10 @@ class Session:
                 )
             )
             return None
-        return await self._input.window(wanted)
+        window = await self._input.window(wanted)
+        if window is None:  # its input ended while the chunk waited for it
+            self._ending.generated_all = True
+        return window
 
     async def _before_chunk(self, stream: EngineStream) -> None:
         """A paced session's waits at a chunk boundary, then the live changes due.
