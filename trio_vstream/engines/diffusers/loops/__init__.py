@@ -17,6 +17,8 @@ A family is the pipelines the engine streams one way:
 - ``ltx2``: LTX-2, the segment path with its soundtrack: each chunk carries its frames'
   samples of the call's vocoder waveform. A family that makes sound also implements
   `SoundLoop` (the engine then declares the sound).
+- A family that follows an input video also implements `InputLoop` (the engine then
+  declares ``video_input``).
 
 The engine asks the registry once, at start-up (`loop_for`): the families are asked in
 the order `FAMILIES` lists them, and the first that recognises the ``model`` pipeline
@@ -68,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from trio_vstream.engines.diffusers.loops._protocol import (
     Draft,
+    InputLoop,
     Loop,
     Run,
     SoundLoop,
@@ -80,6 +83,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILIES",
     "Draft",
+    "InputLoop",
     "Loop",
     "Run",
     "SoundLoop",
