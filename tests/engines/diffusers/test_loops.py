@@ -24,6 +24,7 @@ from trio_vstream.engines.diffusers.loops import (
     ltx2,
     sana_wm,
     segments,
+    wan_v2v,
 )
 
 
@@ -39,7 +40,8 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def test_the_families_in_the_order_they_are_asked() -> None:
     # The order the families' old ``LOOP.order`` numbers gave (10, 20, 30, 40, 45, 47,
-    # 1000): the same family serves every pipeline as before the list.
+    # 1000), and Wan's video-to-video pipeline before the segment path (which takes any):
+    # the same family serves every pipeline as before the list.
     assert loops.FAMILIES == (
         "history",
         "forcing",
@@ -47,6 +49,7 @@ def test_the_families_in_the_order_they_are_asked() -> None:
         "framepack",
         "sana_wm",
         "ltx2",
+        "wan_v2v",
         "segments",
     )
     assert loops.registered() == (
@@ -56,6 +59,7 @@ def test_the_families_in_the_order_they_are_asked() -> None:
         framepack.LOOP,
         sana_wm.LOOP,
         ltx2.LOOP,
+        wan_v2v.LOOP,
         segments.LOOP,  # last: it takes any pipeline
     )
 

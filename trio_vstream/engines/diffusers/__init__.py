@@ -16,7 +16,9 @@ session's history latents; and pipelines whose call keeps its loop to itself
 (SkyReels-V2 DF, AnyFlow FAR, FramePack) by a loop the engine drives from the
 pipeline's parts, one window, chunk or section at a time; LTX-2 segment by segment with
 its soundtrack (the engine then declares its sound, `interfaces.SupportsAudio`, and each
-chunk carries its frames' samples). Each family is one module of
+chunk carries its frames' samples); Wan's video-to-video pipeline one call per chunk on
+the input frames the server feeds the session for it (the engine then declares
+``video_input``, `interfaces.SupportsVideoInput`). Each family is one module of
 ``loops``, whose docstring lists them and says how to add one. Each chunk is handed to
 the server as soon as it is decoded; a request's ``image_reference`` conditions the
 first.
@@ -81,12 +83,18 @@ from trio_vstream.engines.diffusers._settings import (
     config_error,
     parse_settings,
 )
-from trio_vstream.engines.diffusers._stream import DiffusersStream, StreamPlan
+from trio_vstream.engines.diffusers._stream import DiffusersStream, FollowingStream, StreamPlan
 
 # Importable here as before the split (bench/run.py converts a pipeline's output exactly
 # as the engine does), though not part of the engine's surface.
 from trio_vstream.engines.diffusers._stream import frames_to_uint8 as _frames_to_uint8  # noqa: F401
-from trio_vstream.engines.diffusers.loops import Draft, SoundLoop, WorldLoop, loop_for
+from trio_vstream.engines.diffusers.loops import (
+    Draft,
+    InputLoop,
+    SoundLoop,
+    WorldLoop,
+    loop_for,
+)
 from trio_vstream.logsafe import get_logger
 
 __all__ = [
@@ -180,12 +188,23 @@ class DiffusersEngine:
         """The sound the pipelines make (`interfaces.SupportsAudio`): None but for a family
         that makes it (LTX-2's vocoder), whose chunks then carry their audio."""
         self.audio_channels = sound.channels if sound is not None else 1
-        if i2v is not None and not self.loop.frame_continued:
-            how = (
-                "along its camera path"
-                if isinstance(self.loop, WorldLoop)
-                else "from its own history latents"
+        self.video_input = isinstance(self.loop, InputLoop)
+        """Whether sessions may follow an input video (`interfaces.SupportsVideoInput`):
+        only for a family that does (`loops.InputLoop`, Wan's video-to-video pipeline),
+        whose every session must."""
+        if model.takes_video and not self.video_input:
+            raise config_error(
+                f"model: {model.class_name} makes its video from an input video, which the "
+                "engine follows with WanVideoToVideoPipeline only; serve its text-to-video "
+                "or image-to-video sibling"
             )
+        if i2v is not None and not self.loop.frame_continued:
+            if isinstance(self.loop, WorldLoop):
+                how = "along its camera path"
+            elif self.video_input:
+                how = "from its own input frames"
+            else:
+                how = "from its own history latents"
             raise config_error(
                 f"i2v_model: {model.class_name} continues each chunk {how} and takes "
                 "image_reference itself; leave i2v_model out"
@@ -241,7 +260,10 @@ class DiffusersEngine:
         """A stream for ``request``, or `InvalidRequestError` naming everything this
         pipeline cannot do of it; nothing runs on the pipeline until ``next_chunk``."""
         plan = self._plan(request)
-        stream = DiffusersStream(self, request, plan, None)
+        if plan.follows is not None:
+            stream: DiffusersStream = FollowingStream(self, request, plan, None)
+        else:
+            stream = DiffusersStream(self, request, plan, None)
         stream._lora = self._claim_lora(request)  # last: nothing after it can fail
         return stream
 
@@ -272,6 +294,12 @@ class DiffusersEngine:
                 first = model
             elif self.i2v is not None:
                 first = self.i2v
+            elif self.video_input:
+                first = model
+                problems.append(
+                    f"image_reference: {model.class_name} follows the input video, and takes "
+                    "no image"
+                )
             else:
                 first = model
                 problems.append(
@@ -284,6 +312,8 @@ class DiffusersEngine:
                 problems.append(
                     f"{model.class_name} is an image-to-video pipeline: image_reference is required"
                 )
+        if request.input_video is not None and not self.video_input:
+            problems.append(f"input_video: {model.class_name} follows no input video")
         following = continuation if continuation is not None else model
         used = [first] if following is first else [first, following]
 
@@ -402,6 +432,7 @@ class DiffusersEngine:
             following=following,
             loop=self.loop,
             world=self.loop if isinstance(self.loop, WorldLoop) else None,
+            follows=self.loop if isinstance(self.loop, InputLoop) else None,
             loop_plan=loop_plan,
             call_kwargs=call_kwargs,
             scheduler_overrides=scheduler_overrides,

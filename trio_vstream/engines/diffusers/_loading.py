@@ -166,6 +166,9 @@ class PipelineInfo:
     """Valid frame counts are ``frame_step * n + 1`` (1: any count)."""
     encode_params: frozenset[str] | None
     """``encode_prompt``'s parameters, or None when prompts go in as strings."""
+    takes_video: bool = False
+    """Whether the call makes its frames from an input video: it takes ``video=`` and no
+    ``num_frames`` (a video-to-video pipeline, as many frames out as in)."""
     embed_layout: str | None = None
     """Decided at the first encode: ``"pair"`` (embeds, negative), ``"masked"``
     (embeds, mask, negative, negative mask) or ``"strings"`` (no blending)."""
@@ -205,7 +208,8 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
     class_name = type(pipe).__name__
     params, var_kw = _call_params(pipe)
     where = f"{role}: {class_name}"
-    if "num_frames" not in params:
+    takes_video = "video" in params and "num_frames" not in params
+    if "num_frames" not in params and not takes_video:
         raise config_error(f"{where} is not a video pipeline: its __call__ takes no num_frames")
     if "callback_on_step_end" not in params:
         raise config_error(
@@ -215,9 +219,10 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
     if missing:
         raise config_error(f"{where}: its __call__ lacks {', '.join(missing)}")
     video = params.get("video")
-    if video is not None and video.default is inspect.Parameter.empty:
+    if video is not None and video.default is inspect.Parameter.empty and not takes_video:
         raise config_error(
-            f"{where} needs an input video (video=), which a session cannot send; "
+            f"{where} needs an input video (video=) beside its num_frames, which the engine "
+            "does not serve (it follows input video with WanVideoToVideoPipeline only); "
             "serve its text-to-video or image-to-video sibling"
         )
     image = params.get("image")
@@ -262,6 +267,7 @@ def _describe_pipeline(pipe: Any, role: str) -> PipelineInfo:
         size_multiple=max(2, multiple),
         frame_step=max(1, int(temporal)),
         encode_params=encode_params,
+        takes_video=takes_video,
     )
 
 

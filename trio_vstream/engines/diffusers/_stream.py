@@ -7,7 +7,8 @@ transition runs, copies each chunk's frames to the host once and counts what was
 How a chunk is made is its family's `Run` (``plan.loop.start``): one pipeline call a
 segment (the segment path, and Helios' chunks), or one pass of a loop the engine drives
 from the pipeline's parts (SkyReels-V2 DF windows, AnyFlow FAR chunks, FramePack
-sections; `driven_chunk`).
+sections; `driven_chunk`). A session of a family that follows an input video (Wan's
+video-to-video) is a `FollowingStream`, which takes each chunk's input frames first.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
     # Annotations only: the families import this module (its helpers) at run time, and
     # it imports nothing of theirs, so there is no import circle.
-    from trio_vstream.engines.diffusers.loops import Loop, WorldLoop
+    from trio_vstream.engines.diffusers.loops import InputLoop, Loop, WorldLoop
 
 logger = get_logger(__package__)  # the engine's one logger, whichever module logs
 
@@ -72,6 +73,9 @@ class StreamPlan:
     world: WorldLoop | None
     """The same family when it is a world model steered by cameras (`loops.WorldLoop`),
     else None: the engine's to tell (this module imports no family's module)."""
+    follows: InputLoop | None
+    """The same family when it follows an input video (`loops.InputLoop`), else None: the
+    stream is then a `FollowingStream`."""
     loop_plan: Any
     """What the family planned for this request (``loop.plan``), for ``loop.start``."""
     call_kwargs: Mapping[str, Mapping[str, Any]]
@@ -330,6 +334,46 @@ class DiffusersStream:
         entry = _embedding_of(info, result)
         self._embeddings[key] = entry
         return entry
+
+
+class FollowingStream(DiffusersStream):
+    """A session that follows an input video (`interfaces.FollowsInput`), for a family
+    that does (`loops.InputLoop`): before each chunk the server feeds it that chunk's
+    input frames, which its family's run makes the chunk from."""
+
+    @property
+    def next_chunk_frames(self) -> int:
+        """The next chunk's frames (0 once the video is complete): what to feed it."""
+        remaining = self.request.num_frames - self._frames_done
+        if remaining <= 0:
+            return 0
+        return self._follows.chunk_frames(self._run, remaining)
+
+    def feed_input(self, frames: np.ndarray) -> None:
+        """Keep ``frames`` for the next chunk; an `EngineError` for frames of another
+        count, size or type than it takes (the server's gathering went wrong)."""
+        request = self.request
+        expected = (self.next_chunk_frames, request.height, request.width, 3)
+        shape = getattr(frames, "shape", None)
+        if (
+            not isinstance(frames, np.ndarray)
+            or frames.shape != expected
+            or frames.dtype != np.uint8
+        ):
+            dtype = getattr(frames, "dtype", type(frames).__name__)
+            raise EngineError(
+                f"feed_input takes the next chunk's {expected} uint8 RGB frames, "
+                f"got {shape} {dtype}"
+            )
+        if expected[0]:
+            self._follows.feed(self._run, frames)
+
+    @property
+    def _follows(self) -> InputLoop:
+        follows = self.plan.follows
+        if follows is None:  # the engine opens a FollowingStream only for such a family
+            raise EngineError("this stream's family follows no input video")
+        return follows
 
 
 def _embedding_of(info: PipelineInfo, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,9 @@ A family is the pipelines the engine streams one way:
 - ``ltx2``: LTX-2, the segment path with its soundtrack: each chunk carries its frames'
   samples of the call's vocoder waveform. A family that makes sound also implements
   `SoundLoop` (the engine then declares the sound).
+- ``wan_v2v``: Wan's video-to-video pipeline, one call a chunk on the chunk's input
+  frames. A family that follows an input video also implements `InputLoop` (the engine
+  then declares ``video_input``).
 
 The engine asks the registry once, at start-up (`loop_for`): the families are asked in
 the order `FAMILIES` lists them, and the first that recognises the ``model`` pipeline
@@ -68,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from trio_vstream.engines.diffusers.loops._protocol import (
     Draft,
+    InputLoop,
     Loop,
     Run,
     SoundLoop,
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILIES",
     "Draft",
+    "InputLoop",
     "Loop",
     "Run",
     "SoundLoop",
@@ -96,6 +101,7 @@ FAMILIES: tuple[str, ...] = (
     "framepack",
     "sana_wm",
     "ltx2",
+    "wan_v2v",
     "segments",  # last: it takes any pipeline
 )
 """Every family's module, in the order the registry asks them: the first that

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import attrs
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from trio_vstream.engines.contract import Checkpoint, Chunk, GenerationRequest, PromptChange
     from trio_vstream.engines.diffusers._extra import ExtraParams
     from trio_vstream.engines.diffusers._loading import PipelineInfo
@@ -140,4 +142,23 @@ class SoundLoop(Protocol):
         """The sound the pipelines make (the same for ``model`` and ``i2v``, which
         continues it), or None for none; an `EngineConfigError` (``config_error``) at
         start-up for pipelines whose sound differs or cannot be read."""
+        ...
+
+
+@runtime_checkable
+class InputLoop(Protocol):
+    """A family whose runs follow an input video (Wan's video-to-video): each chunk is
+    made from the input frames fed for it. The engine declares ``video_input``
+    (`interfaces.SupportsVideoInput`) for it, and only for it, and opens its streams as
+    `interfaces.FollowsInput`, whose ``next_chunk_frames`` and ``feed_input`` come here."""
+
+    def chunk_frames(self, run: Run, remaining: int) -> int:
+        """How many frames ``run``'s next chunk has, with ``remaining`` frames of the video
+        left to make (> 0): what the server feeds it. Plain arithmetic: the server reads it
+        from its event loop."""
+        ...
+
+    def feed(self, run: Run, frames: np.ndarray) -> None:
+        """Keep ``frames``, the next chunk's input ((`chunk_frames`, H, W, 3) uint8 RGB at
+        the request's size, checked by the stream), for ``run``'s next ``next_chunk``."""
         ...

@@ -171,7 +171,10 @@ class SegmentRun:
         the pipeline's, not ours)."""
         plan = self.plan
         kwargs: dict[str, Any] = dict(stream.plan.call_kwargs[info.role])
-        kwargs["num_frames"] = count if plan.call_frames is None else min(count, plan.call_frames)
+        if info.accepts("num_frames"):  # a video-to-video call makes as many as it is given
+            kwargs["num_frames"] = (
+                count if plan.call_frames is None else min(count, plan.call_frames)
+            )
         self._seed_call(kwargs, index, image)
         if info.accepts("output_type"):
             kwargs["output_type"] = "pt"  # stays on the device; one host copy per chunk

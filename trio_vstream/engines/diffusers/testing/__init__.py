@@ -3,16 +3,18 @@ is downloaded.
 
 They are not part of the engine at run time (the engine imports nothing of this
 package); they are here, in the installed package, so that the benchmark and anyone who
-wants to try the server offline can build one: ``build_wan_t2v(path)``, then
-``--engine diffusers --engine-arg model=path``. The engine's tests and the benchmark's
-``diffusers`` scenario both serve pipelines made here, so the bench measures the engine
-on the very pipeline the tests check it on.
+wants to try the server offline can build one: ``build_wan_t2v(path)`` (or
+``build_wan_v2v(path)``, a video-to-video one), then ``--engine diffusers --engine-arg
+model=path``. The engine's tests and the benchmark's ``diffusers`` scenario both serve
+pipelines made here, so the bench measures the engine on the very pipeline the tests
+check it on.
 
-One module per family (or group of families sharing their parts): `wan` (Wan, its LoRA,
-and the Wan parts that `helios`, `skyreels_df` and `anyflow_far` are built from),
-`framepack`, `sana_wm` and `ltx2`. Each ``build_*`` function writes a pipeline directory
-with ``save_pretrained``, exactly what ``--engine-arg model=...`` reads. This package
-re-exports every public name of its modules.
+One module per family (or group of families sharing their parts): `wan` (Wan, its
+video-to-video pipeline, its LoRA, and the Wan parts that `helios`, `skyreels_df` and
+`anyflow_far` are built from), `framepack`, `sana_wm` and `ltx2`. Each ``build_*``
+function writes a pipeline directory with ``save_pretrained``, exactly what
+``--engine-arg model=...`` reads. This package re-exports every public name of its
+modules.
 
 The functions need the ``diffusers`` extra (diffusers, transformers; peft for
 ``build_lora``), which they import when called. Importing this package imports the
@@ -61,6 +63,7 @@ from trio_vstream.engines.diffusers.testing.wan import (
     build_lora,
     build_wan_i2v,
     build_wan_t2v,
+    build_wan_v2v,
     scheduler,
     text_encoder_and_tokenizer,
     transformer,
@@ -94,6 +97,7 @@ __all__ = [
     "build_skyreels_df",
     "build_wan_i2v",
     "build_wan_t2v",
+    "build_wan_v2v",
     "scheduler",
     "text_encoder_and_tokenizer",
     "transformer",

@@ -1,4 +1,4 @@
-"""Tiny random Wan pipelines (text- and image-to-video), their LoRA, and the Wan parts
+"""Tiny random Wan pipelines (text-, image- and video-to-video), their LoRA, and the Wan parts
 the other Wan-based families (Helios, SkyReels-V2 DF, AnyFlow FAR) are built from.
 
 The components follow diffusers' own fast tests for Wan (a small
@@ -117,6 +117,25 @@ def build_wan_t2v(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Path:
     torch.manual_seed(seed)
     encoder, tokenizer = text_encoder_and_tokenizer()
     pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=encoder,
+        vae=vae(size),
+        scheduler=scheduler(),
+        transformer=transformer(in_channels=16, image_dim=None, size=size),
+    )
+    return saved(pipe, path)
+
+
+def build_wan_v2v(path: Path, *, seed: int = 0, size: WanSize = TINY) -> Path:
+    """A random video-to-video ``WanVideoToVideoPipeline``, saved to ``path``: the parts
+    `build_wan_t2v` makes (the same weights for the same ``seed`` and ``size``), under the
+    class that takes an input video and a ``strength``."""
+    import torch
+    from diffusers import WanVideoToVideoPipeline
+
+    torch.manual_seed(seed)
+    encoder, tokenizer = text_encoder_and_tokenizer()
+    pipe = WanVideoToVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=encoder,
         vae=vae(size),
