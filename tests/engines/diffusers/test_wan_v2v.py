@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -387,3 +388,68 @@ def test_it_keeps_the_engine_contract(v2v: Path) -> None:
         return FedEngine(load(v2v))
 
     check_engine(factory, v2v_request(num_frames=10))
+
+
+# -- served: the client streams a clip through it, as the README's command does
+
+
+def write_clip(path: Path, frames: np.ndarray, fps: int) -> Path:
+    """``frames`` (T, H, W, 3) as a lossless video file the client reads with PyAV."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for picture in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+async def test_the_client_streams_a_clip_through_the_served_model(
+    engine: DiffusersEngine, serve: Any, tmp_path: Path
+) -> None:
+    """``python -m trio_vstream client --input-video clip "a watercolour painting" -o
+    out.mp4`` against the tiny model: the video is the clip's length, every input frame
+    used (at the clip's rate: at another, the output would resample it)."""
+    import subprocess
+    import sys
+
+    import trio
+
+    from tests.conftest import decode_video
+
+    server, _ = await serve(engine)
+    clip = write_clip(tmp_path / "clip.mkv", source(10), fps=8)
+    out = tmp_path / "out.mp4"
+    command = [
+        sys.executable,
+        "-m",
+        "trio_vstream",
+        "client",
+        "--url",
+        server.url,
+        "--input-video",
+        str(clip),
+        "--size",
+        "48x32",
+        "--fps",
+        "8",
+        "--steps",
+        "2",
+        "--strength",
+        "1.0",
+        "--json",
+        "a watercolour painting",
+        "-o",
+        str(out),
+    ]
+    done = await trio.to_thread.run_sync(
+        lambda: subprocess.run(command, capture_output=True, text=True, timeout=120)
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["input_video"]["sent"] == 10
+    assert summary["input_video"]["used"] == 10
+    assert len(decode_video(out.read_bytes())) == 10
