@@ -409,3 +409,12 @@ class EchoInputEngine(InstrumentedEngine):
         stream = EchoInputStream(self, SyntheticEngine.open_stream(self, request))
         self.streams.append(stream)
         return stream
+
+
+def create_echo_engine(*, device: str = "auto", **engine_args: str) -> EchoInputEngine:
+    """``--engine tests.instrumented:create_echo_engine``: `EchoInputEngine` for a server
+    process (the page's tests), with the synthetic engine's ``--engine-arg`` settings."""
+    from trio_vstream.engines.synthetic import parse_settings
+
+    del device
+    return EchoInputEngine(parse_settings(engine_args))
