@@ -15,6 +15,7 @@ import pytest
 from trio_vstream.engines.contract import (
     Checkpoint,
     Chunk,
+    EngineError,
     GenerationRequest,
     PromptChange,
     batched,
@@ -317,6 +318,50 @@ class OwnRunBatchNoKey(OwnRunBatch):
     key = None  # the closure itself: no two streams' rows share a key
 
 
+class FollowsToy(ToyStream):
+    """Follows an input video (`FollowsInput`): each chunk's frames are its input's, so a
+    chunk made without its input, or from input of the wrong shape, fails."""
+
+    def __init__(self, engine: ToyEngine, request: GenerationRequest) -> None:
+        super().__init__(engine, request)
+        self.fed: np.ndarray | None = None
+
+    @property
+    def next_chunk_frames(self) -> int:
+        return max(0, min(2, self.request.num_frames - 2 * self.index))
+
+    def feed_input(self, frames: np.ndarray) -> None:
+        shape = (self.next_chunk_frames, self.request.height, self.request.width, 3)
+        if frames.shape != shape or frames.dtype != np.uint8:
+            raise EngineError(f"input of shape {frames.shape}, expected {shape}")
+        self.fed = frames
+
+    def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
+        chunk = super().next_chunk(checkpoint)
+        if chunk is None or self.request.input_video is None:
+            return chunk
+        fed, self.fed = self.fed, None
+        if fed is None:
+            raise EngineError("a chunk without its input")
+        return attrs.evolve(chunk, frames=self.shown(fed))
+
+    def shown(self, fed: np.ndarray) -> np.ndarray:
+        return fed.copy()
+
+
+class DropsAFrame(FollowsToy):
+    """Returns one frame fewer than it was fed: the input's frames slip off the output's."""
+
+    def shown(self, fed: np.ndarray) -> np.ndarray:
+        return fed[1:].copy()
+
+
+class CountsNothing(FollowsToy):
+    """Says its next chunk has no frames while it has some to make."""
+
+    next_chunk_frames = 0  # type: ignore[assignment]
+
+
 class Incomplete:
     name = "incomplete"
     max_concurrent_steps = 1
@@ -336,6 +381,23 @@ def test_a_toy_engine_with_sound_of_exactly_its_frames_length_passes() -> None:
 
 def test_a_toy_engine_that_defers_its_decode_correctly_passes() -> None:
     check_engine(engine_with(Defers), REQUEST)
+
+
+def test_a_toy_engine_that_follows_its_input_passes() -> None:
+    check_engine(engine_with(FollowsToy, video_input=True), REQUEST)
+
+
+def test_a_stream_that_cannot_be_fed_is_reported_by_member() -> None:
+    with pytest.raises(EngineContractError) as caught:
+        check_engine(engine_with(ToyStream, video_input=True), REQUEST)
+    assert caught.value.rules == {"video_input"}, str(caught.value)
+    assert "lacks next_chunk_frames, feed_input" in str(caught.value)
+
+
+def test_the_input_rule_is_only_for_engines_that_take_input() -> None:
+    # The same streams, from an engine that does not declare video_input: never fed.
+    check_engine(engine_with(DropsAFrame), REQUEST)
+    check_engine(engine_with(DropsAFrame, video_input=False), REQUEST)
 
 
 def test_a_toy_engine_that_batches_rows_correctly_passes() -> None:
@@ -367,6 +429,17 @@ BROKEN = {
     "no open_stream": (Incomplete, {}, "interface"),
     "audio rounded chunk by chunk": (sounding(RoundsEachChunk), {}, "audio"),
     "audio at a rate AAC lacks": (sounding(Sounds, rate=96000), {}, "audio"),
+    "video input but no feed_input": (engine_with(ToyStream, video_input=True), {}, "video_input"),
+    "a chunk shorter than its input": (
+        engine_with(DropsAFrame, video_input=True),
+        {},
+        "video_input",
+    ),
+    "next_chunk_frames 0 mid-video": (
+        engine_with(CountsNothing, video_input=True),
+        {},
+        "video_input",
+    ),
 }
 
 

@@ -17,6 +17,9 @@ Its modules, one idea each:
   steers of a paced chunk's action window are integrated (`window_shares`,
   `integrated_motion`): the chunk moves the way of their net displacement, so a short
   press counts;
+* ``following``: how a stream follows an input video (`interfaces.FollowsInput`): the
+  input's dominant coloured region found on a small grid, and each generated frame moved
+  toward it round the torus, by a share that ``VideoInput.strength`` sets;
 * ``pixels``: the native 32x32 frames resized to the requested size (bilinear; the
   square world is stretched to other aspect ratios) and converted to uint8 on the
   model's device, so a CUDA chunk crosses to the host once, in the server's delivery

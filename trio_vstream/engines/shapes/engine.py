@@ -10,7 +10,9 @@ edges so that the first frame shows it whole (`start_position`). The conditionin
 each chunk is the ``PromptSchedule`` mix of prompt embeddings, weighted as the
 reference's transition rules say, with a paced session's steers integrated over the
 chunk's action window (the rules: `trio_vstream.engines.shapes.steering`); its frames
-become pixels on the model's device (`trio_vstream.engines.shapes.pixels`).
+become pixels on the model's device (`trio_vstream.engines.shapes.pixels`). A stream that
+follows an input video moves each frame toward the input's coloured region
+(`trio_vstream.engines.shapes.following`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from types import MappingProxyType
 from typing import Final
 
 import attrs
+import numpy as np
 import torch
 
 from trio_vstream.engines.args import parse_bool_arg, parse_number_arg, reject_unknown_args
@@ -40,6 +43,7 @@ from trio_vstream.engines.contract import (
     batched,
 )
 from trio_vstream.engines.devices import resolve_device
+from trio_vstream.engines.shapes.following import InputFollower, region_centres
 from trio_vstream.engines.shapes.pixels import ShapesFrames, image_to_context, to_uint8_frames
 from trio_vstream.engines.shapes.steering import (
     WindowChange,
@@ -146,6 +150,9 @@ class ShapesEngine:
     """One step at a time: on CPU the cores are shared anyway, on CUDA one GPU."""
     interaction_kinds: frozenset[str] = frozenset({"prompt", "camera"})
     """Prompts, and camera velocities as steering (see `camera_motion`)."""
+    video_input = True
+    """Its streams follow an input video (`interfaces.SupportsVideoInput`): the object goes
+    where the input's coloured region is (`trio_vstream.engines.shapes.following`)."""
 
     def __init__(
         self, model: ShapesDenoiser, device: torch.device, settings: ShapesSettings
@@ -303,6 +310,39 @@ class ShapesStream:
         self._generator = torch.Generator(device).manual_seed(self.seed)
         self._frames_done = 0
         self._next_index = 0
+        # Following an input video (`interfaces.FollowsInput`): the next chunk's region
+        # centres, in native pixels, from `feed_input`.
+        self._follower: InputFollower | None = None
+        self._targets: np.ndarray | None = None
+        if request.input_video is not None:
+            strength = request.input_video.strength
+            if not 0.0 <= strength <= 1.0:
+                raise InvalidRequestError(
+                    f"input_video.strength must be in [0, 1], got {strength!r}"
+                )
+            self._follower = InputFollower(strength, size)
+
+    @property
+    def next_chunk_frames(self) -> int:
+        """How many frames the next chunk has (`interfaces.FollowsInput`); 0 once the
+        video is complete."""
+        return max(0, min(self._chunk_frames, self._request.num_frames - self._frames_done))
+
+    def feed_input(self, frames: np.ndarray) -> None:
+        """The next chunk's input frames (`interfaces.FollowsInput`), read at once: the
+        stream keeps where each frame's coloured region is, not the frames."""
+        if self._follower is None:
+            raise EngineError("feed_input: this session's request has no input_video")
+        request = self._request
+        expected = (self.next_chunk_frames, request.height, request.width, 3)
+        shape = getattr(frames, "shape", None)
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or shape != expected:
+            got = f"{type(frames).__name__} {shape} {getattr(frames, 'dtype', '')}".rstrip()
+            raise EngineError(
+                f"input frames must be a {expected} uint8 array (the next chunk's frames "
+                f"at the request's size), got {got}"
+            )
+        self._targets = region_centres(frames) * self._engine.model.config.native_size
 
     def slots_for(self, prompt: str) -> Slots:
         """A prompt's slots, completed with this stream's seed defaults."""
@@ -356,6 +396,12 @@ class ShapesStream:
         remaining = request.num_frames - self._frames_done
         if remaining <= 0:
             return None
+        targets, self._targets = self._targets, None
+        if self._follower is not None and targets is None:
+            raise EngineError(
+                "next_chunk: a session that follows an input video is fed each chunk's "
+                "input (feed_input) before the chunk"
+            )
         with self._window_lock:
             conditioning = self._schedule.next_conditioning()
             window, self._window = self._window, []
@@ -387,10 +433,13 @@ class ShapesStream:
             # one kept: the model always generates its full chunk, so this buys latency
             # with throughput.
             kept = x0.view(config.chunk_frames, 3, size, size)[: self._chunk_frames]
-            self._context = kept[-1:].clone()
+            count = min(self._chunk_frames, remaining)
+            if self._follower is not None and targets is not None:
+                kept, self._context = self._follower.follow(kept[:count], targets)
+            else:
+                self._context = kept[-1:].clone()
             self._context_mask = torch.ones(1, device=kept.device)
             self._hint = None
-            count = min(self._chunk_frames, remaining)
             frames: torch.Tensor | DeferredFrames
             if self._engine.settings.defer_decode and self._next_index > 0:
                 # The next chunk is conditioned on the native frame kept above, never on

@@ -41,6 +41,7 @@ from trio_vstream.engines.testing._kit import Kit, Skip
 from trio_vstream.engines.testing._probe import CheckpointStopped, StepFailed
 from trio_vstream.engines.testing._report import RULES, EngineContractError, Violation
 from trio_vstream.engines.testing._stop import check_close_unstepped, check_stops
+from trio_vstream.engines.testing._video_input import check_video_input
 from trio_vstream.values import VideoDefaults
 
 __all__ = [
@@ -88,7 +89,8 @@ def check_engine(
     checkpoints in turn, one failed at its first, two interacted with (a change while
     chunk 0 is made, and one received halfway through a window), and for an engine
     with ``max_batch`` > 1, a few stepped alone and then together, whose frames may
-    differ by ``batch_atol`` levels (batched arithmetic sums in another order). An engine
+    differ by ``batch_atol`` levels (batched arithmetic sums in another order), and for an
+    engine that takes input video, one fed an input chunk by chunk. An engine
     call that takes longer than ``timeout`` seconds counts as hung. The engine is closed
     at the end, once.
     """
@@ -116,6 +118,7 @@ def _run(kit: Kit) -> None:
         check_window_offset(kit, full)
         check_deferred(kit, full)
         check_batching(kit)
+        check_video_input(kit)
     except Skip:
         pass
     finally:

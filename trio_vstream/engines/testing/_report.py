@@ -35,6 +35,9 @@ RULES: Final[dict[str, str]] = {
     "audio": "an engine with sound (audio_sample_rate) declares a rate and channels the server "
     "carries, and each chunk's audio covers exactly its frames: audio_samples_through(end) - "
     "audio_samples_through(start) samples, float PCM",
+    "video_input": "an engine that takes input video (video_input) opens, for a request with "
+    "input_video, a stream that is FollowsInput: next_chunk_frames is a positive int, and each "
+    "chunk fed that many (T, H, W, 3) uint8 input frames has exactly that many frames",
 }
 """Each rule `check_engine` checks, by the name it reports it under."""
 
