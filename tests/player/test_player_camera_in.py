@@ -180,3 +180,40 @@ def test_the_page_sends_its_camera_and_the_output_is_made_from_it(
     assert len(camera["latencies"]) >= 3
     assert all(ms > 0 for ms in camera["latencies"])
     assert all(len(part) == 2 for part in camera["parts"])
+
+
+SHAPES = ("--engine", "shapes", "--device", "cpu", "--engine-arg", "threads=1")
+
+
+@pytest.fixture(scope="module")
+def shapes_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve(tmp_path_factory.mktemp("camera-shapes") / "server.log", engine=SHAPES) as url:
+        yield url
+
+
+def red_centroid(picture: np.ndarray) -> tuple[float, float] | None:
+    """The centre (x, y) of the red object the prompt asks for."""
+    rgb = picture.astype(np.int32)
+    mask = (rgb[..., 0] - np.maximum(rgb[..., 1], rgb[..., 2])) > 60
+    if mask.sum() < 20:
+        return None
+    rows, cols = np.nonzero(mask)
+    return float(cols.mean()), float(rows.mean())
+
+
+def test_the_built_in_model_follows_the_camera(
+    camera_browser: Browser, shapes_url: str, tmp_path: Path
+) -> None:
+    """The page's default engine: its red circle goes where the camera's green blob is."""
+    with open_player(camera_browser, shapes_url) as page:
+        page.add_init_script(SENT_CENTROIDS)
+        page.reload()
+        page.wait_for_function("() => document.body.dataset.ready === 'true'")
+        page.fill("#prompt", "a red circle on a navy background")
+        frames, log = run_camera_session(page, tmp_path, chunks=8)
+        sent = page.evaluate("() => window.__sent")
+    pairs = tracking(frames, log, sent, red_centroid)
+    assert len(pairs) >= 32
+    for axis in (0, 1):
+        correlation = np.corrcoef(pairs[:, axis], pairs[:, axis + 2])[0, 1]
+        assert correlation >= 0.9, (axis, correlation)
