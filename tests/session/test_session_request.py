@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trio_vstream import protocol
-from trio_vstream.engines.contract import GenerationRequest, SamplingSettings
+from trio_vstream.engines.contract import GenerationRequest, SamplingSettings, VideoInput
 from trio_vstream.session.request import (
     SERVER_PARAMS,
     config_echo,
@@ -38,6 +38,7 @@ EVERYTHING = {
     "quality": "high",
     "lora": {"name": "style", "path": "style"},
     "extra_params": {"strength": 0.5},
+    "input_video": {"fps": 6, "v2v_strength": 0.25},
 }
 
 
@@ -81,6 +82,7 @@ def test_every_field_of_the_engines_request_comes_from_the_start() -> None:
         quality="high",
         lora={"name": "style", "path": "style"},
         extra_params={"strength": 0.5},
+        input_video=VideoInput(fps=6, strength=0.25),
     )
     assert request.image is image
 
@@ -93,6 +95,7 @@ def test_what_the_client_left_out_is_left_to_the_engine() -> None:
     assert (request.width, request.height, request.fps, request.num_frames) == (80, 40, 10, 20)
     assert request.seed is None and request.num_inference_steps is None
     assert request.image is None and request.lora is None and request.extra_params == {}
+    assert request.input_video is None
 
 
 def test_the_engine_never_sees_the_parameters_the_server_applies() -> None:
