@@ -271,3 +271,36 @@ async def test_an_end_that_comes_while_a_chunk_waits_ends_the_video(start_server
             await receive_into(ws, transcript)
     assert transcript.terminal[-1]["type"] == "session.done"
     assert [c["used"] for c in media_counts(transcript)] == [4, 4]
+
+
+async def test_a_session_paced_by_playback_keeps_its_input_in_step(start_server: Any) -> None:
+    """Both clocks count output frames: generation held by the playhead holds the input's
+    clock too, so input sent ahead waits in the buffer and every frame is used in order."""
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=EchoInputEngine)
+    start = {**START, "streaming_buffer_seconds": 0.5}
+    values = [10 * (i + 1) for i in range(16)]
+    transcript = Transcript()
+    async with running.connect() as ws:
+        await ws.send_message(json.dumps(start))
+        for value in values:
+            await ws.send_message(png(value))
+        await ws.send_message('{"type":"input_video.end"}')
+        frames = 0
+        with trio.fail_after(20):
+            while True:
+                raw = await ws.get_message()
+                message = raw if isinstance(raw, bytes) else json.loads(raw)
+                transcript.messages.append(message)
+                if isinstance(message, dict) and message["type"] == "session.done":
+                    break
+                if isinstance(message, dict) and message.get("kind") == "media":
+                    # Played at once: the playhead reaches what arrived, and no further.
+                    frames += message["num_frames"]
+                    await ws.send_message(
+                        json.dumps({"type": "session.playback", "position_seconds": frames / 8})
+                    )
+    counts = media_counts(transcript)
+    assert [c["used"] for c in counts] == [4, 4, 4, 4]
+    assert sum(c["dropped"] + c["reused"] for c in counts) == 0
+    (stream,) = running.engine.streams
+    assert np.concatenate(stream.fed)[:, 0, 0, 0].tolist() == values
