@@ -11,7 +11,7 @@ import numpy as np
 import trio
 
 from tests.conftest import Transcript, decode_video, receive_into
-from tests.instrumented import EchoInputEngine, EchoInputStream
+from tests.instrumented import EchoInputEngine, EchoInputStream, InstrumentedEngine
 from trio_vstream.engines.synthetic import SyntheticSettings
 
 SIZE = 64
@@ -73,6 +73,18 @@ async def test_the_engine_is_fed_each_frame_in_order(start_server: Any) -> None:
     assert np.abs(shown - np.array(values)).max() <= 3
 
 
+async def test_the_synthetic_engine_follows_its_input(start_server: Any) -> None:
+    """The plain synthetic engine serves video in: at strength 0 its video is its input."""
+    running = await start_server(SyntheticSettings(chunk_frames=4))
+    start = {**START, "input_video": {**START["input_video"], "strength": 0}}
+    values = [15 * (i + 1) for i in range(16)]
+    transcript = await run_with_input(running, start, [png(v) for v in values])
+    assert transcript.terminal[-1]["type"] == "session.done", transcript.terminal
+    assert sum(m["used"] for m in media_counts(transcript)) == 16
+    shown = decode_video(transcript.video_bytes)[:, SIZE // 2, SIZE // 2, 0].astype(int)
+    assert np.abs(shown - np.array(values)).max() <= 3
+
+
 def media_counts(transcript: Transcript) -> list[dict[str, Any]]:
     return [
         m["input_frames"]
@@ -81,8 +93,14 @@ def media_counts(transcript: Transcript) -> list[dict[str, Any]]:
     ]
 
 
+class NoVideoInputEngine(InstrumentedEngine):
+    """The synthetic engine, less its video input."""
+
+    video_input = False
+
+
 async def test_an_engine_without_video_input_refuses_it_by_name(start_server: Any) -> None:
-    running = await start_server(SyntheticSettings(chunk_frames=4))
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=NoVideoInputEngine)
     transcript = await running.run_session(START)
     (error,) = transcript.terminal
     assert error["code"] == "invalid_request"
