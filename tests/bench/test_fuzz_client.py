@@ -68,7 +68,7 @@ def _undecodable_png() -> bytes:
 
 async def test_input_frames_are_judged_by_what_they_are(start_server: Any) -> None:
     server = await start_server(SyntheticSettings(steps=1, step_delay=0.005, chunk_frames=2))
-    cases = [
+    cases: list[tuple[str | None, str, str | bytes]] = [
         ("jpeg", "control.frame-valid.jpeg", _frame("jpeg")),  # taken
         ("jpeg", "control.frame-valid.png", _frame("png")),  # refused at once
         ("png", "control.frame-corrupt.png", _undecodable_png()),  # refused by the decoder
