@@ -17,13 +17,25 @@ and checks what any correct server must do whatever it is sent:
   with a normal close (1000). A message over ``--max-start-bytes`` gets ``message_too_large``
   (or, beyond twice the limit, trio-websocket's documented 1009 close), one within it
   never does.
-* control messages, sent one after another into one long-running session, each followed
+* control messages, sent one after another into a long-running session, each followed
   by a ``session.ping``: the input gets exactly one reply (``session.pong``,
   ``session.interaction.queued`` or an ``error`` with a per-message code), the ping its
   pong, and the session survives. Only a valid ``session.stop`` may end it; a session
   that ends with ``generation_failed`` (or any other error) after a control message is
   a violation, blamed on the interactions queued but not yet applied, each of which is
   then replayed alone in a fresh session to find the one that does it.
+* video in: the control sessions follow an input video in turn (JPEG, PNG, none, WebP,
+  a new session every 250 inputs), so every binary control input is an input frame:
+  pictures of the session's size in each format (valid, padded to just within the 1 MiB
+  cap, over it, other sizes, cut short, corrupted) and garbage, beside ``input_video.end``.
+  A frame gets no reply of its own, only the ping its pong; a valid one of the session's
+  format is never refused (``invalid_input_frame``), one of another format or size, cut
+  short or garbage is refused before the ping is answered, one over the cap gets
+  ``message_too_large``; a refusal the decoder sends later names a frame that was sent,
+  refused once, that no chunk was made from; the chunks' ``input_frames`` never count
+  more frames used or dropped than were sent. In a session without input video a binary
+  message gets ``invalid_message``. Starts carry ``input_video`` too (valid and invalid
+  fields, the ``v2v_strength`` alias); an accepted one is sent ``input_video.end`` at once.
 * every string in every server message encodes as UTF-8 (no lone surrogates after
   ``json.loads``), and every message is strict JSON with a ``type``;
 * the server process stays up and answers ``GET /health`` (checked every

@@ -55,6 +55,15 @@ least the number of kinds):
 * ``engine_fail`` / ``engine_hang``: ``extra_params.fail_at_chunk`` /
   ``hang_at_chunk`` of the synthetic engine: ``generation_failed``, or ``stall_timeout``
   about ``--stall-timeout`` after the last chunk, then close 1000;
+* ``input_video``: a session that follows an input video (``input_video``: JPEG at 12,
+  24 or 30 fps, a drawn ``strength``, ``on_end`` ``hold`` or ``end``): once
+  ``video.start`` has come, the client sends JPEG frames of the session's size at the
+  input's rate while it reads the video, sometimes fewer than the video needs, sometimes
+  more, then ``input_video.end``. ``session.done`` with ``stopped: false``, close 1000;
+  no frame refused (``invalid_input_frame``); every media chunk's ``input_frames``
+  present, never more frames used or dropped than were sent, ``last`` a frame sent and
+  never going back, some used; every requested frame, unless the video ended with its
+  input (``on_end: "end"``, then shorter, and every frame sent counted exactly once);
 * ``engine_stuck``: ``block_at_chunk`` with ``block_seconds``: the engine blocks outside
   any checkpoint (a hung CUDA kernel) for longer than the stall timeout, so that nothing
   can interrupt it: ``stall_timeout`` on time as for a hang, then close 1000, while the

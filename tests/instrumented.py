@@ -190,6 +190,13 @@ class InstrumentedStream:
                 engine.chunk_made.notify_all()
         return chunk
 
+    @property
+    def next_chunk_frames(self) -> int:
+        return self._inner.next_chunk_frames
+
+    def feed_input(self, frames: Any) -> None:
+        self._inner.feed_input(frames)
+
     def interact(self, change: PromptChange) -> None:
         if change.event_id in self._engine.refuse:
             raise EngineError(f"refused {change.event_id} (InstrumentedEngine.refuse)")
@@ -386,6 +393,7 @@ class EchoInputStream(InstrumentedStream):
         return min(chunk_frames, self.request.num_frames - self._done)
 
     def feed_input(self, frames: Any) -> None:
+        super().feed_input(frames)  # the synthetic stream's checks, and its blend
         self._fed = frames
         self.fed.append(frames)
 

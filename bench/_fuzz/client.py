@@ -1,7 +1,10 @@
 """Talking to the server: one ``session.start`` per connection, control messages into
 one long-running session, and a plain ``GET`` for ``/health``.
 
-The client only records (``StartTranscript``, ``Exchange``); the ``oracle`` judges.
+The client only records (``StartTranscript``, ``Exchange``); the ``oracle`` judges. A
+control session that follows an input video numbers the binary messages it sends (the
+server's frame numbers), and keeps what each frame must get and what became of it, so
+that a refusal arriving later, once the decoder has tried, is judged against its frame.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,21 +30,27 @@ from trio_websocket import (
 from bench._fuzz.oracle import (
     Exchange,
     Problem,
+    SentFrame,
     StartTranscript,
+    asks_input_video,
     check_reply,
     fault_injected,
+    frame_error_problems,
+    frame_expectation,
+    frame_number,
+    input_count_problems,
     is_terminal,
     judge_control,
     shorten,
 )
 from bench._fuzz.settings import (
     CLIENT_MAX_MESSAGE,
-    CONTROL_START,
     FIRST_CHUNK_WAIT,
     REPLY_TIMEOUT,
     SETTLE_CHUNKS,
     START_TIMEOUT,
     STUCK_AFTER,
+    control_start,
 )
 from bench._fuzz.wire import (
     Wire,
@@ -68,13 +78,15 @@ async def _send(ws: WebSocketConnection, wire: Wire) -> None:
 
 async def run_start(url: str, wire: Wire) -> StartTranscript:
     """One connection: send ``wire`` as the first message, read to the close. An accepted
-    session is stopped after its first chunk (right away if it asked for a fault)."""
+    session is stopped after its first chunk (right away if it asked for a fault); one
+    that asked for an input video is told at once that its input has ended
+    (``input_video.end``), so that its chunks do not wait for frames."""
     transcript = StartTranscript(sent_bytes=wire_size(wire), fault_injected=fault_injected(wire))
     with trio.move_on_after(START_TIMEOUT) as scope:
         try:
             async with connect(url) as ws:
                 await _send(ws, wire)
-                await _read_start(ws, transcript)
+                await _read_start(ws, transcript, input_video=asks_input_video(wire))
         except DisconnectionTimeout:
             transcript.close_code = None  # judged as a connection that never closed
             transcript.timed_out = True
@@ -84,7 +96,9 @@ async def run_start(url: str, wire: Wire) -> StartTranscript:
     return transcript
 
 
-async def _read_start(ws: WebSocketConnection, transcript: StartTranscript) -> None:
+async def _read_start(
+    ws: WebSocketConnection, transcript: StartTranscript, *, input_video: bool
+) -> None:
     accepted = stop_sent = False
     stop_at = math.inf
     while True:
@@ -101,6 +115,8 @@ async def _read_start(ws: WebSocketConnection, transcript: StartTranscript) -> N
         transcript.messages.append(raw)
         if not accepted and len(transcript.messages) == 1 and _is_video_start(raw):
             accepted = True
+            if input_video:
+                await _send(ws, protocol.INPUT_END_MESSAGE)
             if transcript.fault_injected:
                 stop_sent = True
                 await _send(ws, protocol.STOP_MESSAGE)
@@ -135,10 +151,34 @@ class ControlSession:
     pending: dict[str, int] = attrs.field(factory=dict)
     """Queued interactions not yet seen in a chunk's ``started_event_ids``: event id ->
     input index. When the session fails, these are the suspects."""
+    input_format: str | None = None
+    """The format of the input video the session follows; None: it follows none."""
+    frames: dict[int, SentFrame] = attrs.field(factory=dict)
+    """The frames sent, by number (every binary message, in a session with input video)."""
+    refusals: Counter[int] = attrs.field(factory=Counter)
+    """Errors that refused each frame, by number."""
+    shown: set[int] = attrs.field(factory=set)
+    """Frames a chunk was made from (its ``input_frames.last``)."""
+    counted: int = 0
+    """Frames the chunks counted as used or dropped, so far."""
 
     @property
     def stuck(self) -> bool:
         return trio.current_time() - self.last_chunk_at > STUCK_AFTER
+
+    def frame(self, wire: Wire, index: int, kind: str) -> SentFrame | None:
+        """``wire`` as the session's next frame (input ``index`` of ``kind``), when it is
+        one: a binary message, in a session that follows an input video."""
+        if self.input_format is None or not isinstance(wire, bytes):
+            return None
+        frame = SentFrame(
+            number=len(self.frames),
+            input_index=index,
+            size=len(wire),
+            expect=frame_expectation(kind, self.input_format),
+        )
+        self.frames[frame.number] = frame
+        return frame
 
 
 class HarnessError(Exception):
@@ -149,9 +189,10 @@ class SessionRefused(Exception):
     """The server would not start the control session."""
 
 
-async def open_session(ws: WebSocketConnection) -> ControlSession:
-    session = ControlSession(ws)
-    await _send(ws, CONTROL_START)
+async def open_session(ws: WebSocketConnection, input_format: str | None) -> ControlSession:
+    """Start a control session, with an input video of ``input_format`` or none."""
+    session = ControlSession(ws, input_format=input_format)
+    await _send(ws, control_start(input_format))
     with trio.move_on_after(REPLY_TIMEOUT):
         while True:
             try:
@@ -192,8 +233,14 @@ async def _collect(
             session.since_chunk.clear()
             for event_id in message.get("started_event_ids") or ():
                 session.pending.pop(event_id, None)
+            if session.input_format is not None and message.get("kind") == "media":
+                _count_input(session, exchange, index, message.get("input_frames"))
             continue
         exchange.messages.append(raw)
+        number = frame_number(message) if session.input_format is not None else None
+        if number is not None and exchange.terminal is None:
+            _frame_refused(session, exchange, index, number, str(message["code"]))
+            continue
         if exchange.terminal is not None:
             exchange.problems.append(Problem("message-after-terminal", message["type"]))
         elif is_terminal(message):
@@ -205,13 +252,55 @@ async def _collect(
                 session.pending[str(message.get("event_id"))] = index
 
 
-async def exchange(session: ControlSession, wire: Wire, index: int) -> Exchange:
-    """Send ``wire`` then a ping; read the two answers (and any terminal message)."""
-    result = Exchange(sent_bytes=wire_size(wire))
+def _count_input(session: ControlSession, exchange: Exchange, index: int, counts: Any) -> None:
+    """A media chunk's ``input_frames``, against the frames sent and refused so far."""
+    if isinstance(counts, dict):
+        for key in ("used", "dropped"):
+            value = counts.get(key)
+            session.counted += value if isinstance(value, int) else 0
+    problems = input_count_problems(counts, session.counted, len(session.frames), session.refusals)
+    exchange.frame_problems += [(index, problem) for problem in problems]
+    last = counts.get("last") if isinstance(counts, dict) else None
+    if isinstance(last, int):
+        session.shown.add(last)
+
+
+def _frame_refused(
+    session: ControlSession, exchange: Exchange, index: int, number: int, code: str
+) -> None:
+    """An error that refuses frame ``number``: beside the answers, judged against it."""
+    exchange.frame_errors.append((number, code))
+    current = exchange.frame.number if exchange.frame is not None else None
+    problems = frame_error_problems(
+        number,
+        code,
+        session.frames,
+        earlier=session.refusals[number],
+        current=current,
+        shown=session.shown,
+    )
+    session.refusals[number] += 1
+    frame = session.frames.get(number)
+    blamed = frame.input_index if frame is not None else index
+    exchange.frame_problems += [(blamed, problem) for problem in problems]
+
+
+async def exchange(session: ControlSession, wire: Wire, index: int, kind: str = "") -> Exchange:
+    """Send ``wire`` (input ``index``, of ``kind``) then a ping; read the answers (and any
+    terminal message): the input's and the pong, or only the pong after a frame or
+    ``input_video.end`` in a session that follows an input video."""
+    frame = session.frame(wire, index, kind)
+    ends_input = session.input_format is not None and kind == "control.input-end"
+    result = Exchange(
+        sent_bytes=wire_size(wire),
+        answers=1 if frame is not None or ends_input else 2,
+        frame=frame,
+        binary=isinstance(wire, bytes) and session.input_format is None,
+    )
     with trio.move_on_after(REPLY_TIMEOUT) as scope:
         await _send(session.ws, wire)
         await _send(session.ws, protocol.PING_MESSAGE)
-        await _collect(session, result, index, lambda: len(result.replies) >= 2)
+        await _collect(session, result, index, lambda: len(result.replies) >= result.answers)
     result.timed_out = scope.cancelled_caught
     return result
 
@@ -230,6 +319,7 @@ async def end_session(session: ControlSession, limit: int) -> tuple[str, list[Pr
     """Stop a session that is still running; it must end with ``session.done``."""
     result = await exchange(session, protocol.STOP_MESSAGE, -1)
     outcome, problems = judge_control(result, limit)
+    problems += [problem for _, problem in result.frame_problems]
     if outcome not in ("stopped", "completed") and not problems:
         problems.append(Problem("stop-not-done", outcome))
     return outcome, problems, result
@@ -245,21 +335,28 @@ def request_id_of(messages: Sequence[Wire]) -> str | None:
 
 
 async def control_alone(
-    url: str, wire: Wire, limit: int
+    url: str,
+    wire: Wire,
+    limit: int,
+    *,
+    kind: str = "",
+    input_format: str | None = None,
+    limits: protocol.Limits = protocol.DEFAULT_LIMITS,
 ) -> tuple[list[Problem], list[Wire], int | None, str | None]:
-    """One control input alone in a fresh session, given time to take effect: its
-    problems, the messages, the close code and the session's request id."""
+    """One control input (of ``kind``) alone in a fresh session (following an input
+    video of ``input_format``, or none), given time to take effect: its problems, the
+    messages, the close code and the session's request id."""
     problems: list[Problem] = []
     messages: list[Wire] = []
     close_code: int | None = None
     request_id: str | None = None
     try:
         async with connect(url) as ws:
-            session = await open_session(ws)
+            session = await open_session(ws, input_format)
             request_id = session.request_id
-            result = await exchange(session, wire, 0)
-            _, found = judge_control(result, limit)
-            problems += found
+            result = await exchange(session, wire, 0, kind)
+            _, found = judge_control(result, limit, limits=limits)
+            problems += found + [problem for _, problem in result.frame_problems]
             messages += result.messages
             close_code = result.close_code
             if session.alive:
@@ -267,7 +364,7 @@ async def control_alone(
                 messages += later.messages
                 close_code = later.close_code
                 _, found = judge_control(later, limit, answers=0)
-                problems += found
+                problems += found + [problem for _, problem in later.frame_problems]
                 if session.alive and session.stuck:
                     problems.append(Problem("session-stuck", f"no chunk for {STUCK_AFTER:.0f} s"))
             if session.alive:

@@ -185,6 +185,55 @@ SIZE_STRINGS: Final = (
 )
 
 
+BAD_FRAME_FORMATS: Final = ("JPEG", "jpg", "gif", "image/jpeg", "", "png ", "avif")
+"""``input_video.frame_format`` values that are not one of the three."""
+
+
+def input_video_objects(
+    dimension: SearchStrategy[Any], flag: SearchStrategy[Any]
+) -> SearchStrategy[dict[str, Any]]:
+    """``session.start``'s ``input_video``: its fields valid-ish (``v2v_strength``, the
+    alias of ``strength``, sometimes beside it), or anything."""
+    strength = weighted(
+        (4, st.floats(0, 1)),
+        (1, st.sampled_from([-0.0, 1, 0, -1e-9, 1.0000001, 2, "0.5", None, True])),
+        (1, SPECIAL_NUMBERS),
+    )
+    fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "frame_format": weighted(
+                (6, st.sampled_from(protocol.INPUT_FRAME_FORMATS)),
+                (1, st.sampled_from(BAD_FRAME_FORMATS)),
+                (1, JSON_ANY),
+            ),
+            "fps": weighted(
+                (6, st.integers(1, protocol.MAX_INPUT_FPS)),
+                (1, st.sampled_from([0, -1, 61, 2**31, 24.0, "24", True])),
+            ),
+            "width": dimension,
+            "height": dimension,
+            "strength": strength,
+            "v2v_strength": strength,
+            "on_end": weighted(
+                (4, st.sampled_from(["hold", "end"])),
+                (1, st.sampled_from(["HOLD", "stop", "", None, 1])),
+            ),
+            "max_wait_ms": weighted(
+                (4, st.integers(0, 300)),
+                (1, st.sampled_from([5000, 5001, -1, 250.0, "250", 2**63])),  # 5000: the most
+            ),
+            "strict": flag,
+        },
+    )
+    extra = st.dictionaries(JSON_KEYS, JSON_ANY, min_size=1, max_size=2)
+    return weighted(
+        (8, fields),
+        (1, st.builds(lambda a, b: {**a, **b}, fields, extra)),
+        (1, st.dictionaries(JSON_KEYS, JSON_ANY, max_size=3)),
+    )
+
+
 def start_fields(limits: protocol.Limits) -> dict[str, SearchStrategy[Any]]:
     """Valid-ish values per ``session.start`` field: mostly accepted, often just not."""
     even = st.integers(1, 128).map(lambda n: 2 * n)
@@ -272,6 +321,7 @@ def start_fields(limits: protocol.Limits) -> dict[str, SearchStrategy[Any]]:
             (1, deep_values(limits.max_start_bytes)),
         ),
         "extra_params": EXTRA_PARAMS,
+        "input_video": input_video_objects(dimension, flag),
     }
 
 

@@ -14,6 +14,7 @@ from bench._fuzz.oracle import (
     shorten,
 )
 from bench._fuzz.runner import (
+    LATE_REFUSALS,
     Minimal,
     Run,
     Violation,
@@ -126,6 +127,8 @@ def build_report(
         "errors": dict(errors.most_common()),
         "outcomes": {phase: dict(counter.most_common()) for phase, counter in run.outcomes.items()},
         "kinds": dict(sorted(run.kinds.items())),
+        "input_video_starts": dict(run.input_video_starts.most_common()),
+        "frames": dict(run.frames.most_common()),
         "control_sessions": run.control_sessions,
         "control_retries": run.retries,
         "health_checks": run.health_checks,
@@ -172,6 +175,15 @@ def print_summary(report: dict[str, Any]) -> None:
         print(f"  server logged {sum(logged.values())} tracebacks:", file=out)
         for line, count in list(logged.items())[:8]:
             print(f"    {count:5d} x {line}", file=out)
+    starts = report.get("input_video_starts") or {}
+    if starts:
+        outcomes = ", ".join(f"{outcome} {count}" for outcome, count in starts.items())
+        print(f"  starts with input_video: {sum(starts.values())} ({outcomes})", file=out)
+    frames = report.get("frames") or {}
+    if frames:
+        outcomes = ", ".join(f"{outcome} {count}" for outcome, count in frames.items())
+        sent = sum(count for outcome, count in frames.items() if outcome != LATE_REFUSALS)
+        print(f"  input frames: {sent} ({outcomes})", file=out)
     print(
         f"  health checks: {report['health_checks']}; "
         f"control sessions: {report['control_sessions']}",

@@ -1,16 +1,20 @@
 """The fuzz run: the start and control phases, health checks, and shrinking what failed.
 
 Start inputs go over a few concurrent connections; control inputs go in order into as
-few sessions as they allow, each followed by a ping. A session killed after a control
-message is blamed on the interactions queued but not yet applied, each replayed alone.
+few sessions as they allow (`CONTROL_SESSION_INPUTS` at most each), each followed by a
+ping, the sessions following an input video of each format in turn, or none
+(``settings.CONTROL_INPUT_FORMATS``). A session
+killed after a control message is blamed on the interactions queued but not yet
+applied, each replayed alone; a frame's problem, on the frame.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import trio
@@ -30,6 +34,7 @@ from bench._fuzz.client import (
 )
 from bench._fuzz.oracle import (
     Problem,
+    asks_input_video,
     judge_control,
     judge_start,
     shorten,
@@ -39,6 +44,8 @@ from bench._fuzz.serverlog import (
     log_excerpt,
 )
 from bench._fuzz.settings import (
+    CONTROL_INPUT_FORMATS,
+    CONTROL_SESSION_INPUTS,
     HEALTH_EVERY,
     STUCK_AFTER,
     progress,
@@ -52,6 +59,9 @@ from bench._fuzz.wire import (
 from bench._harness import log_size, read_log
 from bench._server import Endpoint, ServerProcess, fetch_stats, http_get
 from trio_vstream import protocol
+
+LATE_REFUSALS: Final = "refused later"
+"""`Run.frames`' count of refusals that came after their frame's pong (the decoder's)."""
 
 
 @attrs.define
@@ -71,6 +81,9 @@ class Violation:
     cause: str | None = None
     """The exception the server logged for this session, if any: two bugs that both
     answer ``internal_error`` are two kinds of violation, each shrunk on its own."""
+    input_format: str | None = None
+    """For a control input: the input video its session followed (None: none), which a
+    replay follows too."""
 
     @property
     def signature(self) -> str:
@@ -121,6 +134,11 @@ class Run:
     kinds: Counter[str] = attrs.field(factory=Counter)
     done: Counter[str] = attrs.field(factory=Counter)
     violations: list[Violation] = attrs.field(factory=list)
+    input_video_starts: Counter[str] = attrs.field(factory=Counter)
+    """Outcomes of the starts that asked for an input video."""
+    frames: Counter[str] = attrs.field(factory=Counter)
+    """Outcomes of the frames sent into control sessions that follow an input video (by
+    the pong of the ping behind each), and the refusals that came later."""
     health_checks: int = 0
     control_sessions: int = 0
     retries: int = 0
@@ -193,6 +211,8 @@ async def _start_worker(
             transcript = await run_start(run.url, item.wire)
             outcome, problems = judge_start(transcript, limit)
             run.record("start", item, outcome)
+            if asks_input_video(item.wire):
+                run.input_video_starts[outcome.split(":")[0]] += 1
             for problem in problems:
                 run.violate(
                     Violation(
@@ -211,7 +231,8 @@ async def _start_worker(
 
 
 async def control_phase(run: Run) -> None:
-    """All control inputs in order, in as few sessions as the inputs allow."""
+    """All control inputs in order, in as few sessions as the inputs allow, each of at
+    most `CONTROL_SESSION_INPUTS`, following each input video in turn."""
     inputs = run.control_inputs
     limit = run.options.limits.max_control_bytes
     index = 0
@@ -219,18 +240,25 @@ async def control_phase(run: Run) -> None:
     while index < len(inputs):
         try:
             async with connect(run.url) as ws:
-                session = await open_session(ws)
+                formats = CONTROL_INPUT_FORMATS
+                session = await open_session(ws, formats[run.control_sessions % len(formats)])
                 run.control_sessions += 1
-                while index < len(inputs) and session.alive:
+                last = index + CONTROL_SESSION_INPUTS
+                while index < min(last, len(inputs)) and session.alive:
                     item = inputs[index]
                     session.since_chunk.append(index)
-                    result = await exchange(session, item.wire, index)
-                    outcome, problems = judge_control(result, limit)
+                    result = await exchange(session, item.wire, index, item.kind)
+                    outcome, problems = judge_control(result, limit, limits=run.options.limits)
                     if outcome == "completed" and index not in retried:
                         retried.add(index)  # the video ran out: try again in a new one
                         run.retries += 1
                         break
                     run.record("control", item, outcome)
+                    if result.frame is not None:
+                        run.frames[outcome] += 1
+                    current = result.frame.number if result.frame is not None else None
+                    late = [n for n, _ in result.frame_errors if n != current]
+                    run.frames[LATE_REFUSALS] += len(late)
                     suspects = sorted({*session.pending.values(), index})
                     for problem in problems:
                         run.violate(
@@ -243,6 +271,21 @@ async def control_phase(run: Run) -> None:
                                 result.close_code,
                                 session.request_id,
                                 suspects if not session.alive else [index],
+                                input_format=session.input_format,
+                            )
+                        )
+                    for blamed, problem in result.frame_problems:
+                        run.violate(
+                            Violation(
+                                "control",
+                                problem,
+                                blamed,
+                                inputs[blamed] if 0 <= blamed < len(inputs) else item,
+                                result.messages,
+                                result.close_code,
+                                session.request_id,
+                                [blamed],
+                                input_format=session.input_format,
                             )
                         )
                     index += 1
@@ -258,6 +301,7 @@ async def control_phase(run: Run) -> None:
                                 None,
                                 session.request_id,
                                 sorted({*session.pending.values(), *session.since_chunk}),
+                                input_format=session.input_format,
                             )
                         )
                         break  # stop it and go on in a new session
@@ -273,6 +317,7 @@ async def control_phase(run: Run) -> None:
                                 result.messages,
                                 result.close_code,
                                 session.request_id,
+                                input_format=session.input_format,
                             )
                         )
         except (SessionRefused, HandshakeError, OSError) as exc:
@@ -308,9 +353,10 @@ async def shrink_phase(run: Run, deadline: float) -> dict[str, Minimal]:
                 return True
             return log_causes(read_log(run.server.log_path, offset)).get(request_id or "") == cause
 
+        fails: Callable[[Wire], Awaitable[bool]]
         if violation.phase == "start":
 
-            async def fails(wire: Wire, key: str = key) -> bool:
+            async def fails_at_start(wire: Wire, key: str = key) -> bool:
                 offset = log_size(run.server.log_path)
                 transcript = await run_start(run.url, wire)
                 _, problems = judge_start(transcript, limits.max_start_bytes)
@@ -318,55 +364,87 @@ async def shrink_phase(run: Run, deadline: float) -> dict[str, Minimal]:
                     offset, request_id_of(transcript.messages)
                 )
 
+            fails = fails_at_start
             wire = violation.input.wire
             kind = violation.input.kind
             note = ""
         else:
-
-            async def fails(wire: Wire, key: str = key) -> bool:
-                offset = log_size(run.server.log_path)
-                problems, _, _, request_id = await control_alone(
-                    run.url, wire, limits.max_control_bytes
-                )
-                return any(p.key == key for p in problems) and same_cause(offset, request_id)
-
-            culprit = None
             # The input itself first, then the interactions queued before it, newest first.
             order = [
                 violation.index,
                 *sorted((c for c in violation.candidates if c != violation.index), reverse=True),
             ]
-            for candidate in order:
-                if candidate is None or trio.current_time() >= budget:
-                    continue
-                if await fails(run.control_inputs[candidate].wire):
-                    culprit = candidate
+            suspects = {c: run.control_inputs[c] for c in order if c is not None}
+            # A suspect is judged as what it is (a frame, input_video.end); what the
+            # shrinker makes of it, as any message.
+            kinds = {suspect.wire: suspect.kind for suspect in suspects.values()}
+            fails = functools.partial(
+                _fails_alone, run, key, same_cause, violation.input_format, kinds
+            )
+            culprit = None
+            for number, suspect in suspects.items():
+                if trio.current_time() >= budget:
+                    break
+                if await fails(suspect.wire):
+                    culprit = number
                     break
             if culprit is None:
                 minimal[signature] = Minimal(
                     None, 0, [], None, None, [], "not reproduced by any suspect alone"
                 )
                 continue
-            wire = run.control_inputs[culprit].wire
-            kind = run.control_inputs[culprit].kind
+            wire, kind = suspects[culprit].wire, suspects[culprit].kind
             note = f"caused by control input #{culprit} ({kind})"
+            if violation.input_format is not None and isinstance(wire, bytes):
+                # A frame is judged by what it is: a smaller one is another frame.
+                minimal[signature] = await _replay(
+                    run, violation, suspects[culprit], 0, note + "; a frame: replayed, not shrunk"
+                )
+                continue
         progress(f"shrinking {signature} ({wire_size(wire)} bytes)")
         small, tries = await shrink(wire, fails, deadline=budget)
-        minimal[signature] = await _replay(
-            run, violation.phase, FuzzInput(kind, small), tries, note
-        )
+        minimal[signature] = await _replay(run, violation, FuzzInput(kind, small), tries, note)
     return minimal
 
 
-async def _replay(run: Run, phase: str, item: FuzzInput, tries: int, note: str) -> Minimal:
+async def _fails_alone(
+    run: Run,
+    key: str,
+    same_cause: Callable[[int, str | None], bool],
+    input_format: str | None,
+    kinds: Mapping[Wire, str],
+    wire: Wire,
+) -> bool:
+    """Whether a control input alone (in a session following ``input_format``) still
+    shows the problem ``key`` (of the same logged cause)."""
+    offset = log_size(run.server.log_path)
+    problems, _, _, request_id = await control_alone(
+        run.url,
+        wire,
+        run.options.limits.max_control_bytes,
+        kind=kinds.get(wire, ""),
+        input_format=input_format,
+        limits=run.options.limits,
+    )
+    return any(p.key == key for p in problems) and same_cause(offset, request_id)
+
+
+async def _replay(
+    run: Run, violation: Violation, item: FuzzInput, tries: int, note: str
+) -> Minimal:
     """Run the minimal input once more, for the report: its messages and the server log."""
-    if phase == "start":
+    if violation.phase == "start":
         transcript = await run_start(run.url, item.wire)
         messages, close_code = transcript.messages, transcript.close_code
         request_id = request_id_of(messages)
     else:
         _, messages, close_code, request_id = await control_alone(
-            run.url, item.wire, run.options.limits.max_control_bytes
+            run.url,
+            item.wire,
+            run.options.limits.max_control_bytes,
+            kind=item.kind,
+            input_format=violation.input_format,
+            limits=run.options.limits,
         )
     log = log_excerpt(read_log(run.server.log_path), request_id) if request_id else []
     return Minimal(item, tries, messages, close_code, request_id, log, note)

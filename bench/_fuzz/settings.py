@@ -20,9 +20,31 @@ or stuck generation is what was asked for."""
 ENGINE_ARGS: Final = (("steps", "2"), ("step_delay", "0.01"), ("chunk_frames", "4"))
 """A chunk every ~20 ms: the control session streams for seconds (2400 frames), and an
 accepted start shows its first chunk soon enough to be checked."""
-CONTROL_START: Final = protocol.start_message(
-    "fuzz: control session", size="64x64", fps=24, num_frames=2400
-)
+CONTROL_SIZE: Final = 64
+"""The control sessions' width and height: their input frames' too."""
+CONTROL_INPUT_FORMATS: Final = ("jpeg", None, "png", "webp")
+"""The input video each control session follows, in turn (None: none). Every binary
+control input is an input frame then: it meets sessions that take its format, sessions
+that take another, and one that takes no frames at all (``invalid_message``)."""
+CONTROL_SESSION_INPUTS: Final = 250
+"""Control inputs per session at most: then the next session, so that a run of 1000
+has a session of each input video (and none) whatever the inputs drawn."""
+CONTROL_INPUT_VIDEO: Final = {"fps": 24, "strength": 0.5, "max_wait_ms": 0}
+"""At the output's rate, blended half and half; a chunk waits only for its frames' due
+time (``max_wait_ms`` 0), so a session whose frames come seldom still streams: a chunk
+every 4/24 s until ``input_video.end``, then every ~20 ms."""
+
+
+def control_start(input_format: str | None) -> str:
+    """The control session's ``session.start``: with an input video of ``input_format``
+    (jpeg, png or webp) of the session's size, or (None) without."""
+    fields: dict[str, object] = {"size": f"{CONTROL_SIZE}x{CONTROL_SIZE}", "fps": 24}
+    fields["num_frames"] = 2400
+    if input_format is not None:
+        fields["input_video"] = {"frame_format": input_format, **CONTROL_INPUT_VIDEO}
+    return protocol.start_message("fuzz: control session", **fields)
+
+
 SERVED_MODEL: Final = "synthetic"
 CLIENT_MAX_MESSAGE: Final = 64 * 1024 * 1024
 HEALTH_EVERY: Final = 250

@@ -3,8 +3,10 @@
 The messages as sent: the objects of ``objects`` as JSON text (non-ASCII escaped or not),
 broken in one place (``mutated``), as binary frames in other encodings, padded to just
 over or within the size limits in 1- to 4-byte characters, nested too deep; and raw text,
-empty messages. ``start_inputs`` and ``control_inputs`` weigh these per phase, and
-``draw_inputs`` draws them reproducibly from a seed.
+empty messages. Input video frames (``frame_inputs``): pictures of the control session's
+size in each format, valid, padded to the byte cap or past it, of other sizes, truncated,
+corrupted, or garbage; and ``input_video.end``. ``start_inputs`` and ``control_inputs``
+weigh these per phase, and ``draw_inputs`` draws them reproducibly from a seed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from bench._frames import encoded_frame
 from bench._fuzz.objects import (
     WRONG_CONTROL,
     interaction_objects,
@@ -26,10 +29,12 @@ from bench._fuzz.objects import (
     start_objects,
     with_junk,
 )
+from bench._fuzz.settings import CONTROL_SIZE
 from bench._fuzz.values import JSON_ANY, NON_OBJECTS, deep_values, weighted
 from bench._fuzz.wire import (
     FuzzInput,
     Padded,
+    PaddedFrame,
     Wire,
     to_json,
 )
@@ -170,8 +175,74 @@ def deep_messages(
     return to_json(message)
 
 
+WRONG_FRAME_SIZES: Final = ((2, 2), (32, 32), (62, 64), (64, 62), (66, 64), (64, 128), (128, 128))
+"""Frame sizes other than the control session's (even: 4:2:0 encoders want them so)."""
+PICTURES: Final = st.integers(0, 63)
+"""Which picture a frame shows, each encoded once (`encoded_frame`): as many as make
+distinct valid frames (the draw drops repeats)."""
+
+
+@st.composite
+def truncated_frames(draw: st.DrawFn, frames: SearchStrategy[bytes]) -> bytes:
+    """A frame cut short: its header may be whole, its end never is."""
+    data = draw(frames)
+    return data[: draw(st.integers(1, len(data) - 1))]
+
+
+@st.composite
+def corrupted_frames(draw: st.DrawFn, frames: SearchStrategy[bytes]) -> bytes:
+    """A frame with a few bytes flipped past its first quarter: the header mostly holds,
+    the picture does not (a PNG's checksums fail in the decoder, after the vetting)."""
+    data = bytearray(draw(frames))
+    for _ in range(draw(st.integers(1, 8))):
+        data[draw(st.integers(len(data) // 4, len(data) - 3))] ^= draw(st.integers(1, 255))
+    return bytes(data)
+
+
+def _frame_of_shape(frame_format: str, shape: tuple[int, int], number: int) -> bytes:
+    return encoded_frame(frame_format, shape[0], shape[1], number)
+
+
+def frame_inputs(limits: protocol.Limits) -> list[tuple[int, str, SearchStrategy[Any]]]:
+    """Input video frames, as binary messages, and ``input_video.end``: kinds
+    ``frame-<variant>.<format>`` (what a frame is, for `oracle.frame_expectation`).
+
+    Each format's pictures at the control session's size (valid: what the session takes
+    when it declared that format), padded with zeros to just within the byte cap or past
+    it, at other sizes, cut short, corrupted; and garbage, never an image."""
+    cap = limits.max_input_frame_bytes
+    options: list[tuple[int, str, SearchStrategy[Any]]] = []
+    for frame_format in protocol.INPUT_FRAME_FORMATS:
+        size = CONTROL_SIZE
+        valid = st.builds(functools.partial(encoded_frame, frame_format, size, size), PICTURES)
+        wrong = st.builds(
+            functools.partial(_frame_of_shape, frame_format),
+            st.sampled_from(WRONG_FRAME_SIZES),
+            PICTURES,
+        )
+        options += [
+            (4, f"frame-valid.{frame_format}", valid),
+            (
+                1,
+                f"frame-padded.{frame_format}",
+                st.builds(PaddedFrame, valid, st.integers(cap - 4096, cap)),
+            ),
+            (1, f"frame-wrong-size.{frame_format}", wrong),
+            (1, f"frame-truncated.{frame_format}", truncated_frames(valid)),
+            (1, f"frame-corrupt.{frame_format}", corrupted_frames(valid)),
+        ]
+    jpeg = st.builds(functools.partial(encoded_frame, "jpeg", CONTROL_SIZE, CONTROL_SIZE), PICTURES)
+    options += [
+        (2, "frame-oversize.jpeg", st.builds(PaddedFrame, jpeg, st.integers(cap + 1, cap + 65536))),
+        # A first byte that starts no image format: refused from its header.
+        (1, "frame-garbage", st.binary(max_size=256).map(lambda data: b"\x00" + data)),
+        (2, "input-end", st.just(protocol.INPUT_END_MESSAGE)),
+    ]
+    return options
+
+
 def _inputs(
-    kind_prefix: str, *options: tuple[int, str, SearchStrategy[Wire | Padded]]
+    kind_prefix: str, *options: tuple[int, str, SearchStrategy[Wire | Padded | PaddedFrame]]
 ) -> SearchStrategy[FuzzInput]:
     return weighted(
         *(
@@ -224,6 +295,7 @@ def control_inputs(limits: protocol.Limits) -> SearchStrategy[FuzzInput]:
         (2, "empty", EMPTY_TEXTS),
         (3, "oversize", sized(keepers, limit, "padding", over=True)),
         (2, "near-limit", sized(keepers, limit, "padding", over=False)),
+        *frame_inputs(limits),
     )
 
 
@@ -235,7 +307,7 @@ def draw_inputs(strategy: SearchStrategy[FuzzInput], count: int, seed: int) -> l
     so some come out equal; those are dropped, and it runs again with a derived seed until
     there are enough.
     """
-    found: dict[Wire | Padded, FuzzInput] = {}
+    found: dict[Wire | Padded | PaddedFrame, FuzzInput] = {}
     for attempt in range(20):
         if len(found) >= count:
             break

@@ -84,13 +84,25 @@ class Padded:
 
 
 @attrs.frozen
+class PaddedFrame:
+    """An input video frame, ``head`` (an image), then zeros up to ``size`` bytes, built
+    only when sent: frames over the 1 MiB cap are megabytes, like `Padded` inputs."""
+
+    head: bytes
+    size: int
+
+    def build(self) -> bytes:
+        return self.head + bytes(max(0, self.size - len(self.head)))
+
+
+@attrs.frozen
 class FuzzInput:
     """One message to send, labelled with the strategy that made it (for the summary)."""
 
     kind: str
-    payload: Wire | Padded
+    payload: Wire | Padded | PaddedFrame
 
     @property
     def wire(self) -> Wire:
         payload = self.payload
-        return payload.build() if isinstance(payload, Padded) else payload
+        return payload.build() if isinstance(payload, Padded | PaddedFrame) else payload

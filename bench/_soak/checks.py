@@ -157,6 +157,9 @@ def check_transcript(
     kind = plan.kind
     if kind in ("normal", "slow_reader", "chatty", "garbage_mid", "oversized_control"):
         _expect_done(problems, terminal, seen_end, stopped_ok=False)
+    elif kind == "input_video":
+        _expect_done(problems, terminal, seen_end, stopped_ok=False)
+        problems += input_video_problems(plan, tr, messages, media_frames, terminal)
     elif kind in ("stop", "pings_to_close"):
         _expect_done(problems, terminal, seen_end, stopped_ok=kind == "stop")
     elif kind == "garbage_start":
@@ -193,11 +196,77 @@ def check_transcript(
             )
     elif kind == "oversized_frame" and terminal is not None and plan.params["where"] == "start":
         problems.append(f"expected a close 1009 without messages, got {seen_end}")
-    if terminal == "done" and kind != "oversized_frame" and media_frames != plan.num_frames:
+    # A video that ends with its input (on_end "end") may be shorter: input_video_problems.
+    shorter = kind == "input_video" and plan.on_end == "end" and media_frames > 0
+    wrong = media_frames != plan.num_frames and not (shorter and media_frames < plan.num_frames)
+    if terminal == "done" and kind != "oversized_frame" and wrong:
         problems.append(f"{media_frames} frames arrived, {plan.num_frames} requested")
     if types and plan.start is not None and kind != "oversized_frame" and types[0] != "video.start":
         problems.append(f"first message {describe(messages[0][1])}, expected video.start")
     return Verdict(outcome, problems)
+
+
+def input_video_problems(
+    plan: Plan,
+    tr: Transcript,
+    messages: list[tuple[float, dict[str, Any]]],
+    media_frames: int,
+    terminal: str | None,
+) -> list[str]:
+    """An ``input_video`` session: its frames (all valid) never refused; every media
+    chunk says what became of the input (``input_frames``), never counting more frames
+    used or dropped than were sent, its ``last`` a frame sent, never going back; some
+    used; and a video that ended with its input (``on_end: "end"``, before its
+    ``num_frames``) accounted for every frame sent, exactly once."""
+    problems: list[str] = []
+    sent = sum(1 for e in tr.sent() if e.label.startswith("frame ") and e.delivered)
+    refused = [m for _, m in messages if m.get("code") == "invalid_input_frame"]
+    if refused:
+        problems.append(
+            f"{len(refused)} valid input frame(s) refused, first: {describe(refused[0])}"
+        )
+    used = dropped = 0
+    last_seen = -1
+    for _, message in messages:
+        if message.get("type") != "video.chunk_metadata" or message.get("kind") != "media":
+            continue
+        counts = message.get("input_frames")
+        fields = ("used", "dropped", "reused")
+        if not isinstance(counts, dict) or not all(
+            isinstance(counts.get(f), int) and counts[f] >= 0 for f in fields
+        ):
+            problems.append(f"media chunk without input_frames counts: {counts!r}")
+            return problems
+        used, dropped = used + counts["used"], dropped + counts["dropped"]
+        last = counts.get("last")
+        if last is not None:
+            if not isinstance(last, int) or not last_seen <= last < sent:
+                problems.append(f"input_frames.last {last!r} after {last_seen}, {sent} sent")
+            else:
+                last_seen = last
+    if used + dropped > sent:
+        problems.append(f"input frames: {used} used + {dropped} dropped, only {sent} sent")
+    if terminal == "done" and sent and not used:
+        problems.append(f"none of the {sent} input frames was used")
+    ended_with_input = plan.on_end == "end" and 0 < media_frames < plan.num_frames
+    if terminal == "done" and ended_with_input and used + dropped != sent:
+        problems.append(
+            f"the video ended with its input, but {used} used + {dropped} dropped of "
+            f"{sent} frames sent: every frame counts exactly once"
+        )
+    return problems
+
+
+def input_totals(tr: Transcript) -> dict[str, int]:
+    """An ``input_video`` session's frames sent, and its chunks' ``input_frames`` summed
+    (what they could read of them), for the report."""
+    totals = {"sent": sum(1 for e in tr.sent() if e.label.startswith("frame ") and e.delivered)}
+    for _, message in read_messages(tr).messages:
+        counts = message.get("input_frames") if message.get("kind") == "media" else None
+        for key in ("used", "dropped", "reused"):
+            value = counts.get(key) if isinstance(counts, dict) else None
+            totals[key] = totals.get(key, 0) + (value if isinstance(value, int) else 0)
+    return totals
 
 
 def _is_busy(message: dict[str, Any]) -> bool:
@@ -249,6 +318,7 @@ SERVER_OUTCOMES: Final[dict[str, tuple[frozenset[str], str | None]]] = {
     "engine_fail": (frozenset({"failed"}), "generation_failed"),
     "engine_hang": (frozenset({"stalled"}), "stall_timeout"),
     "engine_stuck": (frozenset({"stalled"}), "stall_timeout"),
+    "input_video": (frozenset({"completed"}), None),
     "held": (frozenset({"stalled"}), "stall_timeout"),
 }
 

@@ -20,17 +20,19 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
+from bench._frames import encoded_frame
 from bench._output import now
 from bench._soak.plans import (
     Plan,
     padded_start,
 )
-from bench._soak.settings import Timing
+from bench._soak.settings import INPUT_FRAME_FORMAT, INPUT_PICTURES, Timing
 from bench._soak.transcript import (
     REPLY_TYPES,
     Event,
     Transcript,
 )
+from trio_vstream import protocol
 
 
 def describe_error(exc: BaseException) -> str:
@@ -210,6 +212,30 @@ async def drive_controls(c: Conn, plan: Plan, timing: Timing) -> Abandon | None:
     return None
 
 
+async def drive_input_video(c: Conn, plan: Plan, timing: Timing) -> Abandon | None:
+    """Once ``video.start`` has come, JPEG frames of the session's size at the input's
+    rate (on its clock: no drift) while the video streams, then ``input_video.end``; a
+    video that ends first ends the sending."""
+    if not await _send_start(c, plan):
+        return None
+    if not await c.wait_for(lambda: c.video_started, timing.reply_wait):
+        return None
+    assert plan.start is not None
+    width, height = plan.start["width"], plan.start["height"]
+    fps, first = plan.params["fps"], plan.params["first_picture"]
+    began = trio.current_time()
+    for number in range(plan.params["frames"]):
+        await trio.sleep_until(began + number / fps)
+        if c.closed.is_set():
+            return None
+        picture = (first + number) % INPUT_PICTURES
+        frame = encoded_frame(INPUT_FRAME_FORMAT, width, height, picture)
+        if not await c.send(frame, f"frame {number}"):
+            return None
+    await c.send(protocol.INPUT_END_MESSAGE, "input_video.end")
+    return None
+
+
 async def drive_pings_to_close(c: Conn, plan: Plan, timing: Timing) -> Abandon | None:
     if not await _send_start(c, plan):
         return None
@@ -291,5 +317,6 @@ DRIVERS: Final[dict[str, Driver]] = {
     "engine_fail": drive_normal,
     "engine_hang": drive_normal,
     "engine_stuck": drive_normal,
+    "input_video": drive_input_video,
     "held": drive_normal,  # the batched part's wedge rounds: its rows wait, held
 }

@@ -21,6 +21,9 @@ from bench._soak.settings import (
     FIRST_SIGNAL_AFTER_S,
     HELD_NUM_FRAMES,
     HOLD_PARAM,
+    INPUT_FPS,
+    INPUT_FRAME_FORMAT,
+    INPUT_PICTURES,
     KINDS,
     MAX_CONTROL_BYTES,
     MAX_START_BYTES,
@@ -65,6 +68,12 @@ class Plan:
         variant = self.params.get("phase") or self.params.get("where") or self.params.get("variant")
         return f"{self.kind}({variant})" if variant else self.kind
 
+    @property
+    def on_end(self) -> str | None:
+        """An ``input_video`` session's ``on_end`` (None for the other kinds)."""
+        block = self.start.get("input_video") if self.start else None
+        return block.get("on_end") if isinstance(block, dict) else None
+
     def start_text(self) -> str:
         assert self.start is not None
         return json.dumps({"type": "session.start", **self.start})
@@ -76,7 +85,9 @@ DEFAULT_TIMING: Final = Timing()
 GARBAGE: Final[dict[str, tuple[str, str, str]]] = {
     # name: (payload, expected code instead of session.start, expected code mid-session)
     "non_json": ("this is not JSON {", "invalid_json", "invalid_json"),
-    "binary_junk": ("<binary>", "invalid_json", "invalid_json"),
+    # Mid-session a binary message is an input video frame, which a session without
+    # input_video refuses as such.
+    "binary_junk": ("<binary>", "invalid_json", "invalid_message"),
     "json_array": ("[1, 2, 3]", "invalid_message", "invalid_message"),
     "json_string": ('"session.start"', "invalid_message", "invalid_message"),
     "json_number": ("42", "invalid_message", "invalid_message"),
@@ -261,6 +272,22 @@ def make_plan(
         start["extra_params"] = {
             "block_at_chunk": params["at_chunk"],
             "block_seconds": params["block_s"],
+        }
+    elif kind == "input_video":
+        # JPEG frames sent at the input's rate while the video streams, then
+        # input_video.end: sometimes fewer than the video needs (held, or the video
+        # ends with them), sometimes more (the video ends first).
+        in_fps = rng.choice(INPUT_FPS)
+        needed = math.ceil(start["num_frames"] * in_fps / start["fps"])
+        params["frames"] = rng.randint(max(1, needed // 2), needed + 8)
+        params["fps"] = in_fps
+        params["first_picture"] = rng.randrange(INPUT_PICTURES)
+        start["input_video"] = {
+            "frame_format": INPUT_FRAME_FORMAT,
+            "fps": in_fps,
+            "strength": round(rng.uniform(0.0, 1.0), 2),
+            "on_end": rng.choice(("hold", "end")),
+            "max_wait_ms": rng.choice((0, 100, 250)),
         }
     elif kind != "normal":
         raise ValueError(f"unknown session kind {kind!r}")

@@ -20,6 +20,7 @@ from bench._soak.checks import (
     check_server_record,
     check_server_records,
     check_transcript,
+    input_totals,
 )
 from bench._soak.health_checks import check_health, peak_stuck_calls
 from bench._soak.runner import SessionResult, Soak
@@ -156,8 +157,12 @@ def judge_sessions(
         for counts in (kinds, warmup, server_side):
             counts.setdefault(result.plan.kind, Counter())
     timings: dict[str, list[float]] = {}
+    inputs: Counter[str] = Counter()
     for result in soak.results:
         plan, tr = result.plan, result.tr
+        if plan.kind == "input_video":
+            inputs["sessions"] += 1
+            inputs.update(input_totals(tr))
         record = soak.record_of(result.request_id) if result.request_id else None
         done_at = record.get("stream_closed_at") if record is not None else None
         done_at = done_at if isinstance(done_at, int | float) else None
@@ -217,6 +222,7 @@ def judge_sessions(
         "kinds": per_kind,
         "warmup_kinds": table(warmup),
         "timings_s": {name: summarize(values) for name, values in sorted(timings.items())},
+        "input_video": dict(inputs),
     }
 
 
@@ -345,6 +351,14 @@ def render_summary(report: dict[str, Any]) -> str:
     for kind, info in kinds.items():
         outcomes = ", ".join(f"{k} {v}" for k, v in info["outcomes"].items())
         lines.append(f"  {kind:18} {info['count']:5}  {outcomes}")
+    inputs = report.get("input_video") or {}
+    if inputs:
+        lines.append(
+            f"  input video: {inputs.get('sessions', 0)} sessions (warm-up included), "
+            f"{inputs.get('sent', 0)} frames sent: {inputs.get('used', 0)} used, "
+            f"{inputs.get('dropped', 0)} dropped; {inputs.get('reused', 0)} output frames "
+            f"without a frame of their own"
+        )
     lines += _resources_line("server", report)
     health = report.get("health")
     if health:

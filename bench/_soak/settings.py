@@ -37,6 +37,7 @@ KINDS: Final[dict[str, int]] = {
     "engine_fail": 5,
     "engine_hang": 3,
     "engine_stuck": 3,
+    "input_video": 6,
 }
 """Session kinds and their weights in the random mix."""
 
@@ -81,6 +82,14 @@ CLOSE_HANDSHAKE_WAIT_S: Final = 5.0
 METRICS_PERIOD_S: Final = 0.5
 """/stats keeps the last 256 sessions; polled this often, none is missed."""
 PROGRESS_PERIOD_S: Final = 5.0
+
+INPUT_FPS: Final = (12, 24, 30)
+"""An ``input_video`` session's input rate, drawn (the output's is 24): each input frame
+used twice, once, or some passed over."""
+INPUT_FRAME_FORMAT: Final = "jpeg"
+"""What an ``input_video`` client sends: JPEG, as a page makes from a canvas."""
+INPUT_PICTURES: Final = 16
+"""Pictures an ``input_video`` client cycles through (each encoded once)."""
 
 PROMPTS: Final = (
     "a red circle moving left on a navy background",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench._fuzz.settings import server_command
+from bench._fuzz.settings import CONTROL_INPUT_FORMATS, server_command
 from trio_vstream import protocol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +60,14 @@ def test_short_form_finds_no_violation(tmp_path: Path) -> None:
     assert {"invalid_json", "invalid_message", "invalid_request", "message_too_large"} <= set(
         report["errors"]
     )
+    # Video in: starts with an input video accepted, and a control session of each input
+    # video (and one without) whose frames were taken, refused from their header, over the
+    # byte cap, and refused by the decoder after their pong.
+    assert report["input_video_starts"].get("accepted", 0) > 5
+    assert report["control_sessions"] >= len(CONTROL_INPUT_FORMATS)
+    frames = report["frames"]
+    assert frames.get("taken", 0) > 20 and frames.get("error:invalid_input_frame", 0) > 50
+    assert frames.get("error:message_too_large", 0) > 0 and frames.get("refused later", 0) > 0
 
 
 def test_the_server_command_only_listens_on_loopback() -> None:

@@ -1,8 +1,9 @@
 """The soak's transcript and server-record checks (``bench/_soak/checks.py``,
 ``health_checks.py``, ``shutdown_checks.py``'s SIGTERM check), fed fake transcripts: good
 sessions pass, and each broken rule (two terminal messages, an error without a code, a
-wrong close, lost frames, a late timeout, ...) is flagged; so are a wedge round's broken
-rules (no 503, an upgrade accepted while wedged, no recovery).
+wrong close, lost frames, a late timeout, input frames refused or miscounted, ...) is
+flagged; so are a wedge round's broken rules (no 503, an upgrade accepted while wedged, no
+recovery).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bench._soak.checks import (
     check_server_record,
     check_server_records,
     check_transcript,
+    input_totals,
 )
 from bench._soak.client import describe_error, refusal_message, rejected_upgrade
 from bench._soak.health_checks import (
@@ -513,3 +515,70 @@ def test_a_soak_server_must_end_on_sigterm_with_status_0_within_its_grace() -> N
     assert sigterm_problems(0, 31.0, grace=30.0) == [
         "the server took 31.0 s to exit after SIGTERM, more than its --shutdown-grace of 30 s"
     ]
+
+
+# --------------------------------------------------------------------------------------
+# Sessions that follow an input video
+# --------------------------------------------------------------------------------------
+
+
+def _input_plan(on_end: str, num_frames: int = 8) -> Plan:
+    plan = _plan("input_video", num_frames=num_frames)
+    assert plan.start is not None
+    start = {**plan.start, "input_video": {**plan.start["input_video"], "on_end": on_end}}
+    return attrs.evolve(plan, start=start)
+
+
+def _input_chunk(index: int, used: int, dropped: int = 0, last: int | None = 0) -> list[Any]:
+    metadata, size = _chunk(index)
+    counts = {"used": used, "dropped": dropped, "reused": 4 - used, "first": 0, "last": last}
+    return [{**metadata, "input_frames": counts}, size]
+
+
+def _input_video(sent: int, *chunks: tuple[int, int, int | None], ended: bool = True) -> list[Any]:
+    """video.start, ``sent`` frames, then input_video.end, and media chunks of 4 frames
+    with (used, dropped, last) each; the trailer, session.done."""
+    items: list[Any] = [_start(), *(Out(f"frame {n}") for n in range(sent))]
+    if ended:
+        items.append(Out("input_video.end"))
+    for i, (used, dropped, last) in enumerate(chunks):
+        items += _input_chunk(i, used, dropped, last)
+    items += _chunk(len(chunks), frames=0, size=30, kind="trailer")
+    return [*items, _done(len(chunks) + 1)]
+
+
+def test_an_input_video_session_that_accounts_for_its_frames_passes() -> None:
+    held = _input_video(6, (4, 0, 3), (2, 0, 5))  # 8 output frames, the last 2 held
+    assert _problems(_input_plan("hold"), _transcript(held)) == []
+    assert input_totals(_transcript(held)) == {"sent": 6, "used": 6, "dropped": 0, "reused": 2}
+    # Ended with its input (on_end "end"), shorter than asked: every frame counted once.
+    short = _input_video(5, (4, 1, 3))
+    assert _problems(_input_plan("end", num_frames=16), _transcript(short)) == []
+
+
+def test_input_video_miscounts_and_refusals_are_flagged() -> None:
+    hold, end = _input_plan("hold"), _input_plan("end", num_frames=16)
+    over = _input_video(5, (4, 1, 3), (2, 0, 4))
+    assert _flagged(_problems(hold, _transcript(over)), "6 used + 1 dropped, only 5 sent")
+    lost = _input_video(6, (4, 0, 3))  # ended with its input, 2 frames never counted
+    assert _flagged(_problems(end, _transcript(lost)), "every frame counts exactly once")
+    backwards = _input_video(8, (4, 0, 3), (2, 0, 1))
+    assert _flagged(_problems(hold, _transcript(backwards)), "input_frames.last 1 after 3")
+    unsent = _input_video(2, (2, 0, 1), (0, 0, 2))
+    assert _flagged(_problems(hold, _transcript(unsent)), "input_frames.last 2")
+    unused = _input_video(3, (0, 0, None), (0, 0, None))
+    assert _flagged(_problems(hold, _transcript(unused)), "none of the 3 input frames was used")
+    bare = [
+        _start(),
+        Out("frame 0"),
+        *_chunk(0),
+        *_chunk(1),
+        *_chunk(2, 0, 30, "trailer"),
+        _done(3),
+    ]
+    assert _flagged(_problems(hold, _transcript(bare)), "without input_frames counts")
+    refused = _input_video(4, (4, 0, 3), (0, 0, 3))
+    refused.insert(5, _error("invalid_input_frame", "input frame 3 refused: the frame is PNG"))
+    assert _flagged(_problems(hold, _transcript(refused)), "valid input frame(s) refused")
+    # Shorter than asked is only right for a video that ends with its input.
+    assert _flagged(_problems(hold, _transcript(_input_video(4, (4, 0, 3)))), "4 frames arrived")

@@ -20,6 +20,8 @@ from bench._soak.plans import (
 from bench._soak.settings import (
     HELD_NUM_FRAMES,
     HOLD_TOKEN,
+    INPUT_FPS,
+    INPUT_FRAME_FORMAT,
     KINDS,
     MAX_START_BYTES,
     STUCK_ORDER_MARGIN_S,
@@ -96,3 +98,23 @@ def test_held_plans_share_their_rounds_token_and_tokens_never_repeat() -> None:
         assert plan.start is not None and plan.start["extra_params"] == {"hold": tokens[0]}
         assert plan.num_frames == HELD_NUM_FRAMES
         json.loads(plan.start_text())
+
+
+def test_input_video_plans_ask_for_jpeg_frames_at_a_rate_and_end_them() -> None:
+    rng = random.Random(3)
+    plans = [make_plan(rng, i, "input_video") for i in range(40)]
+    for plan in plans:
+        assert plan.start is not None
+        block = plan.start["input_video"]
+        assert block["frame_format"] == INPUT_FRAME_FORMAT and block["fps"] in INPUT_FPS
+        assert block["fps"] == plan.params["fps"] and 0 <= block["strength"] <= 1
+        assert plan.on_end == block["on_end"] and plan.params["frames"] >= 1
+        needed = -(-plan.num_frames * block["fps"] // 24)
+        assert plan.params["frames"] <= needed + 8
+    assert {plan.on_end for plan in plans} == {"hold", "end"}
+    assert {plan.params["fps"] for plan in plans} == set(INPUT_FPS)
+    # Some send fewer frames than their video needs, some more.
+    needs = [(p.params["frames"], -(-p.num_frames * p.params["fps"] // 24)) for p in plans]
+    assert any(sent < needed for sent, needed in needs)
+    assert any(sent > needed for sent, needed in needs)
+    assert make_plan(random.Random(3), 0, "normal").on_end is None

@@ -22,6 +22,13 @@ half scale, mono, at ``audio_sample_rate`` (48000 by default), continuous across
 (sample n of the stream is ``0.5 * sin(2 pi f n / rate)``), each chunk's samples exactly
 its frames' duration. Known to the sample, so a test can check the sound end to end on
 a CPU: its count, its phase (no drift), its correlation after the AAC round trip.
+
+It takes input video (`interfaces.SupportsVideoInput`), so that the server's video in can
+be exercised without a model (the fuzz, the soak, the tests): a session with
+``input_video`` gets a stream that follows its input (`interfaces.FollowsInput`), each
+output frame its input frame blended with the pattern by the request's ``strength``
+(0: the input exactly; 1: the pattern exactly, as without input). Sound, faults and
+interactions are the same as without input.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ any stall or close timeout worth testing, short enough that a blocked thread of 
 client's choosing always ends."""
 _PHASE_LEVELS = 256
 """Phase steps per band cycle: finer than 8-bit colour can show."""
+_BLEND_LEVELS = 256
+"""Steps of ``strength`` in the blend of input and pattern: integer weights, so that
+strength 0 gives the input and 1 the pattern exactly, byte for byte."""
 
 
 def _phase_index(cycles: np.ndarray) -> np.ndarray:
@@ -154,6 +164,23 @@ def session_settings(settings: SyntheticSettings, request: GenerationRequest) ->
     return attrs.evolve(settings, **faults)  # type: ignore[arg-type]
 
 
+def blend(source: np.ndarray, pattern: np.ndarray, strength: float) -> np.ndarray:
+    """``source`` moved towards ``pattern`` by ``strength`` in [0, 1] (both uint8 of one
+    shape): in `_BLEND_LEVELS` integer steps, rounded, so 0 is ``source`` and 1 is
+    ``pattern`` exactly."""
+    weight = round(min(max(strength, 0.0), 1.0) * _BLEND_LEVELS)
+    if weight == 0:
+        return source
+    if weight == _BLEND_LEVELS:
+        return pattern
+    # uint16 holds 255 * 256 + 128 and stays half the size of float32.
+    mixed = source.astype(np.uint16) * (_BLEND_LEVELS - weight)
+    mixed += pattern.astype(np.uint16) * weight
+    mixed += _BLEND_LEVELS // 2
+    mixed >>= 8
+    return mixed.astype(np.uint8)
+
+
 def prompt_colour(prompt: str) -> np.ndarray:
     """A stable, saturated RGB colour for a prompt (float32, 0..255)."""
     digest = hashlib.sha256(prompt.strip().lower().encode()).digest()
@@ -201,6 +228,10 @@ class Blocks:
 
 
 class SyntheticStream:
+    """One session's frames; for a request with ``input_video``, also `FollowsInput`:
+    `next_chunk` then needs the frames `feed_input` handed over just before (an
+    `EngineError` without them, or with the wrong shape)."""
+
     def __init__(
         self,
         request: GenerationRequest,
@@ -213,6 +244,8 @@ class SyntheticStream:
         self._schedule = PromptSchedule(request.prompt)
         self._next_index = 0
         self._frames_done = 0
+        self._fed: np.ndarray | None = None
+        """The next chunk's input frames (`feed_input`), for a session with input video."""
         self._closed = threading.Event()
         self.seed = request.seed if request.seed is not None else 0
         self._phase = (self.seed % 997) / 997.0
@@ -226,12 +259,39 @@ class SyntheticStream:
     def interact(self, change: PromptChange) -> None:
         self._schedule.push(change)
 
+    @property
+    def next_chunk_frames(self) -> int:
+        """The next chunk's frame count; 0 once the video is complete (`FollowsInput`)."""
+        remaining = self._request.num_frames - self._frames_done
+        return max(0, min(self._settings.chunk_frames, remaining))
+
+    def feed_input(self, frames: np.ndarray) -> None:
+        """The next chunk's input (`FollowsInput`): (next_chunk_frames, H, W, 3) uint8.
+        Refused (`EngineError`) for a session without input video or another shape."""
+        request = self._request
+        if request.input_video is None:
+            raise EngineError("synthetic engine: input frames fed to a session without input_video")
+        expected = (self.next_chunk_frames, request.height, request.width, 3)
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+            raise EngineError(
+                f"synthetic engine: input frames must be a uint8 array, got "
+                f"{getattr(frames, 'dtype', type(frames).__name__)}"
+            )
+        if frames.shape != expected:
+            raise EngineError(
+                f"synthetic engine: input frames of shape {frames.shape}, expected {expected}"
+            )
+        self._fed = frames
+
     def next_chunk(self, checkpoint: Checkpoint) -> Chunk | None:
         remaining = self._request.num_frames - self._frames_done
         if remaining <= 0:
             return None
         index = self._next_index
         settings = self._settings
+        fed, self._fed = self._fed, None
+        if self._request.input_video is not None and fed is None:
+            raise EngineError(f"synthetic engine: no input frames fed for chunk {index}")
         if settings.block_at_chunk == index:
             # Stuck outside any checkpoint until released, or block_seconds have passed.
             self._blocks.block(settings.block_seconds or BLOCK_SECONDS_MAX)
@@ -252,7 +312,16 @@ class SyntheticStream:
             (weight * prompt_colour(prompt) for prompt, weight in conditioning.mix),
             start=np.zeros(3, dtype=np.float32),
         )
-        frames = self._render(self._frames_done, count, colour)
+        input_video = self._request.input_video
+        if fed is not None and input_video is not None:
+            if len(fed) != count:  # a feed and its chunk must agree
+                raise EngineError(f"synthetic engine: {len(fed)} input frames for {count}")
+            strength = input_video.strength
+            # At strength 0 the pattern is not even drawn: the input is the output.
+            pattern = self._render(self._frames_done, count, colour) if strength > 0 else fed
+            frames = blend(fed, pattern, strength)
+        else:
+            frames = self._render(self._frames_done, count, colour)
         audio = self._sound(self._frames_done, count)
         self._frames_done += count
         self._next_index += 1
@@ -308,6 +377,9 @@ class SyntheticEngine:
     video_defaults = VideoDefaults(width=256, height=256, fps=24, num_frames=48)
     interaction_kinds: frozenset[str] = frozenset({"prompt"})
     """Prompts only: the colour follows the prompt, and there is no camera to move."""
+    video_input = True
+    """Its streams follow an input video (`interfaces.SupportsVideoInput`): see the
+    module's docstring."""
 
     def __init__(self, settings: SyntheticSettings | None = None) -> None:
         self.settings = settings or SyntheticSettings()
