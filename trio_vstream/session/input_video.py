@@ -249,16 +249,10 @@ class InputVideo:
     def offer(self, data: bytes) -> protocol.ProtocolError | None:
         """One frame message, vetted now and queued for decoding; never waits. Returns
         the error the client gets for a frame refused, None for one taken."""
-        timeline = self._timeline
-        index = timeline.arrived()
         settings = self.settings
         if len(data) > settings.max_frame_bytes:
-            self._refuse(index)
-            return protocol.ProtocolError(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"input frame {index} is {len(data)} bytes, more than the "
-                f"{settings.max_frame_bytes} allowed",
-            )
+            return self.oversized(len(data))
+        index = self._timeline.arrived()
         try:
             header = vet_frame(data, settings.frame_format, settings.width, settings.height)
         except EncodingError as exc:
@@ -277,6 +271,16 @@ class InputVideo:
             self._wake()
         self._wake()
         return None
+
+    def oversized(self, length: int) -> protocol.ProtocolError:
+        """A frame message of ``length`` bytes, over the cap: numbered, refused unread."""
+        index = self._timeline.arrived()
+        self._refuse(index)
+        return protocol.ProtocolError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"input frame {index} is {length} bytes, more than the "
+            f"{self.settings.max_frame_bytes} allowed",
+        )
 
     def end(self) -> None:
         """``input_video.end``: no more frames will come."""

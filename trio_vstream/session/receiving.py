@@ -24,7 +24,7 @@ from trio_vstream.logsafe import get_logger
 from trio_vstream.outputs.taps import TapSet
 from trio_vstream.protocol import ErrorCode
 from trio_vstream.session.calls import SessionCalls
-from trio_vstream.session.early_messages import EarlyMessages
+from trio_vstream.session.early_messages import EarlyMessages, OversizedFrame, binary_refusal
 from trio_vstream.session.endings import Ending, Outcome, SessionError
 from trio_vstream.session.input_video import InputVideo
 from trio_vstream.session.interactions import Interactions
@@ -100,20 +100,20 @@ class Receiver:
             except ConnectionClosed:
                 self._disconnected()
                 return
-            if isinstance(raw, bytes) and self._input is not None:
-                refusal = self._input.offer(raw)  # vetted, queued: never waits for a decode
+            if isinstance(raw, bytes | OversizedFrame) and self._input is not None:
+                # Vetted and queued (never waiting for a decode), or refused unread.
+                if isinstance(raw, OversizedFrame):
+                    refusal: protocol.ProtocolError | None = self._input.oversized(raw.length)
+                else:
+                    refusal = self._input.offer(raw)
                 if refusal is not None:
                     await self.refuse_frame(refusal)
                 continue
             try:
                 if isinstance(raw, protocol.ProtocolError):
                     raise raw  # refused while the session prepared
-                if isinstance(raw, bytes):
-                    raise protocol.ProtocolError(
-                        ErrorCode.INVALID_MESSAGE,
-                        "Binary messages are input video frames, and this session asked "
-                        "for no input_video",
-                    )
+                if isinstance(raw, bytes | OversizedFrame):
+                    raise binary_refusal()
                 message = protocol.parse_control(raw, limits=self._limits)
             except protocol.ProtocolError as exc:
                 await self._sender.reply(protocol.Error.from_protocol_error(exc, self._request_id))

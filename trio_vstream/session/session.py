@@ -303,7 +303,8 @@ class Session:
         self._interactions.request_id = self.request_id
         # Preparing may take a while (an image fetch, the engine opening its stream): a
         # client that goes away meanwhile ends it at once, and what it sends is kept.
-        early = EarlyMessages(self._config.limits)
+        frame_bytes = start.input_video.max_frame_bytes if start.input_video else None
+        early = EarlyMessages(self._config.limits, frame_bytes)
         async with trio.open_nursery() as preparing:
             preparing.start_soon(hold_early_messages, self._ws, early, self._disconnected)
             prepared = await prepare(
