@@ -365,6 +365,19 @@ def default_segment_frames(model: PipelineInfo, step: int, *, window_arg: str | 
     return 4 * step + 1 if step > 1 else 16
 
 
+def checked_segment_frames(model: PipelineInfo, given: int | None, step: int) -> int:
+    """``segment_frames`` as the operator gave it (a ``step * n + 1`` count, else a start-up
+    error naming the nearest), or `default_segment_frames` when not given."""
+    if given is None:
+        return default_segment_frames(model, step)
+    if (given - 1) % step:
+        raise config_error(
+            f"segment_frames must be {step}*n+1 for {model.class_name} "
+            f"(e.g. {valid_frames(given, step)}), got {given}"
+        )
+    return given
+
+
 def video_defaults(model: PipelineInfo, multiple: int, segment: int) -> VideoDefaults:
     """What a request that leaves size, fps or length out gets: the model family's native
     size where known (Wan), else the pipeline's own defaults rounded to what it accepts;

@@ -29,8 +29,7 @@ import torch
 
 from trio_vstream.engines.contract import Checkpoint, Chunk, EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams
-from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
-from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers._loading import checked_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._stream import frames_to_uint8, logger, to_pil
 from trio_vstream.engines.diffusers.loops._calls import BatchedCall, batchable
 from trio_vstream.engines.diffusers.loops._protocol import Draft, Loop
@@ -79,14 +78,7 @@ class Segments:
         return batchable(model) and (i2v is None or batchable(i2v))
 
     def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
-        if given is None:
-            return default_segment_frames(model, frame_step)
-        if (given - 1) % frame_step:
-            raise config_error(
-                f"segment_frames must be {frame_step}*n+1 for {model.class_name} "
-                f"(e.g. {valid_frames(given, frame_step)}), got {given}"
-            )
-        return given
+        return checked_segment_frames(model, given, frame_step)
 
     def extra_params(self, model: PipelineInfo) -> ExtraParams:
         return EXTRA_PARAMS

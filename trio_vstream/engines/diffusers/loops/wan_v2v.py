@@ -49,8 +49,7 @@ import torch
 
 from trio_vstream.engines.contract import EngineError
 from trio_vstream.engines.diffusers._extra import COMMON, ExtraParams, Refused, whole
-from trio_vstream.engines.diffusers._loading import default_segment_frames, valid_frames
-from trio_vstream.engines.diffusers._settings import config_error
+from trio_vstream.engines.diffusers._loading import checked_segment_frames, valid_frames
 from trio_vstream.engines.diffusers._stream import to_pil
 from trio_vstream.engines.diffusers.loops._protocol import Draft, InputLoop, Loop, Run
 from trio_vstream.engines.diffusers.loops.segments import SegmentPlan, SegmentRun
@@ -112,14 +111,7 @@ class WanVideoToVideo:
 
     def segment_frames(self, model: PipelineInfo, given: int | None, frame_step: int) -> int:
         """The default chunk: ``segment_frames``, ``4n+1`` (default 17)."""
-        if given is None:
-            return default_segment_frames(model, frame_step)
-        if (given - 1) % frame_step:
-            raise config_error(
-                f"segment_frames must be {frame_step}*n+1 for {model.class_name} "
-                f"(e.g. {valid_frames(given, frame_step)}), got {given}"
-            )
-        return given
+        return checked_segment_frames(model, given, frame_step)
 
     def extra_params(self, model: PipelineInfo) -> ExtraParams:
         return EXTRA_PARAMS
