@@ -48,6 +48,7 @@ export class CameraIn {
     this.awaiting = [];       // [media time of a chunk's last frame, its input index]
     this.latencies = [];      // ms: an input frame drawn -> the output frame showing it presented
     this.parts = [];          // ms: [drawn -> its chunk arrived, arrived -> presented]
+    this.measured = 0;        // latencies measured in all (the lists keep the last WINDOW)
     this.counts = { used: 0, dropped: 0, reused: 0 };
   }
 
@@ -101,9 +102,19 @@ export class CameraIn {
     this.acked = Math.max(this.acked, input.last);
     const last = (startFrame + meta.num_frames - 1) / outputFps;
     this.awaiting.push({ mediaTime: last, index: input.last, arrivedAt });
-    // Captures no chunk can show any more are forgotten.
+    this.forget();
+  }
+
+  // Captures no chunk can show any more are forgotten: those before the input of the
+  // oldest chunk whose last frame is still to be presented. Not those before the newest
+  // chunk's: at 24 fps the next chunk arrives before this one's last frame is on screen
+  // (a chunk plays for its whole length after it arrives), and its capture is still needed.
+  forget() {
+    const oldest = this.awaiting.length > 0
+      ? Math.min(...this.awaiting.map((record) => record.index))
+      : this.acked + 1;
     for (const index of this.captures.keys()) {
-      if (index < input.last) this.captures.delete(index);
+      if (index < oldest) this.captures.delete(index);
     }
   }
 
@@ -117,10 +128,12 @@ export class CameraIn {
       const drawnAt = this.captures.get(record.index);
       if (drawnAt == null) continue;
       this.latencies.push(when - drawnAt);
+      this.measured += 1;
       this.parts.push([record.arrivedAt - drawnAt, when - record.arrivedAt]);
       if (this.latencies.length > WINDOW) this.latencies.shift();
       if (this.parts.length > WINDOW) this.parts.shift();
     }
+    this.forget();
   }
 
   // What the page measured, for the figures, tests and the bench (copies).
@@ -129,6 +142,7 @@ export class CameraIn {
       sent: this.sent,
       skipped: this.skipped,
       acked: this.acked,
+      measured: this.measured,
       counts: { ...this.counts },
       latencies: [...this.latencies],
       parts: this.parts.map((pair) => [...pair]),
