@@ -310,6 +310,11 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
         "count",
         "per run: input frames the server dropped (its buffer full), over the measured span",
     ),
+    "camera_in.capture_fps": (
+        "fps",
+        "per run: the page's captures (sent or skipped) a second over the measured span; "
+        "the session's fps, or the server's input waits for good",
+    ),
     "camera_in.presented": ("count", "per run: frames the video element presented"),
     "camera_in.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
     "camera_in.stall_ms": ("ms", "per run: the page's time waiting after playback began"),

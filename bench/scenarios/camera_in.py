@@ -96,6 +96,13 @@ COLLECTOR: Final = """() => {
 """Installed in the page before Start: every presented frame's media time and display
 time (the clock of the page's own figures), for the player's lag."""
 
+CAPTURES: Final = """async () => {
+  const camera = (await import("/static/player.js")).liveStats().cameraIn;
+  return [performance.now(), camera ? camera.sent + camera.skipped : 0];
+}"""
+"""The page's clock and the captures it has made so far (sent or skipped), read together:
+its capture rate over the span."""
+
 
 def histogram_totals(metrics: str) -> dict[str, tuple[float, float]]:
     """The sum and count of each of `METRICS`' histograms in the server's ``/metrics``
@@ -159,6 +166,12 @@ def chunk_lags_ms(
         if later.size:
             lags.append(float(shown[later[0]]) - float(arrived))
     return lags
+
+
+def capture_rate(before: Sequence[float], after: Sequence[float]) -> float | None:
+    """Captures a second between two reads of `CAPTURES`; None over no time."""
+    seconds = (float(after[0]) - float(before[0])) / 1000.0
+    return (float(after[1]) - float(before[1])) / seconds if seconds > 0 else None
 
 
 def metrics_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -229,7 +242,8 @@ def drive_page(url: str, y4m: Path, s: Settings) -> dict[str, Any]:
             )
             read = """async () => (await import("/static/player.js")).liveStats()"""
             stats = page.evaluate(read)
-            since_ms = float(page.evaluate("() => performance.now()"))
+            captures_before = page.evaluate(CAPTURES)
+            since_ms = float(captures_before[0])
             metrics_before = metrics_totals(url)
             chunks_before = len(chunks)
             seen = int((stats["cameraIn"] or {}).get("measured", 0))
@@ -247,6 +261,7 @@ def drive_page(url: str, y4m: Path, s: Settings) -> dict[str, Any]:
                 lost += gone
                 if left <= POLL_MS:
                     break
+            captures_after = page.evaluate(CAPTURES)
             metrics_after = metrics_totals(url)
             measured_chunks = chunks[chunks_before:]
             frames = page.evaluate("() => window.__cameraFrames")
@@ -267,6 +282,7 @@ def drive_page(url: str, y4m: Path, s: Settings) -> dict[str, Any]:
         "arrivals": [a for a in stats.get("arrivals", []) if a[1] >= since_ms],
         "lags": chunk_lags_ms(frames, stats.get("arrivals", []), since_ms),
         "presented": len(frames),
+        "capture_fps": capture_rate(captures_before, captures_after),
         "server_ms": mean_ms_between(metrics_before, metrics_after),
         "errors": errors,
     }
@@ -293,6 +309,7 @@ def measure(result: dict[str, Any]) -> dict[str, Any]:
         "inputs_skipped": camera.get("skipped"),
         "samples_lost": result["lost"],
         "presented": result["presented"],
+        "capture_fps": result["capture_fps"],
         "underruns": stats.get("underruns"),
         "stall_ms": stats.get("stallMs"),
         "catch_ups": stats.get("catchUps"),
@@ -348,7 +365,7 @@ class CameraInScenario:
             add(run, f"camera_in.{name}", figures[name])
         for name, value in figures["server_ms"].items():
             add(run, f"camera_in.{name}", [value])
-        for name in ("inputs_sent", "inputs_skipped", "inputs_dropped", "presented"):
+        for name in ("inputs_sent", "inputs_skipped", "inputs_dropped", "presented", "capture_fps"):
             if figures[name] is not None:
                 add(run, f"camera_in.{name}", [figures[name]])
         for name in ("underruns", "stall_ms"):

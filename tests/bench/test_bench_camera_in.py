@@ -102,6 +102,9 @@ def test_a_quick_run_measures_camera_to_frame_and_its_parts(quick: dict[str, Any
     assert run["defaults"]["live"] is True
     # The page sent its camera, and the server dropped none of it (paced to the chunks).
     assert run["inputs_sent"] > 0 and run["inputs_dropped"] == 0
+    # Captures at the session's rate, on a clock that does not drift (setInterval's
+    # whole milliseconds made 24.4 a second, and the server's input queue grew).
+    assert run["capture_fps"] == pytest.approx(24.0, abs=0.5)
     # A figure for (nearly) every chunk of the span: none lost to the page's window, none
     # to a capture forgotten before its chunk's last frame was on screen.
     assert run["samples_lost"] == 0
