@@ -136,11 +136,11 @@ MAX_REPORTED_WORDS: Final = 4096
 LIVE_INPUT_CHUNK_FRAMES: Final = 4
 """The chunk length suggested for live sessions that follow a camera: 4 frames wait 125 ms
 for their window of input at 24 fps, against 292 ms for the model's 8, and camera to
-frame in the player fell from 514 to 329 ms (bench ``camera_in``, one thread, one run
+frame in the player fell from 505 to 340 ms (bench ``camera_in``, one thread, 3 runs
 each). The model still computes its whole 8-frame chunk for each and keeps 4, so a
-session makes half the frames a second (a chunk in about 60 ms on one thread: still 2.7
-times real time); 2 frames gained 80 ms more for half again, too little headroom on a
-shared 2-core machine."""
+session makes half the frames a second (a chunk in 62 to 72 ms on one thread, 2.3 to
+2.7 times real time); 2 frames gained 80 ms more for half again, too little headroom on
+a shared 2-core machine."""
 
 
 class ShapesEngine:
