@@ -6,7 +6,10 @@ Per run, one shapes server (``--engine shapes --device cpu``, ``threads=1`` as i
 (through Playwright) whose camera is a fake one: a Y4M loop at the session's frame rate
 of a green blob going round on grey (`tests.player.fake_camera`), played by chromium's
 ``--use-file-for-fake-video-capture``. The player page runs with its defaults (Live on,
-the engine's size and fps: 256x256 at 24 fps in 8-frame chunks) plus Camera in: it draws
+the engine's size and fps: 256x256 at 24 fps, and with Camera in the chunk the engine
+suggests for a live camera session, ``live_input_chunk_frames``: 4 frames of the model's
+8; ``camera_in_chunk_frames`` sets the page's ``LIVE.chunkFrames`` instead) plus Camera
+in: it draws
 the camera to a canvas at the session's size and sends it as JPEG binary messages at the
 session's fps, paced to the chunks' ``input_frames.last``, and the shapes model's object
 follows the blob. After ``camera_in_warmup_s`` of playing, the scenario reads the page's
