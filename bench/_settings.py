@@ -28,6 +28,7 @@ SCENARIOS: Final = (
     "effect",
     "streaming",
     "glass",
+    "camera_in",
     "overhead",
     "fleet",
     "hls",
@@ -46,6 +47,7 @@ OWN_SERVER_SCENARIOS: Final = (
     "effect",
     "streaming",
     "glass",
+    "camera_in",
     "overhead",
     "fleet",
     "hls",
@@ -57,7 +59,8 @@ ALL_SCENARIOS: Final = SCENARIOS[:5]
 ``effect`` (~3 min) are asked for by name: together they would more than double the
 default run, and they measure the shapes engine rather than the transport; so does
 ``streaming`` (~5 min). ``glass`` (the player page in chromium, ~45 s a run) is asked
-for by name too, and so is ``overhead`` (the server's CPU per frame against a bare
+for by name too, and so are ``camera_in`` (the same page following a fake camera,
+~35 s a run), ``overhead`` (the server's CPU per frame against a bare
 encoder's, ~1.5 min a run), ``fleet`` (one server and three behind nginx, ~8 s a
 run), ``hls`` (one session with 500 LL-HLS viewers through nginx's cache and with
 none, ~30 s a run), and ``hls_latency`` (hls.js in chromium through nginx, ~30 s a
@@ -166,6 +169,15 @@ class Settings:
     glass_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
     """The glass server's shapes engine: one torch thread, so chromium has the other
     core of a 2-core machine to decode and show the video."""
+    camera_in_seconds: float = 20.0
+    """How long the camera_in scenario reads the page's camera-to-frame figures."""
+    camera_in_warmup_s: float = 3.0
+    """Seconds of video played before they are read: steady state."""
+    camera_in_chunk_frames: int | None = None
+    """The page's ``LIVE.chunkFrames`` for the camera_in session, for trying others; None:
+    the page's own."""
+    camera_in_engine_args: tuple[tuple[str, str], ...] = (("threads", "1"),)
+    """The camera_in server's shapes engine: one torch thread, as ``glass``'s."""
     fleet_sessions: int = 8
     """The fleet scenario's wave: this many sessions at once through nginx, more than one
     server's slots and more than the three servers' (``fleet_max_sessions`` each)."""
@@ -240,6 +252,8 @@ class Settings:
             "glass_seconds": 6.0,
             "glass_press_every_s": 2.0,
             "glass_warmup_s": 1.5,
+            "camera_in_seconds": 4.0,
+            "camera_in_warmup_s": 1.0,
             "overhead_sessions": 2,
             "overhead_frames": 48,
             "fleet_sessions": 4,

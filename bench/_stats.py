@@ -260,6 +260,64 @@ CATALOGUE: Final[dict[str, tuple[str, str]]] = {
     ),
     "glass.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
     "glass.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
+    "camera_in.camera_to_frame_ms": (
+        "ms",
+        "the page's Camera to frame: the input frame a chunk's last output frame was made "
+        "from drawn -> that output frame presented",
+    ),
+    "camera_in.drawn_to_arrival_ms": (
+        "ms",
+        "that input frame drawn -> its chunk's metadata on the page (JPEG, upload, decode, "
+        "generation, encode, transport)",
+    ),
+    "camera_in.arrival_to_frame_ms": (
+        "ms",
+        "the chunk's metadata on the page -> its last frame presented (the player's lag "
+        "and the buffer)",
+    ),
+    "camera_in.buffer_ms": (
+        "ms",
+        "(chunk frames - 1) / fps per chunk, from the chunks' metadata: the capture time "
+        "a chunk's window spans",
+    ),
+    "camera_in.player_lag_ms": (
+        "ms",
+        "a media chunk's arrival on the page -> its first frame presented",
+    ),
+    "camera_in.chunk_interarrival_ms": ("ms", "between two media chunks' arrivals on the page"),
+    "camera_in.engine_chunk_ms": (
+        "ms",
+        "per run: the engine's mean time per chunk over the measured span (/metrics)",
+    ),
+    "camera_in.encode_ms": (
+        "ms",
+        "per run: the encoder's mean time per chunk over the measured span (/metrics)",
+    ),
+    "camera_in.engine_queue_wait_ms": (
+        "ms",
+        "per run: the mean wait for the engine per chunk over the measured span (/metrics)",
+    ),
+    "camera_in.encode_queue_wait_ms": (
+        "ms",
+        "per run: the mean wait for an encode slot per chunk over the measured span (/metrics)",
+    ),
+    "camera_in.inputs_sent": ("count", "per run: input frames the page sent, warm-up included"),
+    "camera_in.inputs_skipped": (
+        "count",
+        "per run: captures the page did not send (ahead of the engine, or still encoding)",
+    ),
+    "camera_in.inputs_dropped": (
+        "count",
+        "per run: input frames the server dropped (its buffer full), over the measured span",
+    ),
+    "camera_in.capture_fps": (
+        "fps",
+        "per run: the page's captures (sent or skipped) a second over the measured span; "
+        "the session's fps, or the server's input waits for good",
+    ),
+    "camera_in.presented": ("count", "per run: frames the video element presented"),
+    "camera_in.underruns": ("count", "per run: the page's underruns (waiting after playing)"),
+    "camera_in.stall_ms": ("ms", "per run: the page's time waiting after playback began"),
     "overhead.server_ms_per_frame": (
         "ms",
         "per run: the server process's CPU (all threads) per frame delivered, the "

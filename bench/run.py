@@ -34,6 +34,9 @@
 * ``glass`` (by name, not in ``all``): the player page in chromium with its defaults on
   the shapes model, D and A pressed in turn: key to presented frame, from the page's
   figure and from the presented frames' pixels, and the continuous play ratio.
+* ``camera_in`` (by name, not in ``all``): the player page in chromium with its defaults
+  and Camera in, chromium's fake camera a moving blob, on the shapes model: an input
+  frame drawn -> the output frame made from it presented, and its parts.
 * ``fleet`` (by name, not in ``all``; needs /usr/sbin/nginx): a wave of sessions, each
   with viewers of its watch link, through nginx (the shipped deploy/nginx.conf) in front
   of one server and in front of three: sessions completed and refused, viewers that saw
@@ -121,6 +124,7 @@ from bench._settings import (
 from bench._stats import CATALOGUE, Figure, Figures, catalogue_key, percentile, summarize
 from bench.scenarios import SCENARIO_FUNCTIONS, run_target
 from bench.scenarios.batching import BATCHING_PRESETS, BatchingPreset, BatchingScenario
+from bench.scenarios.camera_in import CameraInScenario
 from bench.scenarios.concurrency import session_fps
 from bench.scenarios.decode import DecodePreset, DecodeScenario
 from bench.scenarios.diffusers import (
@@ -164,6 +168,7 @@ __all__ = [
     "SERVER_SCENARIOS",
     "BatchingPreset",
     "BatchingScenario",
+    "CameraInScenario",
     "DiffusersPreset",
     "DiffusersScenario",
     "EffectScenario",
@@ -245,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"all (default) or any of {', '.join(SCENARIOS)}; repeatable or comma-separated "
-        "(all leaves out batching, decode, effect, streaming, glass, overhead, fleet, hls and "
-        "hls_latency: name them)",
+        "(all leaves out batching, decode, effect, streaming, glass, camera_in, overhead, "
+        "fleet, hls and hls_latency: name them)",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="measure a server that is already running")
@@ -482,6 +487,13 @@ async def main_async(args: argparse.Namespace) -> int:
             glass = GlassScenario(s, args.server_arg)
             for run in range(s.repeat):
                 await glass.run(run, Path(log_dir))
+        camera_in: CameraInScenario | None = None
+        if "camera_in" in s.scenarios:
+            camera_in = CameraInScenario(s, args.server_arg)
+            if camera_in.skipped is not None:
+                progress(f"camera_in: skipped: {camera_in.skipped}")
+            for run in range(s.repeat if camera_in.skipped is None else 0):
+                await camera_in.run(run, Path(log_dir))
         overhead: OverheadScenario | None = None
         if "overhead" in s.scenarios:
             overhead = OverheadScenario(s, args.server_arg)
@@ -546,6 +558,7 @@ async def main_async(args: argparse.Namespace) -> int:
         | EffectScenario
         | StreamingScenario
         | GlassScenario
+        | CameraInScenario
         | OverheadScenario
         | FleetScenario
         | HlsScenario
@@ -559,6 +572,7 @@ async def main_async(args: argparse.Namespace) -> int:
         ("effect", effect),
         ("streaming", streaming),
         ("glass", glass),
+        ("camera_in", camera_in),
         ("overhead", overhead),
         ("fleet", fleet),
         ("hls", hls),

@@ -20,6 +20,7 @@ from trio_vstream.engines.interfaces import (
     SupportsInteractionKinds,
     audio_format,
     interaction_kinds,
+    live_input_chunk_frames,
     live_settings,
     max_batch,
     missing_members,
@@ -180,6 +181,29 @@ def test_live_settings_are_read_and_checked_at_start_up() -> None:
     finally:
         shapes.close()
     assert live_settings(LiveEngine({"flow_shift": 2})) == {"flow_shift": 2}
+
+
+class InputChunkEngine(BareEngine):
+    def __init__(self, frames: object, longest: int | None = None) -> None:
+        self.live_input_chunk_frames = frames
+        if longest is not None:
+            self.max_chunk_frames = longest
+
+
+def test_the_live_input_chunk_is_read_and_checked_at_start_up() -> None:
+    assert live_input_chunk_frames(BareEngine()) is None
+    shapes = create_shapes(threads="1")
+    try:
+        # Half the model's chunk: a camera frame waits 125 ms for its window, not 292.
+        assert live_input_chunk_frames(shapes) == 4 < shapes.max_chunk_frames
+    finally:
+        shapes.close()
+    assert live_input_chunk_frames(InputChunkEngine(2)) == 2
+    for bad in (0, -1, True, 2.0, "4"):
+        with pytest.raises(EngineConfigError, match="must be a positive integer"):
+            live_input_chunk_frames(InputChunkEngine(bad))
+    with pytest.raises(EngineConfigError, match="6 is more than its max_chunk_frames 4"):
+        live_input_chunk_frames(InputChunkEngine(6, longest=4))
 
 
 @pytest.mark.parametrize(

@@ -18,27 +18,29 @@ BACKGROUND = 110
 RADIUS = 28
 
 
-def blob_centre(index: int) -> tuple[float, float]:
-    """Where the blob is (x, y, in pixels) in frame ``index`` of the loop."""
-    angle = 2 * math.pi * (index % FRAMES) / FRAMES
+def blob_centre(index: int, frames: int = FRAMES) -> tuple[float, float]:
+    """Where the blob is (x, y, in pixels) in frame ``index`` of a loop of ``frames``."""
+    angle = 2 * math.pi * (index % frames) / frames
     return SIZE / 2 + 70 * math.cos(angle), SIZE / 2 + 70 * math.sin(angle)
 
 
-def frame(index: int) -> np.ndarray:
-    """Frame ``index``: (SIZE, SIZE, 3) uint8 RGB."""
-    x, y = blob_centre(index)
+def frame(index: int, frames: int = FRAMES) -> np.ndarray:
+    """Frame ``index`` of a loop of ``frames``: (SIZE, SIZE, 3) uint8 RGB."""
+    x, y = blob_centre(index, frames)
     rows, cols = np.mgrid[0:SIZE, 0:SIZE]
     picture = np.full((SIZE, SIZE, 3), BACKGROUND, np.uint8)
     picture[(cols - x) ** 2 + (rows - y) ** 2 <= RADIUS**2] = BLOB
     return picture
 
 
-def write_y4m(path: Path) -> Path:
-    """The loop as a 4:2:0 Y4M file (BT.601 limited range, as chromium reads it)."""
+def write_y4m(path: Path, fps: int = FPS) -> Path:
+    """The loop as a 4:2:0 Y4M file (BT.601 limited range, as chromium reads it), played
+    at ``fps``: the blob goes round in the same four seconds at any rate."""
+    frames = FRAMES * fps // FPS
     with path.open("wb") as out:
-        out.write(f"YUV4MPEG2 W{SIZE} H{SIZE} F{FPS}:1 Ip A1:1 C420jpeg\n".encode())
-        for index in range(FRAMES):
-            rgb = frame(index).astype(np.float64)
+        out.write(f"YUV4MPEG2 W{SIZE} H{SIZE} F{fps}:1 Ip A1:1 C420jpeg\n".encode())
+        for index in range(frames):
+            rgb = frame(index, frames).astype(np.float64)
             r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
             y = 16 + 0.257 * r + 0.504 * g + 0.098 * b
             u = 128 - 0.148 * r - 0.291 * g + 0.439 * b

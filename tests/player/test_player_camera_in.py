@@ -171,6 +171,8 @@ def test_the_page_sends_its_camera_and_the_output_is_made_from_it(
     used = sum(m["input_frames"]["used"] for m in log)
     assert used > 0 and camera["counts"]["used"] == used
     assert all(m["input_frames"]["dropped"] == 0 for m in log)  # paced to the chunks
+    # An engine that suggests no chunk for live camera sessions gets its own (8 frames).
+    assert {m["num_frames"] for m in log} == {8}
     pairs = tracking(frames, log, sent, fake_camera.green_centroid)
     assert len(pairs) >= 24
     for axis in (0, 1):
@@ -210,8 +212,10 @@ def test_the_built_in_model_follows_the_camera(
         page.reload()
         page.wait_for_function("() => document.body.dataset.ready === 'true'")
         page.fill("#prompt", "a red circle on a navy background")
-        frames, log = run_camera_session(page, tmp_path, chunks=8)
+        frames, log = run_camera_session(page, tmp_path, chunks=16)
         sent = page.evaluate("() => window.__sent")
+    # Live mode asks for the engine's live_input_chunk_frames: half its 8-frame chunk.
+    assert {m["num_frames"] for m in log} == {4}
     pairs = tracking(frames, log, sent, red_centroid)
     assert len(pairs) >= 32
     for axis in (0, 1):

@@ -297,10 +297,12 @@ async def test_models_lists_the_served_model_with_defaults_and_limits(start_serv
     assert extension["interaction_kinds"] == ["prompt"]
     assert extension["max_batch"] == 1  # the synthetic engine steps each session alone
     assert extension["live_defaults"] == {}  # it suggests nothing for live sessions
+    assert extension["live_input_chunk_frames"] is None  # nor for a camera's
 
 
 class _LiveEngine(InstrumentedEngine):
     live_settings = types.MappingProxyType({"num_inference_steps": 2, "guidance_scale": 1.0})
+    live_input_chunk_frames = 2
 
 
 async def test_models_lists_what_the_engine_suggests_for_live_sessions(start_server: Any) -> None:
@@ -312,6 +314,7 @@ async def test_models_lists_what_the_engine_suggests_for_live_sessions(start_ser
         "num_inference_steps": 2,
         "guidance_scale": 1.0,
     }
+    assert model["trio_vstream"]["live_input_chunk_frames"] == 2
 
 
 class _CameraEngine(InstrumentedEngine):

@@ -17,6 +17,9 @@ its models) rather than with ``getattr`` and a default scattered through the ser
   carries its ``audio`` (`trio_vstream.engines.contract.Chunk`); read with `audio_format`.
 * `SupportsVideoInput`: its streams follow a live input video (video-to-video); such a
   stream is `FollowsInput`, fed each chunk's input frames; read with `supports_video_input`.
+* `SupportsLiveInputChunk`: the chunk length it suggests for a live session that follows
+  a camera, where a chunk's window of input is a person's wait; read with
+  `live_input_chunk_frames`.
 
 Each is a Protocol of its own, not a member of ``Engine``: an engine written before a
 capability existed (before cameras, before batching) still satisfies
@@ -49,11 +52,13 @@ __all__ = [
     "SupportsChunkFrames",
     "SupportsDevice",
     "SupportsInteractionKinds",
+    "SupportsLiveInputChunk",
     "SupportsLiveSettings",
     "SupportsSeed",
     "SupportsVideoInput",
     "audio_format",
     "interaction_kinds",
+    "live_input_chunk_frames",
     "live_settings",
     "max_batch",
     "max_chunk_frames",
@@ -154,6 +159,24 @@ class SupportsChunkFrames(Protocol):
     """
 
     max_chunk_frames: int
+
+
+@runtime_checkable
+class SupportsLiveInputChunk(Protocol):
+    """An engine that suggests a chunk length for live sessions that follow an input video.
+
+    The server makes a chunk once its whole window of input is in, so the first frame of
+    the window waits ``(chunk frames - 1) / fps`` before the chunk can even start: at 24
+    fps an 8-frame chunk puts 292 ms of capture between a camera frame and the screen, on
+    top of the chunk's generation and delivery. An engine that takes
+    ``extra_params.chunk_frames`` may name a shorter chunk for such sessions here, with
+    what it costs in its docs (fewer frames a second, where the engine computes a whole
+    chunk for each). ``GET /v1/models`` lists it as ``live_input_chunk_frames``; the
+    player's Live mode sends it as ``extra_params.chunk_frames`` with Camera in. It is a
+    suggestion to clients: the engine's own default chunk is unchanged.
+    """
+
+    live_input_chunk_frames: int
 
 
 @runtime_checkable
@@ -328,6 +351,28 @@ def live_settings(engine: Engine) -> dict[str, int | float]:
                 f"engine {engine.name}: live_settings[{key!r}] must be a finite number"
             )
     return settings
+
+
+def live_input_chunk_frames(engine: Engine) -> int | None:
+    """The chunk length ``engine`` suggests for live sessions that follow an input video
+    (`SupportsLiveInputChunk`), None when it suggests none; `EngineConfigError` for
+    anything but a positive whole number, or one longer than its ``max_chunk_frames``
+    (at the server's start-up)."""
+    if not isinstance(engine, SupportsLiveInputChunk):
+        return None
+    value = engine.live_input_chunk_frames
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(
+            f"engine {engine.name}: live_input_chunk_frames must be a positive integer, "
+            f"got {value!r}"
+        )
+    longest = max_chunk_frames(engine)
+    if longest is not None and value > longest:
+        raise EngineConfigError(
+            f"engine {engine.name}: live_input_chunk_frames {value} is more than its "
+            f"max_chunk_frames {longest}"
+        )
+    return value
 
 
 def missing_members(obj: object, protocol: type) -> list[str]:

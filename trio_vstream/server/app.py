@@ -39,6 +39,7 @@ from trio_vstream import protocol
 from trio_vstream.engines.contract import Engine
 from trio_vstream.engines.interfaces import (
     audio_format,
+    live_input_chunk_frames,
     live_settings,
     max_batch,
     max_chunk_frames,
@@ -149,6 +150,9 @@ class VideoServer:
         self.live_defaults = live_settings(engine)
         """What the engine suggests for live sessions (`engines.interfaces.live_settings`):
         read, and checked, once at start-up."""
+        self.live_input_chunk_frames = live_input_chunk_frames(engine)
+        """The chunk length it suggests for live sessions that follow a camera
+        (`engines.interfaces.live_input_chunk_frames`), likewise."""
         batch = max_batch(engine)
         audio_format(engine)  # an engine's sound the server cannot carry fails here, at start
         # A batching engine's steps all go through its batcher, one batch at a time:
@@ -353,6 +357,7 @@ class VideoServer:
             created=self._started_at,
             limits=self.config.session.limits,
             live_defaults=self.live_defaults,
+            live_input_chunk_frames=self.live_input_chunk_frames,
             max_batch=self.batcher.max_batch if self.batcher else 1,
         )
 

@@ -67,6 +67,7 @@ def models_document(
     limits: Limits,
     live_defaults: dict[str, int | float],
     max_batch: int,
+    live_input_chunk_frames: int | None,
 ) -> dict[str, Any]:
     """``GET /v1/models``: OpenAI's list shape, so existing tooling finds the model.
 
@@ -89,6 +90,7 @@ def models_document(
                     "limits": attrs.asdict(limits),
                     "interaction_kinds": sorted(interaction_kinds(engine)),
                     "live_defaults": live_defaults,
+                    "live_input_chunk_frames": live_input_chunk_frames,
                     "max_batch": max_batch,
                     "video_input": supports_video_input(engine),
                 },

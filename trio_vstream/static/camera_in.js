@@ -48,6 +48,7 @@ export class CameraIn {
     this.awaiting = [];       // [media time of a chunk's last frame, its input index]
     this.latencies = [];      // ms: an input frame drawn -> the output frame showing it presented
     this.parts = [];          // ms: [drawn -> its chunk arrived, arrived -> presented]
+    this.measured = 0;        // latencies measured in all (the lists keep the last WINDOW)
     this.counts = { used: 0, dropped: 0, reused: 0 };
   }
 
@@ -57,10 +58,26 @@ export class CameraIn {
     return { frame_format: "jpeg", fps: this.fps, width: this.width, height: this.height };
   }
 
-  // From video.start on: a capture every frame interval.
+  // From video.start on: a capture every frame interval, on a clock that does not drift.
+  // The server makes output from input frame by frame, and the output plays at the
+  // session's rate on this page's clock, so input sent any faster waits on the server for
+  // good: setInterval(f, 1000 / 24) fires every 41 ms (24.4 a second), and the wait grew
+  // by 12 ms every second (measured: drawn -> chunk arrived from 150 to 400 ms in 20 s).
+  // Capture n is due n frame intervals after the first; a tick that comes more than an
+  // interval late skips the captures it missed rather than send them in a burst.
   start(ws) {
     this.ws = ws;
-    this.timer = setInterval(() => this.capture(), 1000 / this.fps);
+    this.clockStart = performance.now();
+    this.ticks = 0;
+    this.tick();
+  }
+
+  tick() {
+    this.capture();
+    const interval = 1000 / this.fps;
+    const now = performance.now();
+    this.ticks = Math.max(this.ticks + 1, Math.ceil((now - this.clockStart) / interval));
+    this.timer = setTimeout(() => this.tick(), this.clockStart + this.ticks * interval - now);
   }
 
   capture() {
@@ -101,9 +118,19 @@ export class CameraIn {
     this.acked = Math.max(this.acked, input.last);
     const last = (startFrame + meta.num_frames - 1) / outputFps;
     this.awaiting.push({ mediaTime: last, index: input.last, arrivedAt });
-    // Captures no chunk can show any more are forgotten.
+    this.forget();
+  }
+
+  // Captures no chunk can show any more are forgotten: those before the input of the
+  // oldest chunk whose last frame is still to be presented. Not those before the newest
+  // chunk's: at 24 fps the next chunk arrives before this one's last frame is on screen
+  // (a chunk plays for its whole length after it arrives), and its capture is still needed.
+  forget() {
+    const oldest = this.awaiting.length > 0
+      ? Math.min(...this.awaiting.map((record) => record.index))
+      : this.acked + 1;
     for (const index of this.captures.keys()) {
-      if (index < input.last) this.captures.delete(index);
+      if (index < oldest) this.captures.delete(index);
     }
   }
 
@@ -117,10 +144,12 @@ export class CameraIn {
       const drawnAt = this.captures.get(record.index);
       if (drawnAt == null) continue;
       this.latencies.push(when - drawnAt);
+      this.measured += 1;
       this.parts.push([record.arrivedAt - drawnAt, when - record.arrivedAt]);
       if (this.latencies.length > WINDOW) this.latencies.shift();
       if (this.parts.length > WINDOW) this.parts.shift();
     }
+    this.forget();
   }
 
   // What the page measured, for the figures, tests and the bench (copies).
@@ -129,6 +158,7 @@ export class CameraIn {
       sent: this.sent,
       skipped: this.skipped,
       acked: this.acked,
+      measured: this.measured,
       counts: { ...this.counts },
       latencies: [...this.latencies],
       parts: this.parts.map((pair) => [...pair]),
@@ -137,7 +167,7 @@ export class CameraIn {
 
   // The session ended or was left: no more captures, and the camera is let go.
   stop() {
-    clearInterval(this.timer);
+    clearTimeout(this.timer);
     this.timer = null;
     this.ws = null;
     for (const track of this.stream.getTracks()) track.stop();

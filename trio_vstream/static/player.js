@@ -41,7 +41,9 @@ export const LIVE = {
   slackChunks: 15,
   // Send the engine's suggestions for live sessions (/v1/models live_defaults: cheaper
   // steps or no guidance branch, so a chunk is made sooner after the key) for fields the
-  // form leaves empty. false sends the engine's ordinary defaults.
+  // form leaves empty, and with Camera in its live_input_chunk_frames as chunkFrames
+  // (unless chunkFrames is set): a chunk waits for its whole window of camera frames, so
+  // a shorter one reaches the screen sooner. false sends the engine's ordinary defaults.
   engineLiveDefaults: true,
 };
 // The live_defaults fields the page sends (what the server lets an engine suggest).
@@ -138,6 +140,7 @@ const watchPath = readWatchPath(location.search);
 const server = {
   model: null, engine: null, endpoint: DEFAULT_ENDPOINT, defaults: null, needsKey: false,
   formFilled: false, interactionKinds: null, liveDefaults: {}, videoInput: false,
+  liveInputChunkFrames: null,
 };
 let session = null;
 
@@ -1120,6 +1123,9 @@ function buildRequest() {
     request.streaming_buffer_seconds = LIVE.bufferSeconds;
     request.extra_params = { pace_to_media_time: true };
     if (LIVE.chunkFrames != null) request.extra_params.chunk_frames = LIVE.chunkFrames;
+    else if (request.input_video && LIVE.engineLiveDefaults && server.liveInputChunkFrames != null) {
+      request.extra_params.chunk_frames = server.liveInputChunkFrames;
+    }
     if (LIVE.engineLiveDefaults) {
       for (const [key, value] of Object.entries(server.liveDefaults)) {
         if (request[key] === undefined) request[key] = value;
@@ -1382,6 +1388,8 @@ async function loadDefaults() {
     server.interactionKinds = Array.isArray(info.interaction_kinds) ? info.interaction_kinds : null;
     server.liveDefaults = liveDefaults(info.live_defaults);
     server.videoInput = info.video_input === true;
+    const chunk = info.live_input_chunk_frames;
+    server.liveInputChunkFrames = Number.isInteger(chunk) && chunk > 0 ? chunk : null;
     $("camera-in-row").hidden = !server.videoInput;
     showCameraControls();
     const d = server.defaults;

@@ -133,6 +133,16 @@ MAX_REPORTED_WORDS: Final = 4096
 `ShapesEngine.report_unknown`)."""
 
 
+LIVE_INPUT_CHUNK_FRAMES: Final = 4
+"""The chunk length suggested for live sessions that follow a camera: 4 frames wait 125 ms
+for their window of input at 24 fps, against 292 ms for the model's 8, and camera to
+frame in the player fell from 505 to 340 ms (bench ``camera_in``, one thread, 3 runs
+each). The model still computes its whole 8-frame chunk for each and keeps 4, so a
+session makes half the frames a second (a chunk in 62 to 72 ms on one thread, 2.3 to
+2.7 times real time); 2 frames gained 80 ms more for half again, too little headroom on
+a shared 2-core machine."""
+
+
 class ShapesEngine:
     """The loaded model, shared by every stream of the server."""
 
@@ -164,6 +174,9 @@ class ShapesEngine:
         self.max_chunk_frames: int = model.config.chunk_frames
         """A session may ask for shorter chunks (``extra_params.chunk_frames``), never
         longer (`interfaces.SupportsChunkFrames`)."""
+        self.live_input_chunk_frames: int = min(LIVE_INPUT_CHUNK_FRAMES, self.max_chunk_frames)
+        """For a live session that follows a camera (`interfaces.SupportsLiveInputChunk`):
+        see `LIVE_INPUT_CHUNK_FRAMES`."""
         self._reported_words: set[str] = set()
         self._lock = threading.Lock()
         with torch.inference_mode():
