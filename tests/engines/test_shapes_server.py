@@ -157,3 +157,51 @@ async def test_a_vllm_omni_camera_interaction_steers_the_world_end_to_end(
     assert evaluate.analyse_clip(before).motion == "right"
     assert evaluate.analyse_clip(after).motion == "left"
     server.shutdown()
+
+
+async def test_the_client_streams_a_clip_through_the_built_in_model(
+    nursery: trio.Nursery, engine: ShapesEngine, tmp_path: Any
+) -> None:
+    """``python -m trio_vstream client --input-video clip "a watercolour painting" -o
+    out.mp4`` against the built-in model: a video as long as the clip, every frame used,
+    the object going where the clip's green blob goes."""
+    import subprocess
+    import sys
+
+    from tests.player import fake_camera
+
+    server = VideoServer(
+        engine,
+        ServerConfig(host="127.0.0.1", port=0, session=SessionConfig(served_model="shapes")),
+    )
+    await nursery.start(server.run)
+    clip = tmp_path / "clip.y4m"  # PyAV reads Y4M: the fake camera's loop, 48 frames at 12 fps
+    fake_camera.write_y4m(clip)
+    out = tmp_path / "out.mp4"
+    command = [
+        *(sys.executable, "-m", "trio_vstream", "client", "--url", server.url),
+        *("--input-video", str(clip), "--size", "128x128", "--fps", "12", "--json"),
+        *("a red circle on a navy background", "-o", str(out)),
+    ]
+    done = await trio.to_thread.run_sync(
+        lambda: subprocess.run(command, capture_output=True, text=True, timeout=120)
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["input_video"]["sent"] == summary["input_video"]["used"] == 48
+    frames = decode_video(out.read_bytes())
+    assert frames.shape == (48, 128, 128, 3)
+    # Where the object is, against where the blob was (scaled to the output's size).
+    pairs = []
+    for index, frame in enumerate(frames):
+        background = evaluate.background_colour(frame[None])
+        mask = evaluate.object_mask(frame, background)
+        if mask.sum() >= 4:
+            rows, cols = np.nonzero(mask)
+            x, y = fake_camera.blob_centre(index)
+            scale = 128 / fake_camera.SIZE
+            pairs.append((x * scale, y * scale, cols.mean(), rows.mean()))
+    track = np.array(pairs)
+    assert len(track) >= 40
+    for axis in (0, 1):
+        assert np.corrcoef(track[:, axis], track[:, axis + 2])[0, 1] >= 0.9
