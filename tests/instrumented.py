@@ -408,6 +408,12 @@ class EchoInputStream(InstrumentedStream):
         return attrs.evolve(chunk, frames=frames)
 
 
+class NoVideoInputEngine(InstrumentedEngine):
+    """The synthetic engine, less its video input: for what an engine without it does."""
+
+    video_input = False
+
+
 class EchoInputEngine(InstrumentedEngine):
     """Takes input video, and shows it (`EchoInputStream`)."""
 

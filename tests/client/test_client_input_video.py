@@ -21,7 +21,7 @@ from tests.client.test_client import finish
 from tests.client.test_client_cli import run_cli
 from tests.conftest import decode_video
 from tests.fake_reference import VIDEO_START_REF, Peer, receive_json, send_session_done, start_peer
-from tests.instrumented import EchoInputEngine
+from tests.instrumented import EchoInputEngine, NoVideoInputEngine
 from trio_vstream import cli
 from trio_vstream.client import StreamOutcome, StreamResult, _input_video, stream_video
 from trio_vstream.client._input_video import InputPacer, at_rate, probe_video
@@ -177,7 +177,7 @@ async def test_hold_goes_on_from_the_last_frame(start_server: Any, clip: Path) -
 async def test_an_engine_without_video_input_refuses_and_the_cli_says_so(
     start_server: Any, clip: Path
 ) -> None:
-    running = await start_server()
+    running = await start_server(engine_class=NoVideoInputEngine)
     result = await stream_video(running.url, START, input_video=clip)
     assert result.outcome is StreamOutcome.ERROR and result.error is not None
     assert result.error.code == "invalid_request" and "input_video" in result.error.message

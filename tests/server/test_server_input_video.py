@@ -15,8 +15,8 @@ from tests.conftest import Transcript, decode_video, receive_into
 from tests.instrumented import (
     EchoInputEngine,
     EchoInputStream,
-    InstrumentedEngine,
     InstrumentedStream,
+    NoVideoInputEngine,
 )
 from trio_vstream.engines.contract import GenerationRequest
 from trio_vstream.engines.synthetic import SyntheticSettings
@@ -30,12 +30,6 @@ START: dict[str, Any] = {
     "num_frames": 16,
     "input_video": {"frame_format": "png", "fps": 8},
 }
-
-
-class NoVideoInput(InstrumentedEngine):
-    """The synthetic engine, less its video input."""
-
-    video_input = False
 
 
 def png(value: int, size: int = SIZE) -> bytes:
@@ -107,7 +101,7 @@ def media_counts(transcript: Transcript) -> list[dict[str, Any]]:
 
 
 async def test_an_engine_without_video_input_refuses_it_by_name(start_server: Any) -> None:
-    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=NoVideoInput)
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=NoVideoInputEngine)
     transcript = await running.run_session(START)
     (error,) = transcript.terminal
     assert error["code"] == "invalid_request"
@@ -118,7 +112,7 @@ async def test_an_engine_without_video_input_refuses_it_by_name(start_server: An
 async def test_a_binary_message_without_input_video_is_refused_and_the_session_goes_on(
     start_server: Any,
 ) -> None:
-    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=NoVideoInput)
+    running = await start_server(SyntheticSettings(chunk_frames=4), engine_class=NoVideoInputEngine)
     start = {k: v for k, v in START.items() if k != "input_video"}
     transcript = await run_with_input(running, start, [png(1)], end=False)
     errors = transcript.of_type("error")
@@ -256,7 +250,7 @@ async def test_the_receive_loop_never_waits_for_a_decode(
 async def test_models_says_whether_the_engine_takes_video_input(start_server: Any) -> None:
     from tests.server.test_http import http_get_with_headers
 
-    for engine_class, takes in ((EchoInputEngine, True), (NoVideoInput, False)):
+    for engine_class, takes in ((EchoInputEngine, True), (NoVideoInputEngine, False)):
         running = await start_server(SyntheticSettings(), engine_class=engine_class)
         _, _, body = await http_get_with_headers(running.server.port, "/v1/models")
         assert json.loads(body)["data"][0]["trio_vstream"]["video_input"] is takes
