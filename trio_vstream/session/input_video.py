@@ -76,9 +76,11 @@ class InputTimeline:
     * **late**: the frame under the cursor has not arrived (the window's wait is over):
       the output frame repeats the last input frame (``reused``), and the cursor waits,
       so the late frame is used when it comes rather than lost;
-    * **early**: decoded frames wait for the cursor, at most ``capacity`` of them; one
-      more drops the oldest (``dropped``) and the cursor skips past it, so a client far
-      ahead loses its oldest frames, never memory, and the output catches up;
+    * **early**: decoded frames wait for the cursor, at most ``capacity`` of them (the
+      decoder waits for room; frames beyond wait compressed in `InputVideo`'s queue). A
+      frame dropped from a full queue (`skip`), or one more than ``capacity`` here,
+      drops the oldest (``dropped``) and the cursor skips past it, so a client far ahead
+      loses its oldest frames, never memory, and the output catches up;
     * **skipped**: frames the cursor passes over (an input faster than the output), or
       that arrive after it passed (``dropped``), or that could not be decoded.
     """
@@ -124,7 +126,8 @@ class InputTimeline:
         return index
 
     def decoded(self, index: int, frame: np.ndarray) -> None:
-        """Frame ``index`` is decoded: the oldest frame not yet resolved but refused ones."""
+        """Frame ``index`` is decoded: the oldest frame not yet resolved, refused ones
+        aside (frames resolve in the order they arrived)."""
         self._settle()
         self._resolve(index, frame)
         self._settle()
