@@ -76,10 +76,12 @@ def stream_clip(
     width: int,
     height: int,
     changes: dict[int, PromptChange] | None = None,
+    **fields: Any,
 ) -> np.ndarray:
     """One request through the engine, each chunk encoded as the server encodes it and
     the stream decoded: the (T, H, W, 3) uint8 frames a browser shows. ``changes`` are
-    interactions, keyed by the chunk they come before."""
+    interactions, keyed by the chunk they come before; ``fields``, other fields of the
+    request (``num_inference_steps``, ``guidance_scale``)."""
     request = GenerationRequest(
         request_id=f"look-{seed}",
         prompt=prompt,
@@ -88,6 +90,7 @@ def stream_clip(
         fps=24,
         num_frames=num_frames,
         seed=seed,
+        **fields,
     )
     encoder = FragmentedMP4Encoder(width=width, height=height, fps=24)
     data = bytearray()

@@ -1,20 +1,20 @@
 """The shapes model's native frames to pixels, and a reference image to its context.
 
 The model works at its native size (32x32, values in [-1, 1]); a client asks for any
-size in uint8 RGB. The conversion both ways lives here, on the model's device, so that
-a CUDA chunk crosses to the host once.
+size in uint8 RGB. The pixels are made here, on the model's device, so that a CUDA
+chunk's pixels cross to the host once.
 
 What the model draws is one object of one colour over a plain background, at 32x32: its
-frames are not a photograph to be resized (resized, a 1.5-pixel edge becomes 12 soft
-pixels at 256x256, and the background's faint noise a pattern of blocks the encoder
-keeps). So a chunk is read as that drawing (`read_drawing`: the background's colour, the
-object's, and how much of each native pixel is object) and drawn again at the requested
-size (`draw_frames`): the membership resampled bicubically at the output's pixels, its
-edge sharpened to about a pixel and a half of anti-aliasing whatever the scale, and the
-two colours composed, so the background is flat and the edge crisp, in the model's own
-colours, at every size. Where the screen shows the object (`Picture.shifts`, from
-`trio_vstream.engines.shapes.view`) is part of the drawing: each frame's view of the
-torus, cut so the object is never split across two edges.
+frames are not a photograph to be resized (resized, an edge of under two native pixels
+becomes 15 soft pixels at 256x256, and the background's faint noise a pattern of blocks
+the encoder keeps). So a chunk is read as that drawing (`read_drawing`: the background's
+colour, the object's, and how much of each native pixel is object) and drawn again at
+the requested size (`draw_frames`): the membership resampled bicubically at the output's
+pixels, its edge made about 1.2 output pixels steep whatever the scale
+(`EDGE_SHARPNESS`), and the two colours composed, so the background is flat and the edge
+crisp, in the model's own colours, at every size. Where the screen shows the object
+(`Picture`, from `trio_vstream.engines.shapes.view`) is part of the drawing: each
+frame's view of the torus, cut so the object is never split across two edges.
 
 Frames the two colours do not explain (an ``image_reference`` that is a photograph, say)
 and sizes under the native one are resized as before (`to_uint8_frames`: bilinear; the
