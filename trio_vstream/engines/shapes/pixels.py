@@ -139,39 +139,34 @@ def read_drawing(
     """A chunk's frames ((T, 3, S, S) in [-1, 1]) as one object over a plain background;
     None when two colours do not explain them (see `FIT_SHARE`).
 
-    The background is each frame's median colour (the object covers a tenth of the frame
-    at most), the object's the median of its core (`CORE`). Each is the chunk's (a median over all
-    the frames of ``sample``, the whole chunk the model sampled, of which ``native`` are
-    the frames kept: steadier, and the same whatever the chunk's length), reached
-    gradually over the chunk from where the chunk ``before`` ended when that is near it
+    The colours are read from ``sample``, the whole chunk the model sampled, whose first
+    frames ``native`` keeps (a shorter chunk's, perhaps moved by the follower, which
+    moves no colour; by default ``native`` itself). A frame's background is its median
+    colour (the object covers a tenth of the frame at most), its object's the median of
+    the object's core (`CORE`). Each frame is drawn in the chunk's colours (the median
+    over all its frames: steadier, and the same whatever the chunk's length), reached
+    gradually over the chunk from where the chunk ``before`` ended when that is near them
     (`COLOUR_TOLERANCE`): the model's colours drift by a few levels from chunk to chunk,
     which on a flat background would be a step at every boundary. A frame whose own
     colour is far from the chunk's (a prompt's colour changing) keeps its own. A pixel's
     membership is where it lies on the line from the background's colour to the
     object's, clamped to [0, 1].
     """
+    count = native.shape[0]
     sample = native if sample is None else sample
-    chunk_background = sample.transpose(0, 1).flatten(1).median(dim=1).values
+    backgrounds = sample.flatten(2).median(dim=2).values
+    colours, in_sample = _core_colours(sample, backgrounds)
     background = _steady(
-        native.flatten(2).median(dim=2).values,
-        chunk_background,
+        backgrounds[:count],
+        backgrounds.median(dim=0).values,
         None if before is None else before.background[-1],
     )
-    inside = _inside(native, background)
-    found = inside.flatten(1).any(dim=1)
-    colour = background.clone()
+    colour, found = background.clone(), in_sample[:count]
     if bool(found.any()):
-        own = torch.stack(
-            [
-                frame[:, mask].median(dim=1).values if any_inside else colour
-                for frame, mask, any_inside, colour in zip(
-                    native, inside, found.tolist(), background, strict=True
-                )
-            ]
-        )
-        in_sample = _inside(sample, chunk_background.expand(sample.shape[0], 3))
-        chunk_colour = sample.transpose(0, 1)[:, in_sample].median(dim=1).values
-        colour = _steady(own, chunk_colour, None if before is None else before.colour[-1])
+        chunk_colour = colours[in_sample].median(dim=0).values
+        own = torch.where(found[:, None], colours[:count], chunk_colour)
+        last = None if before is None else before.colour[-1]
+        colour = torch.where(found[:, None], _steady(own, chunk_colour, last), background)
     direction = colour - background
     length = direction.square().sum(dim=1).clamp(min=1e-6)
     along = ((native - background[..., None, None]) * direction[..., None, None]).sum(dim=1)
@@ -184,12 +179,17 @@ def read_drawing(
     return Drawing(background=background, colour=colour, membership=membership)
 
 
-def _inside(frames: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
-    """(T, S, S): the object's core in each frame: the pixels far from its background
-    ((T, 3)), by more than `CORE` of the farthest and `OBJECT_MIN_DISTANCE` at least."""
-    distance = (frames - background[..., None, None]).square().sum(dim=1).sqrt()
+def _core_colours(
+    frames: torch.Tensor, backgrounds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each frame's object colour, the median of its core (the pixels far from the
+    frame's background, by more than `CORE` of the farthest and `OBJECT_MIN_DISTANCE` at
+    least), (T, 3); and whether the frame has an object, (T,)."""
+    distance = (frames - backgrounds[..., None, None]).square().sum(dim=1).sqrt()
     peak = distance.flatten(1).amax(dim=1)
-    return distance > torch.clamp(CORE * peak, min=OBJECT_MIN_DISTANCE)[:, None, None]
+    core = distance > torch.clamp(CORE * peak, min=OBJECT_MIN_DISTANCE)[:, None, None]
+    colours = torch.where(core[:, None], frames, torch.nan).flatten(2).nanmedian(dim=2).values
+    return colours, core.flatten(1).any(dim=1)
 
 
 def _steady(own: torch.Tensor, chunk: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
