@@ -20,10 +20,15 @@ Its modules, one idea each:
 * ``following``: how a stream follows an input video (`interfaces.FollowsInput`): the
   input's dominant coloured region found on a small grid, and each generated frame moved
   toward it round the torus, by a share that ``VideoInput.strength`` sets;
-* ``pixels``: the native 32x32 frames resized to the requested size (bilinear; the
-  square world is stretched to other aspect ratios) and converted to uint8 on the
-  model's device, so a CUDA chunk crosses to the host once, in the server's delivery
-  thread (`ShapesFrames` defers it there); a reference image as the first context.
+* ``pixels``: the native 32x32 frames read as what the model draws (one object's colour
+  and membership over a plain background) and drawn again at the requested size, crisp
+  and flat (the square world is stretched to other aspect ratios), in uint8 on the
+  model's device, so a CUDA chunk's pixels cross to the host once, in the server's
+  delivery thread (`ShapesFrames` defers the drawing there); frames two colours do not
+  explain are resized as they are; a reference image as the first context;
+* ``view``: where the screen shows the object (`ObjectView`): whole, never split across
+  two edges of the torus; moving on its own, it comes in whole at the opposite edge when
+  its next step would cut it.
 
 The names are re-exported here: ``trio_vstream.engines.shapes:create_engine`` is the
 path `trio_vstream.engines.BUILTIN_ENGINES` names.

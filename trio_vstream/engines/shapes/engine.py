@@ -44,7 +44,14 @@ from trio_vstream.engines.contract import (
 )
 from trio_vstream.engines.devices import resolve_device
 from trio_vstream.engines.shapes.following import InputFollower, region_centres
-from trio_vstream.engines.shapes.pixels import ShapesFrames, image_to_context, to_uint8_frames
+from trio_vstream.engines.shapes.pixels import (
+    Drawing,
+    Picture,
+    ShapesFrames,
+    decode_frames,
+    image_to_context,
+    read_drawing,
+)
 from trio_vstream.engines.shapes.steering import (
     WindowChange,
     camera_motion,
@@ -52,6 +59,7 @@ from trio_vstream.engines.shapes.steering import (
     integrated_motion,
     window_shares,
 )
+from trio_vstream.engines.shapes.view import ObjectView, outline
 from trio_vstream.engines.transitions import PromptSchedule
 from trio_vstream.logsafe import get_logger
 from trio_vstream.models.shapes.model import (
@@ -334,6 +342,9 @@ class ShapesStream:
                     f"input_video.strength must be in [0, 1], got {strength!r}"
                 )
             self._follower = InputFollower(strength, size)
+        # Where the screen shows the object (`ObjectView`): whole, never across two edges.
+        self._view = ObjectView(size)
+        self._drawing: Drawing | None = None
 
     @property
     def next_chunk_frames(self) -> int:
@@ -453,6 +464,12 @@ class ShapesStream:
                 self._context = kept[-1:].clone()
             self._context_mask = torch.ones(1, device=kept.device)
             self._hint = None
+            native = kept[:count]
+            held = None
+            if self._follower is not None and targets is not None and self._follower.gain > 0:
+                held = np.isfinite(targets[:count]).all(axis=1)
+            sampled = x0.view(config.chunk_frames, 3, size, size)
+            picture = self._picture(native, sampled, held)
             frames: torch.Tensor | DeferredFrames
             if self._engine.settings.defer_decode and self._next_index > 0:
                 # The next chunk is conditioned on the native frame kept above, never on
@@ -460,14 +477,42 @@ class ShapesStream:
                 # the first chunk's: deferred, it would compete with the second chunk's
                 # steps for the first picture (the time to first chunk), where eager it
                 # has the machine to itself.
-                frames = ShapesFrames(kept[:count], request.width, request.height)
+                frames = ShapesFrames(native, request.width, request.height, picture)
             else:
-                checkpoint()  # the decode: resize and convert
-                frames = to_uint8_frames(kept[:count], request.width, request.height)
+                checkpoint()  # the decode: draw (or resize) and convert
+                frames = decode_frames(native, request.width, request.height, picture)
         index = self._next_index
         self._next_index += 1
         self._frames_done += count
         return conditioning.chunk(frames, index)
+
+    def _picture(
+        self, native: torch.Tensor, sampled: torch.Tensor, held: np.ndarray | None
+    ) -> Picture | None:
+        """What the chunk's frames show, to be drawn at the requested size: the model's
+        drawing (its colours those of the whole chunk ``sampled``), and where the view
+        puts its object (`ObjectView`; ``held``: the frames an input's region holds); None
+        to resize the frames as they are (a size under the native one, or frames two
+        colours do not explain).
+
+        Read on the host: the view's choices are the host's (a few numbers a frame), and
+        a CUDA chunk's native frames cross to it once here (100 kB; it waits for the
+        chunk's sampling, which its decode would wait for anyway), the drawing's
+        membership back (32 kB) to be drawn on the device.
+        """
+        request = self._request
+        size = native.shape[-1]
+        if request.width < size or request.height < size:
+            return None
+        cpu = torch.device("cpu")
+        drawing = read_drawing(native.to(cpu), self._drawing, sampled.to(cpu))
+        self._drawing = drawing
+        if drawing is None:
+            return None
+        found = outline(drawing.membership.double().numpy())
+        shown = self._view.place(found, held)
+        shifts = np.where(np.isfinite(shown), shown - found.centres, 0.0)
+        return Picture(drawing=drawing.to(native.device), shifts=shifts, windows=shown)
 
     def _integrated(
         self, window: Sequence[WindowChange], mix: tuple[tuple[str, float], ...]

@@ -19,6 +19,16 @@ to the renderer's ground truth, so it measures what a viewer would see:
 * continuity: mean absolute difference between consecutive frames across a
   chunk boundary, against the same inside chunks.
 
+And how the picture looks (`look`, issue 35), on the same decoded frames:
+
+* split: the object touches two opposite edges of the frame (the world wraps, and an
+  object across an edge shows as two pieces);
+* edge width: along the row and the column through the object's centre, how many pixels
+  the contrast (from the background's colour, 0, to the object's, 1) takes to go from
+  90% to 10%, at each of the four edges;
+* background noise: the spatial standard deviation of each channel over the background
+  pixels away from the object (``NOISE_MARGIN`` of the frame's size).
+
 The prompt sets are generated from the vocabulary with a seed per split:
 ``tune`` is what the model and its defaults were tuned on, ``eval`` (other
 phrasings, other seeds) is what the published numbers use.
@@ -192,6 +202,106 @@ def chunk_colours(frames: np.ndarray, chunk_frames: int = CHUNK_FRAMES) -> list[
         median = np.median(np.concatenate(pixels).astype(np.float32), axis=0)
         colours.append(_nearest(median, _COLOUR_TABLE, COLOUR_NAMES))
     return colours
+
+
+# ------------------------------------------------------------------ how it looks
+
+NOISE_MARGIN = 1 / 16
+"""How far from the object (a share of the frame's larger side: 16 pixels at 256x256, two
+native pixels) a background pixel must be to count for `background_noise`."""
+
+
+@attrs.frozen(kw_only=True)
+class Look:
+    """How one clip's frames look: per frame whether the object is split across two
+    opposite edges (``split``) or touches one (``cut``); every edge width found; each
+    frame's background noise (the largest of its three channels' standard deviations)."""
+
+    split: np.ndarray
+    cut: np.ndarray
+    edge_widths: np.ndarray
+    noise: np.ndarray
+
+
+def look(frames: np.ndarray) -> Look:
+    """How a clip of (T, H, W, 3) uint8 frames looks (see the module's docstring)."""
+    background = background_colour(frames)
+    split, cut, widths, noise = [], [], [], []
+    for frame in frames:
+        mask = object_mask(frame, background)
+        found = mask.sum() >= 4
+        across = (mask[:, 0].any() and mask[:, -1].any()) or (mask[0].any() and mask[-1].any())
+        touches = mask[:, 0].any() or mask[:, -1].any() or mask[0].any() or mask[-1].any()
+        split.append(bool(found and across))
+        cut.append(bool(found and touches))
+        if found:
+            widths.extend(edge_widths(frame, mask, background))
+        noise.append(background_noise(frame, mask))
+    return Look(
+        split=np.array(split),
+        cut=np.array(cut),
+        edge_widths=np.array(widths),
+        noise=np.array(noise),
+    )
+
+
+def edge_widths(frame: np.ndarray, mask: np.ndarray, background: np.ndarray) -> list[float]:
+    """The 90% to 10% widths of the object's edges (pixels) along the row and the column
+    through its centre, going out from the centre each way (round the frame, as the world
+    wraps); none where the centre is not well inside the object."""
+    height, width = mask.shape
+    ys, xs = np.nonzero(mask)
+    cx, cy = _circular_mean(xs + 0.5, width), _circular_mean(ys + 0.5, height)
+    colour = np.median(frame[mask].astype(np.float32), axis=0)
+    direction = colour - background
+    contrast = ((frame.astype(np.float32) - background) @ direction) / float(direction @ direction)
+    row, column = int(cy) % height, int(cx) % width
+    widths = []
+    for line, start in ((contrast[row], column), (contrast[:, column], row)):
+        if line[start] < 0.9:
+            continue
+        for way in (1, -1):
+            found = _edge_width(line, start, way)
+            if found is not None:
+                widths.append(found)
+    return widths
+
+
+def _edge_width(line: np.ndarray, start: int, way: int) -> float | None:
+    """From ``start`` (inside) along ``line`` (wrapping) the ``way`` given: the distance
+    from the last crossing of 0.9 to the first of 0.1 after it, linearly between pixels."""
+    count = len(line)
+    high: float | None = None
+    for step in range(1, count):
+        before = float(line[(start + (step - 1) * way) % count])
+        value = float(line[(start + step * way) % count])
+        if before >= 0.9 > value:
+            high = step - 1 + (before - 0.9) / (before - value)
+        if high is not None and before > 0.1 >= value:
+            return step - 1 + (before - 0.1) / (before - value) - high
+    return None
+
+
+def background_noise(frame: np.ndarray, mask: np.ndarray) -> float:
+    """The largest of the three channels' spatial standard deviations (levels) over the
+    pixels at least `NOISE_MARGIN` of the frame from the object; NaN if there are none."""
+    height, width = mask.shape
+    margin = max(1, round(NOISE_MARGIN * max(height, width)))
+    near = _dilate(_dilate(mask, margin, axis=0), margin, axis=1)
+    pixels = frame[~near].astype(np.float64)
+    if len(pixels) < 2:
+        return float("nan")
+    return float(pixels.std(axis=0).max())
+
+
+def _dilate(mask: np.ndarray, margin: int, axis: int) -> np.ndarray:
+    """``mask`` grown by ``margin`` pixels each way along ``axis`` (not wrapping)."""
+    counts = np.cumsum(mask, axis=axis, dtype=np.int64)
+    padded = np.concatenate([np.zeros_like(counts.take([0], axis=axis)), counts], axis=axis)
+    size = mask.shape[axis]
+    top = np.minimum(np.arange(size) + margin + 1, size)
+    bottom = np.maximum(np.arange(size) - margin, 0)
+    return (padded.take(top, axis=axis) - padded.take(bottom, axis=axis)) > 0
 
 
 # ------------------------------------------------------------------ prompt sets
