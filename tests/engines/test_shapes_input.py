@@ -317,8 +317,31 @@ def test_each_frame_closes_its_share_of_the_gap() -> None:
     # on by its own motion.
     own = np.array([[10.0, 5.0], [11.0, 5.0], [12.0, 5.0]])
     targets = np.array([[20.0, 5.0], [20.0, 5.0], [np.nan, np.nan]])
-    offsets = follow_offsets(own, targets, 0.5, np.zeros(2), 32)
+    offsets, placed = follow_offsets(own, targets, 0.5, np.zeros(2), 32)
     np.testing.assert_allclose(own + offsets, [[15.0, 5.0], [18.0, 5.0], [19.0, 5.0]])
-    # The shortest way round the torus: from 2 to 30 is 4 to the left.
-    wrapped = follow_offsets(np.array([[2.0, 5.0]]), np.array([[30.0, 5.0]]), 1.0, np.zeros(2), 32)
-    np.testing.assert_allclose(wrapped, [[-4.0, 0.0]])
+    assert placed
+    # Across the screen, never round the torus's edge: from 2 to 30 is 28 to the right,
+    # from where the object is (its offset so far taken in).
+    across, _ = follow_offsets(
+        np.array([[2.0, 5.0]]), np.array([[30.0, 5.0]]), 0.5, np.zeros(2), 32
+    )
+    np.testing.assert_allclose(across, [[14.0, 0.0]])
+    # An offset of 40 already has the object at (2 + 40) mod 32 = 10: halfway on is 20.
+    own = np.array([[2.0, 5.0]])
+    further, _ = follow_offsets(own, np.array([[30.0, 5.0]]), 0.5, np.array([40.0, 0.0]), 32)
+    np.testing.assert_allclose(np.remainder(own + further, 32), [[20.0, 5.0]])
+
+
+def test_a_stream_starts_on_its_input_whatever_the_strength() -> None:
+    # Not yet placed: the first frame with a target and an object goes all the way there;
+    # a frame before it without a target moves nothing; after it, the gain's share.
+    own = np.array([[3.0, 4.0], [4.0, 4.0], [5.0, 4.0], [6.0, 4.0]])
+    targets = np.array([[np.nan, np.nan], [20.0, 10.0], [20.0, 10.0], [24.0, 10.0]])
+    offsets, placed = follow_offsets(own, targets, 0.25, np.zeros(2), 32, placed=False)
+    assert placed
+    np.testing.assert_allclose(
+        own + offsets, [[3.0, 4.0], [20.0, 10.0], [20.75, 10.0], [22.3125, 10.0]]
+    )
+    # Strength 1 (gain 0) never moves the object, placed or not.
+    still, placed = follow_offsets(own, targets, 0.0, np.zeros(2), 32, placed=False)
+    assert not placed and not still.any()

@@ -14,7 +14,14 @@ strength`` of the gap between where the object would be (where it was, plus the 
 own motion) and the region. 0 puts it on the region every frame, 1 never moves it (the
 frames are the model's, as without input), and the default 0.6 follows a moving region a
 frame or two behind. With no region in a frame, the object keeps its own motion from
-where it is.
+where it is. Two things hold whatever the strength below 1:
+
+- A stream starts where its input is: the first frame with a region puts the object on
+  it, rather than a random place the model chose before it saw the input.
+- The gap is taken across the screen, never round the torus's edge: the region is a place
+  on the screen (the view holds the object there, `trio_vstream.engines.shapes.view`), so
+  an object far from it glides over to it instead of leaving at one edge and coming in at
+  the other.
 
 The work is small and fixed per frame: the input is read on a grid of at most
 `REGION_GRID` samples a side (numpy, on the host), the model's frames at their native
@@ -118,27 +125,34 @@ def object_centres(native: torch.Tensor) -> np.ndarray:
 
 
 def follow_offsets(
-    own: np.ndarray, targets: np.ndarray, gain: float, start: np.ndarray, size: int
-) -> np.ndarray:
-    """How far to move each frame, (T, 2) native pixels: the object's path as it follows.
+    own: np.ndarray,
+    targets: np.ndarray,
+    gain: float,
+    start: np.ndarray,
+    size: int,
+    placed: bool = True,
+) -> tuple[np.ndarray, bool]:
+    """How far to move each frame, (T, 2) native pixels: the object's path as it follows;
+    and whether the object has been placed on a region yet.
 
     ``own`` is where the model drew its object in each frame and ``targets`` where the
     input's region is (both (T, 2) native pixels, NaN for none); ``start`` the offset the
     frame before had (the previous chunk's leftover, `InputFollower`). Frame j's object
     would be at ``own[j]`` plus the offset before it (where the object was, moved by the
-    model's own motion); it goes ``gain`` of the way from there to the target, the
-    shortest way round the torus. A frame without a target or an object keeps the offset
-    before it: the object moves as the model moves it.
+    model's own motion), a place on the screen; it goes ``gain`` of the way from there to
+    the target, across the screen. Until ``placed``, the first frame with a target and an
+    object goes all the way. A frame without a target or an object keeps the offset before
+    it: the object moves as the model moves it.
     """
     offsets = np.empty((len(own), 2))
     offset = np.asarray(start, dtype=np.float64)
-    half = size / 2.0
     for j, (mine, target) in enumerate(zip(own, targets, strict=True)):
-        if np.isfinite(mine).all() and np.isfinite(target).all():
-            gap = np.remainder(target - mine - offset + half, size) - half
-            offset = offset + gain * gap
+        if gain > 0.0 and np.isfinite(mine).all() and np.isfinite(target).all():
+            gap = target - np.remainder(mine + offset, size)
+            offset = offset + (gain if placed else 1.0) * gap
+            placed = True
         offsets[j] = offset
-    return offsets
+    return offsets, placed
 
 
 def shift_frames(native: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
@@ -176,6 +190,7 @@ class InputFollower:
         self.gain = 1.0 - strength
         self._size = size
         self._leftover = np.zeros(2)
+        self._placed = False
 
     def follow(
         self, native: torch.Tensor, targets: np.ndarray
@@ -187,7 +202,9 @@ class InputFollower:
             offsets = np.tile(self._leftover, (count, 1))
         else:
             own = object_centres(native)
-            offsets = follow_offsets(own, targets, self.gain, self._leftover, self._size)
+            offsets, self._placed = follow_offsets(
+                own, targets, self.gain, self._leftover, self._size, self._placed
+            )
         whole = np.round(offsets[-1])
         self._leftover = offsets[-1] - whole
         context = native[-1:].roll(shifts=(int(whole[1]), int(whole[0])), dims=(2, 3)).clone()
