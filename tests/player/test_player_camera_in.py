@@ -51,9 +51,17 @@ SENT_CENTROIDS = """
     }
     const centre = n >= 20 ? [x / n, y / n] : null;
     return toBlob.call(this, (blob) => {
-      if (blob) window.__sent.push(centre);
+      if (blob) centres.set(blob, centre);
       callback(blob);
     }, ...rest);
+  };
+  // Counted when sent, not when encoded: the page drops an encode that finishes after
+  // its session stopped.
+  const centres = new WeakMap();
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    if (centres.has(data)) window.__sent.push(centres.get(data));
+    return send.call(this, data);
   };
 })();
 """
