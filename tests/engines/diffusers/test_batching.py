@@ -427,7 +427,7 @@ async def test_sections_a_stop_and_an_interaction_touch_only_their_own_rows(
     assert stopped is not None and stopped.shape[0] == 4  # section 0 only
     assert_same(stopped, alone(fp_engine, sessions[0].req)[:4])
     assert changed is not None and plain is not None
-    np.testing.assert_array_equal(changed[:4], plain[:4])
+    assert_same(changed[:4], plain[:4])  # two rows of one forward: rounding apart at most
     assert not np.array_equal(changed[4:], plain[4:])
     assert_same(changed, alone(fp_engine, sessions[1].req, to_whale))
     assert_same(plain, alone(fp_engine, sessions[2].req))
