@@ -4,12 +4,9 @@ built in memory."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 from trio_vstream.engines.diffusers.testing._common import saved, word_tokenizer
-
-if TYPE_CHECKING:
-    from transformers.image_processing_utils import BaseImageProcessor
 
 FRAMEPACK_WORDS = "a red fox in the snow blue whale blurry cat dog"
 """The tiny FramePack tokenizer's words besides its template's (others are ``<unk>``)."""
@@ -45,7 +42,6 @@ def build_framepack(path: Path, *, seed: int = 0, layers: int = 1, heads: int = 
         SiglipVisionModel,
     )
 
-    ImageProcessor: type[BaseImageProcessor]
     try:  # without torchvision, transformers picks this class anyway, with a warning
         from transformers import SiglipImageProcessorPil as ImageProcessor
     except ImportError:

@@ -21,7 +21,6 @@ from trio_vstream.engines.diffusers.testing._common import saved
 
 if TYPE_CHECKING:
     from transformers import ByT5Tokenizer, UMT5EncoderModel
-    from transformers.image_processing_utils import BaseImageProcessor
 
 TEXT_DIM = 32
 """The text encoder's width, which the transformer's ``text_dim`` must match."""
@@ -152,7 +151,6 @@ def build_wan_i2v(path: Path, *, seed: int = 1) -> Path:
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    ImageProcessor: type[BaseImageProcessor]
     try:  # without torchvision, transformers picks this class anyway, with a warning
         from transformers import CLIPImageProcessorPil as ImageProcessor
     except ImportError:

@@ -375,8 +375,8 @@ class FramepackLoop:
             scheduler,
             steps,
             device,
-            # The ndarray that diffusers' FramePack pipeline passes too; its hint says list.
-            sigmas=sigmas,  # type: ignore[arg-type]
+            # The ndarray that diffusers' FramePack pipeline passes too.
+            sigmas=sigmas,
             mu=mu,
         )
         return timesteps
