@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
+from xdist.scheduler import LoadFileScheduling
 
 from tests.instrumented import InstrumentedEngine
 from tests.player.hlsjs import HLSJS_VERSION, HlsJsUnavailable, hlsjs_script
@@ -37,24 +38,89 @@ FOLDER_MARKERS: dict[str, str] = {"bench": "bench", "player": "browser"}
 bench/ tools' tests, and the player page's, which all drive chromium. A test added there
 is left out of ``tox -e quick`` without having to remember the marker."""
 
+UNTIMED_BENCH = frozenset(
+    {
+        "test_fuzz_client",
+        "test_fuzz_oracle",
+        "test_fuzz_serverlog",
+        "test_fuzz_shrinker",
+        "test_fuzz_strategies",
+        "test_gpu_check",
+        "test_ltx2_check",
+        "test_reference_server",
+        "test_sana_wm_check",
+        "test_shapes_card",
+        "test_soak_checks",
+        "test_soak_held_engine",
+        "test_soak_plans",
+        "test_soak_resources",
+        "test_soak_serverlog",
+    }
+)
+"""The bench/ tools' test modules that time nothing: the fuzz's and the soak's checks fed
+made-up records, the GPU check's flags, a tiny pipeline run once. Every other test there,
+and every test that drives chromium (``browser``), is ``timed``: it times what it sees (a
+figure, a deadline, a page playing in real time), so tox runs it last, in two lanes
+(tox.ini). A module added to bench/ is ``timed`` until it is named here."""
+
 PIPELINE_FIXTURES = frozenset({"models", "helios", "skyreels", "anyflow_far", "framepack"})
 """The tiny diffusers pipelines (tests/engines/diffusers/conftest.py): building them takes
 12 s on a loaded 2-core machine, and a test that runs one takes seconds, so a test that
 asks for one is ``slow``, in whichever folder it lives."""
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """The markers that follow from where a test lives or what it asks for; every other
-    marker is written in the test's own module. First, before ``-m`` selects by them."""
-    for item in items:
-        if not item.path.is_relative_to(TESTS):
-            continue
-        folder = item.path.relative_to(TESTS).parts[0]
-        if folder in FOLDER_MARKERS:
-            item.add_marker(FOLDER_MARKERS[folder])
-        if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
+    marker is written in the test's own module. Set as each test is collected, before any
+    plugin reads them (``-m``; pytest-xdist's ``xdist_group``, read as its workers collect).
+    """
+    if not item.path.is_relative_to(TESTS):
+        return
+    folder = item.path.relative_to(TESTS).parts[0]
+    if folder in FOLDER_MARKERS:
+        item.add_marker(FOLDER_MARKERS[folder])
+    browser = item.get_closest_marker("browser") is not None
+    if browser and not _in_chromium_lane(item.nodeid):
+        raise pytest.UsageError(f"{item.nodeid} drives chromium: add its file to CHROMIUM_LANE")
+    if browser or (folder == "bench" and item.path.stem not in UNTIMED_BENCH):
+        item.add_marker(pytest.mark.timed)
+    if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.slow)
+
+
+CHROMIUM_LANE = (
+    "tests/player/",
+    "tests/security/test_security_headers.py",
+    # The bench scenarios that measure in chromium.
+    "tests/bench/test_bench_camera_in.py",
+    "tests/bench/test_bench_glass.py",
+    "tests/bench/test_bench_hls_latency.py",
+)
+"""Where the tests that drive chromium live (`pytest_itemcollected` refuses a ``browser``
+test elsewhere): under ``--dist loadfile`` they are one lane, run one at a time
+(`pytest_xdist_make_scheduler`)."""
+
+
+def _in_chromium_lane(nodeid: str) -> bool:
+    return nodeid.startswith(CHROMIUM_LANE)
+
+
+class _Lanes(LoadFileScheduling):
+    """pytest-xdist's ``loadfile`` (each file's tests on one worker, so a bench module's
+    run against servers is made once), but for chromium's tests, all in one lane: two
+    pages playing in real time at once would each see the other's load."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "chromium" if _in_chromium_lane(nodeid) else super()._split_scope(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
+    """tox's last run (``timed``: -n 2 --dist loadfile) in two lanes, chromium's and the
+    bench tools' (tox.ini says why); xdist's own scheduler for any other ``--dist``."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    return _Lanes(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
