@@ -8,7 +8,8 @@ What the model draws is one object of one colour over a plain background, at 32x
 frames are not a photograph to be resized (resized, an edge of under two native pixels
 becomes 15 soft pixels at 256x256, and the background's faint noise a pattern of blocks
 the encoder keeps). So a chunk is read as that drawing (`read_drawing`: the background's
-colour, the object's, and how much of each native pixel is object) and drawn again at
+colour, the object's, and how much of each native pixel is object, with the model's
+blur of about a native pixel partly undone: `BLUR_SIGMA`) and drawn again at
 the requested size (`draw_frames`): the membership resampled bicubically at the output's
 pixels, its edge made about 1.2 output pixels steep whatever the scale
 (`EDGE_SHARPNESS`), and the two colours composed, so the background is flat and the edge
