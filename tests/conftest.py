@@ -71,9 +71,8 @@ asks for one is ``slow``, in whichever folder it lives."""
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """The markers that follow from where a test lives or what it asks for; every other
-    marker is written in the test's own module. Set as each test is collected, before any
-    plugin reads them (``-m``; pytest-xdist's ``xdist_group``, read as its workers collect).
-    """
+    marker is written in the test's own module. Set as each test is collected, before
+    ``-m`` selects by them."""
     if not item.path.is_relative_to(TESTS):
         return
     folder = item.path.relative_to(TESTS).parts[0]
