@@ -185,6 +185,23 @@ def test_the_models_blur_is_partly_undone_whatever_the_shape(shape: str) -> None
     assert (restored - truth).abs().sum() < 0.9 * (drawn - truth).abs().sum()
 
 
+def test_the_blur_the_restoration_undoes_is_a_gaussian_round_the_torus() -> None:
+    """`_blur_matrix` as the restoration applies it (``ring @ x @ ring``): a point at a
+    corner spreads as a Gaussian of `BLUR_SIGMA` across the edges it touches, and the
+    blur keeps the total."""
+    ring = pixels._blur_matrix(S, torch.device("cpu"), torch.float32)
+    point = torch.zeros(S, S)
+    point[0, 0] = 1.0
+    blurred = ring @ point @ ring
+    assert float(blurred.sum()) == pytest.approx(1.0, abs=1e-5)
+    offsets = torch.arange(-4, 5)
+    gauss = torch.exp(-offsets.float().square() / (2 * pixels.BLUR_SIGMA**2))
+    expected = torch.outer(gauss, gauss) / gauss.sum() ** 2
+    rows = offsets.remainder(S)
+    assert (blurred[rows][:, rows] - expected).abs().max() < 1e-3
+    assert float(blurred[6:-6, 6:-6].abs().max()) < 1e-6  # nothing far from the point
+
+
 def test_frames_two_colours_do_not_explain_are_not_a_drawing() -> None:
     """A photograph as ``image_reference`` stays a photograph: resized, not redrawn."""
     generator = torch.Generator().manual_seed(1)

@@ -201,14 +201,16 @@ def _restored(membership: torch.Tensor) -> torch.Tensor:
     """The membership (T, S, S) with the model's blur partly undone: Richardson-Lucy
     deconvolution by a Gaussian of `BLUR_SIGMA` round the torus (as the model pads),
     `RESTORE_ITERATIONS` times, mixed with the model's own by `RESTORE_SHARE`. Nothing
-    here knows the prompt: the shapes come sharper from what the model drew. The blur is
-    a product in the Fourier domain (the torus makes it exact), a few small FFTs a
-    chunk rather than convolutions, whose setup would cost more than the work."""
-    size = membership.shape[-1]
-    transfer = _blur_transfer(size, membership.device, membership.dtype)
+    here knows the prompt: the shapes come sharper from what the model drew.
+
+    The blur is separable, so it is two products with a small circulant matrix
+    (`_blur_matrix`). On arrays this small the cost is per call, not per number: the two
+    products take half the time of a Fourier transform's three calls (about 1.1 ms a
+    chunk of 8 frames on one thread, against 2.6), and this runs on the engine's step."""
+    ring = _blur_matrix(membership.shape[-1], membership.device, membership.dtype)
 
     def blur(x: torch.Tensor) -> torch.Tensor:
-        return torch.fft.irfft2(torch.fft.rfft2(x) * transfer, s=(size, size))
+        return ring @ x @ ring  # down the columns, then along the rows: the ring is symmetric
 
     observed = membership + 1e-3  # strictly positive, as the method needs
     estimate = observed
@@ -219,13 +221,17 @@ def _restored(membership: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _blur_transfer(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The Fourier transform of a Gaussian of `BLUR_SIGMA` on a size x size torus (real:
-    the kernel is symmetric), shaped for ``rfft2``'s output."""
-    frequencies = torch.fft.fftfreq(size, device=device, dtype=dtype)
-    along = torch.exp(-2.0 * (math.pi * BLUR_SIGMA * frequencies).square())
-    half = along[: size // 2 + 1]
-    return along[:, None] * half[None, :]
+def _blur_matrix(size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A Gaussian blur of `BLUR_SIGMA` along a ring of ``size`` pixels, as a circulant
+    (size, size) matrix: row i holds the kernel centred on pixel i, wrapping. The kernel
+    is the Gaussian's transfer, exp(-2 pi^2 sigma^2 f^2), at the ring's frequencies,
+    brought back to space: a Gaussian exactly periodic on the ring. It is even, so the
+    matrix is symmetric."""
+    frequencies = torch.fft.fftfreq(size, dtype=torch.float64)
+    transfer = torch.exp(-2.0 * (math.pi * BLUR_SIGMA * frequencies).square())
+    kernel = torch.fft.ifft(transfer).real
+    offsets = (torch.arange(size)[:, None] - torch.arange(size)[None, :]).remainder(size)
+    return kernel[offsets].to(device=device, dtype=dtype)
 
 
 def _core_colours(
