@@ -173,13 +173,13 @@ def chunk_delays(
     """Per media chunk whose first frame hls.js presented: its receipt -> that
     presentation, in seconds; and how many chunks after the first one presented never had
     their first frame shown. ``frames``: the page's [mediaTime, presentedFrames, shown
-    (ms, the page's clock)]; ``init_pts``: hls.js's [initPTS, timescale] (the last one
-    holds); ``offset_s``: the page's clock minus the receipts'."""
+    (ms, the page's clock)]; ``init_pts``: hls.js's [initPTS, timescale, start] as it
+    found them (`stream_shift`); ``offset_s``: the page's clock minus the receipts'."""
     if not frames or not init_pts:
         return [], 0
-    base, timescale = init_pts[-1]
-    shift = base / timescale
-    shown = sorted((media + shift, at / 1000.0 - offset_s) for media, _, at in frames)
+    shown = sorted(
+        (media + stream_shift(media, init_pts), at / 1000.0 - offset_s) for media, _, at in frames
+    )
     first_presented = shown[0][0]
     delays: list[float] = []
     missed = 0
@@ -192,6 +192,25 @@ def chunk_delays(
         elif start > first_presented:
             missed += 1
     return delays, missed
+
+
+def stream_shift(media: float, init_pts: Sequence[Sequence[float | None]]) -> float:
+    """A frame's place in the stream less its place on the element's timeline
+    (``media``), from hls.js's initPTS entries [initPTS, timescale, start]: hls.js finds
+    one on a fragment (at ``start`` on the element's timeline) and remuxes that fragment
+    and the ones after it with it, and may find a new one mid-play (a new base time, a
+    discontinuity), which moves the fragments from there on. So a frame takes the entry
+    of the latest fragment that starts at or before it (within `PRESENT_SLACK_S`), the
+    last found among equals, and one before them all the first entry. An entry without a
+    start holds from the beginning."""
+    chosen, latest = init_pts[0], -math.inf
+    for entry in init_pts:
+        start = entry[2] if len(entry) > 2 and entry[2] is not None else -math.inf
+        if latest <= start <= media + PRESENT_SLACK_S:
+            chosen, latest = entry, start
+    base, timescale = chosen[0], chosen[1]
+    assert base is not None and timescale is not None
+    return base / timescale
 
 
 class HlsLatencyScenario:

@@ -16,7 +16,7 @@ import pytest
 
 from bench import run as bench
 from bench._nginx import NGINX
-from bench.scenarios.hls_latency import FPS, VIEWERS, chunk_delays, chunk_starts
+from bench.scenarios.hls_latency import FPS, VIEWERS, chunk_delays, chunk_starts, stream_shift
 from tests.player.test_player import CHROMIUM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +69,32 @@ def test_hls_latency_is_asked_for_by_name_and_starts_its_own_servers() -> None:
     for viewer in VIEWERS:
         for name in ("chunk_delay_ms", "delay_p50_ms", "chunks_missed", "hlsjs_target_ms"):
             assert bench.catalogue_key(f"hls_latency.{viewer}.{name}") in bench.CATALOGUE
+
+
+def test_a_new_initpts_mid_play_moves_only_the_frames_from_its_fragment_on() -> None:
+    """hls.js found initPTS 3072 (0.25 s) on the first fragment, then a new base time on
+    the fragment of stream frame 24, which it placed at 1.0 s on the element's timeline
+    (its frames 0.25 s later than the old offset would): each frame is mapped with the
+    offset its fragment was remuxed with, so no chunk's delay comes out early."""
+    starts = chunk_starts([(8, 100.0), (8, 100.3), (8, 100.6), (8, 100.9)], FPS)
+    entries = [[3072, 12288, 8 / FPS - 0.25], [0, 12288, 24 / FPS]]
+
+    def shown(frame: int) -> list[float]:
+        media = frame / FPS - (0.25 if frame < 24 else 0.0)
+        return [media, frame + 1, (101.0 + frame / FPS) * 1000]
+
+    frames = [shown(frame) for frame in range(8, 32)]
+    assert stream_shift(frames[0][0], entries) == 0.25
+    assert stream_shift(frames[-1][0], entries) == 0.0
+    assert stream_shift(-1.0, entries) == 0.25  # before every fragment: the first entry
+    delays, missed = chunk_delays(starts, frames, entries, 0.0)
+    assert delays == pytest.approx(
+        [101.0 + n * 8 / FPS - r for n, r in ((1, 100.3), (2, 100.6), (3, 100.9))]
+    )
+    assert missed == 0
+    # Found again for the same fragment, the later entry holds.
+    again = [*entries, [1536, 12288, 24 / FPS]]
+    assert stream_shift(frames[-1][0], again) == 0.125
 
 
 @pytest.fixture(scope="module")

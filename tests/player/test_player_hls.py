@@ -26,6 +26,7 @@ import trio
 from playwright.sync_api import Browser, Page
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
+from bench.scenarios.hls_latency import stream_shift
 from tests.player import hlsjs as hlsjs_module
 from tests.player.hlsjs import HLSJS_VERSION, HlsJsMismatch, hlsjs_script, route_page
 from tests.player.test_player import (
@@ -169,8 +170,7 @@ def test_hlsjs_plays_a_live_session_to_its_end_with_every_frame_and_the_sound(
     assert presented <= sent + 1, presented
     # From the first frame to the last, on the stream's timeline.
     assert len(run["initPts"]) >= 1
-    init_pts, timescale = run["initPts"][-1]
-    stream_times = [media + init_pts / timescale for media, _, _ in frames]
+    stream_times = [media + stream_shift(media, run["initPts"]) for media, _, _ in frames]
     assert stream_times[0] == pytest.approx(0.0, abs=0.5 / FPS)
     assert stream_times[-1] == pytest.approx((sent - 1) / FPS, abs=0.5 / FPS)
     # The sound: hls.js buffered the AAC track, and chromium decoded it.

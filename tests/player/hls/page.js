@@ -6,9 +6,11 @@
 //   [mediaTime (s), presentedFrames (the element's running count, so a frame presented
 //   between two callbacks is still counted), the time it was shown (ms, wall clock:
 //   performance.timeOrigin + expectedDisplayTime)];
-// * initPts: hls.js's INIT_PTS_FOUND events, [initPTS, timescale]: a frame's place in the
-//   stream is its mediaTime + initPTS / timescale (hls.js maps the stream's decode times
-//   onto the element's timeline by that offset);
+// * initPts: hls.js's INIT_PTS_FOUND events, [initPTS, timescale, the fragment's start on
+//   the element's timeline]: a frame's place in the stream is its mediaTime + initPTS /
+//   timescale (hls.js maps the stream's decode times onto the element's timeline by that
+//   offset), the initPTS of the latest fragment at or before it (hls.js may find a new one
+//   mid-play, which holds from its fragment on);
 // * codecs: every codec hls.js made a source buffer for (BUFFER_CODECS; one buffer
 //   "audiovideo" for our muxed fragments): an "mp4a..." only when the stream has sound;
 // * live: whether the first playlist hls.js loaded was live (no EXT-X-ENDLIST yet), and
@@ -69,7 +71,7 @@ window.playHls = (url, config = {}) => {
     }
   });
   hls.on(Hls.Events.INIT_PTS_FOUND, (_event, data) => {
-    run.initPts.push([data.initPTS, data.timescale]);
+    run.initPts.push([data.initPTS, data.timescale, data.frag?.start ?? null]);
   });
   hls.on(Hls.Events.MANIFEST_PARSED, () => {
     video.play().catch((error) => {
