@@ -64,6 +64,7 @@ import datetime as dt
 import json
 import re
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -604,20 +605,45 @@ async def main_async(args: argparse.Namespace) -> int:
     return 1 if missed and args.strict else 0
 
 
+async def until_interrupted(args: argparse.Namespace) -> int | None:
+    """`main_async`, cancelled by Ctrl-C (SIGINT): its status, or None when interrupted.
+
+    A signal receiver, not the KeyboardInterrupt trio would raise wherever the run is: a
+    cancellation is what every part of the harness already ends on, and its shielded
+    stops still stop the servers it started."""
+    status: int | None = None
+
+    async def on_interrupt(scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            async for _ in signals:
+                scope.cancel()
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_interrupt, nursery.cancel_scope)
+        status = await main_async(args)
+        nursery.cancel_scope.cancel()
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.diffusers_worker:
         return diffusers_worker(args.diffusers_worker)
     try:
-        return trio.run(main_async, args)
+        status = trio.run(until_interrupted, args)
     except (KeyboardInterrupt, BaseExceptionGroup) as exc:
-        # Inside nurseries, Ctrl-C arrives wrapped in exception groups.
+        # Ctrl-C before the receiver is open (trio's KeyboardInterrupt), inside nurseries
+        # wrapped in exception groups.
         if isinstance(exc, BaseExceptionGroup):
             interrupts, others = exc.split(KeyboardInterrupt)
             if interrupts is None or others is not None:
                 raise
+        status = None
+    if status is None:
         progress("interrupted; the servers the harness started are stopped")
         return 130
+    return status
 
 
 if __name__ == "__main__":
