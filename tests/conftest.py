@@ -60,7 +60,7 @@ UNTIMED_BENCH = frozenset(
 """The bench/ tools' test modules that time nothing: the fuzz's and the soak's checks fed
 made-up records, the GPU check's flags, a tiny pipeline run once. Every other test there,
 and every test that drives chromium (``browser``), is ``timed``: it times what it sees (a
-figure, a deadline, a page playing in real time), so tox runs it last, in two lanes
+figure, a deadline, a page playing in real time), so tox runs it last, one at a time
 (tox.ini). A module added to bench/ is ``timed`` until it is named here."""
 
 PIPELINE_FIXTURES = frozenset({"models", "helios", "skyreels", "anyflow_far", "framepack"})
@@ -115,8 +115,9 @@ class _Lanes(LoadFileScheduling):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
-    """tox's last run (``timed``: -n 2 --dist loadfile) in two lanes, chromium's and the
-    bench tools' (tox.ini says why); xdist's own scheduler for any other ``--dist``."""
+    """The ``timed`` tests under ``-n 2 --dist loadfile``, by hand, in two lanes:
+    chromium's and the bench tools' (tox runs them one at a time; tox.ini says why);
+    xdist's own scheduler for any other ``--dist``."""
     if config.getoption("dist") != "loadfile":
         return None
     return _Lanes(config, log)
